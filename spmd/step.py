@@ -21,9 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd import rules
 from spmd.errors import UsageError
+from spmd.explicit import explicit_steps
 from spmd.mesh import BATCH_AXES
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
+EXECUTORS = ("auto", "explicit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +139,19 @@ def build_program(
     layout: Layout,
     seed: int = 0,
     accum: int = 1,
+    executor: str = "auto",
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
     `tx(names)`, given the logical names of every param, e.g. for a weight-decay mask).
 
+    `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
+    under shard_map with the hand-written collectives of spmd.explicit. Both take and return
+    the same pytrees with the same shardings.
+
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
     names = rules.logical_axes(abstract_state)
@@ -199,6 +208,15 @@ def build_program(
             return loss_of(params, batch)
 
     replicated = layout.replicated
+    if executor == "explicit":
+        shardings = {
+            "params": param_sh,
+            "grads": grad_sh,
+            "opt_state": opt_sh,
+            "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
+            "batch": batch_sh,
+        }
+        train_step, eval_step = explicit_steps(graphdef, loss_fn, tx, mesh, zero, shardings, accum)
     return Program(
         layout=layout,
         graphdef=graphdef,
