@@ -90,7 +90,6 @@ def run(argv: list[str] | None) -> int:
 
     import jax
 
-    from spmd import hlo
     from spmd.mesh import format_mesh
     from spmd.optim import make_optimizer, peak_lr
     from spmd.step import Layout, build_program, check_batch, state_bytes_per_device
@@ -113,6 +112,7 @@ def run(argv: list[str] | None) -> int:
         layout,
         seed=train.seed,
         accum=train.accum,
+        executor=train.collectives,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(train.batch, train.seq_len)
@@ -124,8 +124,7 @@ def run(argv: list[str] | None) -> int:
         f"{state_bytes['opt_state'] / 2**20:.2f} MiB"
     )
     if train.dry_run:
-        summary = hlo.collective_summary(hlo.collectives(compiled, mesh))
-        say(hlo.format_report(summary, hlo.memory(compiled)))
+        say(dry_run_report(program, compiled, model_cfg, train))
         return 0
 
     log = MetricsLog(train.metrics)
@@ -146,6 +145,26 @@ def run(argv: list[str] | None) -> int:
     finally:
         log.close()
     return 0
+
+
+def dry_run_report(
+    program: Any, compiled: Any, model: llama.LlamaConfig, train: TrainConfig
+) -> str:
+    """The compiled step's collectives and memory beside the layout's theoretical figures."""
+    from spmd import hlo, theory
+
+    shape = theory.Transformer(
+        n_layers=model.n_layers,
+        embed_dim=model.embed_dim,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        head_dim=model.head_dim,
+        remat=model.remat != "none",
+    )
+    measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
+    expected = theory.collectives(program, shape, train.batch, train.seq_len)
+    expected_mem = theory.memory(program, train.batch, train.seq_len)
+    return theory.format_comparison(measured, expected, hlo.memory(compiled), expected_mem)
 
 
 def train_loop(train: TrainConfig, program: Any, compiled: Any, log: MetricsLog) -> None:
