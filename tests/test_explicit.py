@@ -1,0 +1,216 @@
+"""The explicit executor (shard_map + hand-written collectives) against the auto executor and
+one device: same losses, the textbook collectives and bytes, ZeRO-3's per-device memory.
+
+Runs the tiny preset in-process on the 8 simulated CPU devices of conftest.py. Every layout's
+program starts from the same initial state (made once on one device, then placed with the
+layout's shardings), so only the executor and the layout differ between runs.
+"""
+
+import dataclasses
+import functools
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama
+from spmd import data, hlo, mesh, theory
+from spmd.config import TrainConfig, resolve
+from spmd.errors import UsageError
+from spmd.optim import make_optimizer
+from spmd.step import Layout, build_program, state_bytes_per_device
+from spmd.train import SECTIONS, dry_run_report
+
+STEPS, BATCH, SEQ = 20, 8, 16
+# Code generation without LLVM optimizations, by XLA:CPU's older emitters: it compiles these
+# steps about 5x faster, and leaves the optimized HLO (collectives, buffers) as it is.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+TRAIN = TrainConfig(model="tiny", steps=STEPS, batch=BATCH, seq_len=SEQ, lr=1e-2, warmup=2)
+TINY = llama.LlamaConfig(
+    **tomllib.loads((Path(__file__).parents[1] / "configs" / "tiny.toml").read_text())["model"]
+)
+LAYOUTS = {  # the meshes/ presets on 8 devices; megatron's tp=8 > 4 kv heads replicates them
+    "ddp": ("dp=8", 3),
+    "zero1": ("fsdp=8", 1),
+    "zero2": ("fsdp=8", 2),
+    "zero3": ("fsdp=8", 3),
+    "megatron": ("tp=8", 3),
+    "3d": ("dp=2,fsdp=2,tp=2", 3),
+}
+
+
+def _program(mesh_text: str, zero: int, executor: str, accum: int = 1, model=TINY):
+    sizes = mesh.parse_mesh(mesh_text)
+    devices = jax.devices()[: mesh.devices_needed(sizes)]
+    layout = Layout(mesh.build_mesh(sizes, devices), zero)
+    return build_program(
+        lambda seed: llama.create(model, seed),
+        llama.lm_loss,
+        lambda names: make_optimizer(TRAIN, names),
+        layout,
+        accum=accum,
+        executor=executor,
+    )
+
+
+def _compile(program, batch: int = BATCH, seq_len: int = SEQ):
+    args = (program.abstract_params, program.abstract_opt_state)
+    lowered = program.train_step.lower(*args, program.abstract_batch(batch, seq_len))
+    return lowered.compile(compiler_options=FAST_COMPILE)
+
+
+@functools.cache
+def _windows() -> data.TokenWindows:
+    return data.TokenWindows(data.byte_tokens(data.stdlib_corpus()[:8]), SEQ, 0.0)
+
+
+@functools.cache
+def _initial_state():
+    """Params and optimizer state made once, on one device, as host arrays."""
+    init = _program("dp=1", 3, "auto").init.lower().compile(compiler_options=FAST_COMPILE)
+    return jax.device_get(init())
+
+
+@functools.cache
+def _run(mesh_text: str, zero: int, executor: str, accum: int = 1):
+    """(losses of STEPS steps, program, compiled step) of one layout and executor."""
+    program = _program(mesh_text, zero, executor, accum)
+    compiled = _compile(program)
+    params, opt_state = jax.device_put(
+        _initial_state(),
+        jax.tree.map(lambda s: s.sharding, (program.abstract_params, program.abstract_opt_state)),
+    )
+    windows, sharding = _windows(), program.layout.batch_sharding()
+    losses = []
+    for step in range(STEPS):
+        ids = data.train_window_ids(0, step, BATCH, windows.n_train)
+        params, opt_state, metrics = compiled(
+            params, opt_state, data.global_batch(windows, ids, sharding)
+        )
+        losses.append(metrics["loss"])
+    return np.array(jax.device_get(losses)), program, compiled
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parity_explicit_auto_one_device(name):
+    reference, _, _ = _run("dp=1", 3, "auto")
+    assert reference[-1] < reference[0] - 0.5  # the run learns, so parity means something
+    auto, _, _ = _run(*LAYOUTS[name], "auto")
+    explicit, _, _ = _run(*LAYOUTS[name], "explicit")
+    assert _relative(explicit, reference) <= 1e-4
+    assert _relative(auto, reference) <= 1e-4
+    assert _relative(explicit, auto) <= 1e-4
+
+
+def _shape(model=TINY) -> theory.Transformer:
+    return theory.Transformer(
+        model.n_layers, model.embed_dim, model.n_heads, model.n_kv_heads, model.head_dim
+    )
+
+
+def _measured(compiled, program) -> dict:
+    return hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_explicit_collectives_match_the_formula(name):
+    _, program, compiled = _run(*LAYOUTS[name], "explicit")
+    measured = _measured(compiled, program)
+    expected = theory.collectives(program, _shape(), BATCH, SEQ)
+    assert set(measured) == set(expected)
+    for kind, want in expected.items():
+        assert measured[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01), kind
+        assert measured[kind]["count"] <= want["count"], kind  # XLA may fuse, never split
+
+
+def test_explicit_collective_kinds_per_layout():
+    P = 4 * TINY.n_params()  # fp32 param bytes
+    kinds = {}
+    for name, layout in LAYOUTS.items():
+        _, program, compiled = _run(*layout, "explicit")
+        colls = hlo.collectives(compiled, program.layout.mesh)
+        kinds[name] = {(c.kind, c.axes) for c in colls if c.bytes > 64}  # scalars aside
+        if name == "ddp":  # one fused all-reduce of every gradient (and the 4-byte loss)
+            assert len(colls) == 1 and P <= colls[0].bytes <= P + 8
+    assert kinds["ddp"] == {("all-reduce", ("data",))}
+    assert kinds["zero1"] == {("all-reduce", ("fsdp",)), ("all-gather", ("fsdp",))}
+    assert kinds["zero2"] == {("reduce-scatter", ("fsdp",)), ("all-gather", ("fsdp",))}
+    assert kinds["zero3"] == {("reduce-scatter", ("fsdp",)), ("all-gather", ("fsdp",))}
+    assert kinds["megatron"] == {("all-reduce", ("tensor",))}
+    assert kinds["3d"] == {
+        ("all-gather", ("fsdp",)),
+        ("reduce-scatter", ("fsdp",)),
+        ("all-reduce", ("tensor",)),
+        ("all-reduce", ("data",)),
+    }
+
+
+def test_zero3_gathers_each_layer_once_per_pass():
+    _, program, compiled = _run(*LAYOUTS["zero3"], "explicit")
+    colls = hlo.collectives(compiled, program.layout.mesh)
+    per_layer = len(jax.tree.leaves(program.abstract_params["blocks"]))
+    in_loop = [c for c in colls if c.count == TINY.n_layers]
+    gathers = [c for c in in_loop if c.kind == "all-gather"]
+    scatters = [c for c in in_loop if c.kind == "reduce-scatter"]
+    assert len(gathers) == 2 * per_layer  # each layer's params: forward, and again in backward
+    assert len(scatters) == per_layer  # each layer's grads: once, in the backward pass
+    assert sum(c.bytes for c in gathers) == 2 * theory.gathered_layer_bytes(program)
+
+
+def test_zero3_memory_is_a_shard_plus_one_gathered_layer():
+    # Wide MLP, few tokens: a gathered layer outweighs a layer's activations, so keeping every
+    # layer whole (what autodiff does unless the gathers are recomputed) would show.
+    model = dataclasses.replace(TINY, mlp_dim=1024)
+    temps = {}
+    for layers in (2, 6):
+        deeper = dataclasses.replace(model, n_layers=layers)
+        program = _program("fsdp=8", 3, "explicit", model=deeper)
+        compiled = _compile(program, 8, 8)
+        params = state_bytes_per_device(compiled, program)["params"]
+        assert params == 4 * deeper.n_params() // 8  # fp32 params, split 8 ways
+        temps[layers] = hlo.memory(compiled)["temp"]
+        layer = theory.gathered_layer_bytes(program)
+        assert temps[layers] >= layer  # one layer is whole while it computes
+    assert (temps[6] - temps[2]) / 4 < layer  # but only one: each more layer adds less
+
+
+def test_accumulation_reduces_gradients_once_per_step():
+    reference, _, _ = _run("dp=1", 3, "auto")
+    losses, program, compiled = _run("dp=2,fsdp=2,tp=2", 3, "explicit", 2)
+    assert _relative(losses, reference) <= 1e-4
+    colls = hlo.collectives(compiled, program.layout.mesh)
+    over_data = [c for c in colls if c.axes == ("data",)]
+    assert len(over_data) == 1 and over_data[0].count == 1  # one all-reduce of the grad shards
+    expected = theory.collectives(program, _shape(), BATCH, SEQ)
+    for kind, want in expected.items():
+        assert _measured(compiled, program)[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01)
+
+
+def test_dry_run_report_sets_measured_beside_expected():
+    _, program, compiled = _run(*LAYOUTS["zero2"], "explicit")
+    report = dry_run_report(program, compiled, TINY, TRAIN)
+    rows = {line.split()[0]: line.split() for line in report.splitlines()}
+    assert rows["reduce-scatter"][-2] == "1.000"  # ratio column, then the axes
+    assert rows["argument"][-1] == "1.000"
+
+
+def test_collectives_flag_and_bad_executor():
+    sections = resolve(["--collectives", "explicit", "--model", "tiny"], SECTIONS, "test")
+    assert sections["train"].collectives == "explicit"
+    with pytest.raises(UsageError, match="--collectives 'manual'"):
+        _program("dp=8", 3, "manual")
+
+
+def test_explicit_step_keeps_the_auto_steps_shardings():
+    # Checkpoints and the train loop see the same state whichever executor ran.
+    for name in ("zero1", "3d"):
+        _, _, auto = _run(*LAYOUTS[name], "auto")
+        _, _, explicit = _run(*LAYOUTS[name], "explicit")
+        assert explicit.input_shardings == auto.input_shardings
+        assert explicit.output_shardings[:2] == auto.output_shardings[:2]
