@@ -52,13 +52,15 @@ def explicit_steps(
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
-    `shardings` holds the NamedSharding pytrees "params", "grads", "opt_state" and "batch" of
-    the layout; the steps' signatures are those of spmd.step's auto steps."""
+    `shardings` holds the layout's NamedShardings: pytrees "params", "grads", "opt_state" and
+    "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
+    "batch" sharding of a [batch, ...] array. The steps' signatures are those of spmd.step's
+    auto steps."""
     param_specs, grad_specs, opt_specs = (
         _specs(shardings[k]) for k in ("params", "grads", "opt_state")
     )
     opt_param_specs = _specs(shardings["opt_state_per_param"])
-    batch_spec = shardings["batch"].spec
+    batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
     batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
 
     def local_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
@@ -110,18 +112,17 @@ def explicit_steps(
             loss = local_loss(params, batch)
             return lax.pmean(loss, batch_axes) if batch_axes else loss
 
-    batch_specs = {"inputs": batch_spec, "targets": batch_spec}
     train = jax.shard_map(
         train_step,
         mesh=mesh,
-        in_specs=(param_specs, opt_specs, batch_specs),
+        in_specs=(param_specs, opt_specs, batch_spec),
         out_specs=(param_specs, opt_specs, PartitionSpec()),
         check_vma=True,
     )
     evaluate = jax.shard_map(
         eval_step,
         mesh=mesh,
-        in_specs=(param_specs, batch_specs),
+        in_specs=(param_specs, batch_spec),
         out_specs=PartitionSpec(),
         check_vma=True,
     )

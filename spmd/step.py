@@ -3,7 +3,8 @@
 The state is two pytrees of plain dicts: `params` (the model's nnx.Param values) and
 `opt_state` (optax's), each laid out by the rules of spmd.rules for the layout's ZeRO stage.
 `jax.jit` gets those shardings as in/out shardings, donates the state buffers, and XLA's SPMD
-partitioner inserts the collectives (the `auto` executor).
+partitioner inserts the collectives (the `auto` executor). The `explicit` executor
+(spmd.explicit) puts a shard_map with hand-written collectives inside the same jit.
 """
 
 from __future__ import annotations

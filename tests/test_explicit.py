@@ -184,12 +184,19 @@ def test_accumulation_reduces_gradients_once_per_step():
     reference, _, _ = _run("dp=1", 3, "auto")
     losses, program, compiled = _run("dp=2,fsdp=2,tp=2", 3, "explicit", 2)
     assert _relative(losses, reference) <= 1e-4
+    measured = _measured(compiled, program)
+    for kind, want in theory.collectives(program, _shape(), BATCH, SEQ).items():
+        assert measured[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01), kind
     colls = hlo.collectives(compiled, program.layout.mesh)
     over_data = [c for c in colls if c.axes == ("data",)]
     assert len(over_data) == 1 and over_data[0].count == 1  # one all-reduce of the grad shards
-    expected = theory.collectives(program, _shape(), BATCH, SEQ)
-    for kind, want in expected.items():
-        assert _measured(compiled, program)[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01)
+    # ZeRO-3 reduce-scatters each micro-batch's grads (its grads only exist as 1/N shards);
+    # ZeRO-2 sums the micro-batches' local grads and reduce-scatters once.
+    program = _program("fsdp=8", 2, "explicit", accum=2)
+    colls = hlo.collectives(_compile(program), program.layout.mesh)
+    scatters = [c for c in colls if c.kind == "reduce-scatter"]
+    assert len(scatters) == len(jax.tree.leaves(program.abstract_params))
+    assert all(c.count == 1 for c in scatters)
 
 
 def test_dry_run_report_sets_measured_beside_expected():
