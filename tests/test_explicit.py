@@ -193,7 +193,7 @@ def test_accumulation_reduces_gradients_once_per_step():
     # ZeRO-3 reduce-scatters each micro-batch's grads (its grads only exist as 1/N shards);
     # ZeRO-2 sums the micro-batches' local grads and reduce-scatters once.
     program = _program("fsdp=8", 2, "explicit", accum=2)
-    colls = hlo.collectives(_compile(program), program.layout.mesh)
+    colls = hlo.collectives(_compile(program, batch=16), program.layout.mesh)
     scatters = [c for c in colls if c.kind == "reduce-scatter"]
     assert len(scatters) == len(jax.tree.leaves(program.abstract_params))
     assert all(c.count == 1 for c in scatters)
