@@ -8,6 +8,11 @@ activations in the backward pass.
 
 Params are stored in `param_dtype` (fp32) and cast to `dtype` for compute; the loss is always
 computed in fp32.
+
+Params are read through the hooks of spmd.collectives (`gather`, Megatron's `tp_enter` /
+`tp_reduce`, and the vocab-parallel lookup and cross-entropy's `tp_rank`, `tp_sum`, `tp_max`),
+which take logical names and do nothing unless the explicit executor runs the model inside a
+shard_map, where each device holds only its blocks of the params.
 """
 
 from __future__ import annotations
@@ -182,7 +187,7 @@ class Llama(nnx.Module):
         x, _ = jax.lax.scan(layer, x, block_state)
         x = self.final_norm(x)
         head = table.T if self.cfg.tie_embeddings else gather(self.lm_head)
-        x = tp_enter(x, "vocab")  # column-parallel head: this device's vocabulary rows
+        x = tp_enter(x, "vocab")  # column-parallel head: this device's slice of the vocabulary
         logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 

@@ -221,3 +221,25 @@ def test_explicit_step_keeps_the_auto_steps_shardings():
         _, _, explicit = _run(*LAYOUTS[name], "explicit")
         assert explicit.input_shardings == auto.input_shardings
         assert explicit.output_shardings[:2] == auto.output_shardings[:2]
+
+
+def test_cross_entropy_matches_optax_on_one_device():
+    import optax
+
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 11)) * 3
+    targets = jax.random.randint(jax.random.key(1), (2, 5), 0, 11)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    np.testing.assert_allclose(llama.cross_entropy(logits, targets), want, rtol=1e-6)
+
+
+def test_kv_heads_replicate_when_tensor_outnumbers_them():
+    from spmd import rules
+
+    tp8 = mesh.build_mesh(mesh.parse_mesh("tp=8"))
+    table = rules.rules_for(3, "params")
+    spec = rules.partition_spec(("embed", "kv_heads", "head_dim"), (64, 4, 8), table, tp8)
+    assert spec == jax.sharding.PartitionSpec(None, None, None)
+    spec = rules.partition_spec(("embed", "heads", "head_dim"), (64, 8, 8), table, tp8)
+    assert spec == jax.sharding.PartitionSpec(None, "tensor", None)
+    with pytest.raises(UsageError, match="kv_heads=3"):
+        rules.partition_spec(("embed", "kv_heads", "head_dim"), (64, 3, 8), table, tp8)
