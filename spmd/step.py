@@ -76,6 +76,12 @@ class Program:
         return self.train_step.lower(self.abstract_params, self.abstract_opt_state, batch).compile()
 
 
+def check_executor(executor: str) -> None:
+    """UsageError unless `executor` is one of EXECUTORS."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
+
+
 def check_batch(global_batch: int, layout: Layout, accum: int) -> None:
     """UsageError unless the global batch splits evenly into accum micro-batches per device."""
     if accum < 1:
@@ -151,8 +157,7 @@ def build_program(
     the same pytrees with the same shardings.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
-    if executor not in EXECUTORS:
-        raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
+    check_executor(executor)
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
     names = rules.logical_axes(abstract_state)

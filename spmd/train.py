@@ -53,6 +53,9 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
         raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
     if model.n_heads % model.n_kv_heads:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
+    from spmd.step import check_executor
+
+    check_executor(train.collectives)
 
 
 def setup_mesh(train: TrainConfig):

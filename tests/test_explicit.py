@@ -22,6 +22,7 @@ from spmd.errors import UsageError
 from spmd.optim import make_optimizer
 from spmd.step import Layout, build_program, state_bytes_per_device
 from spmd.train import SECTIONS, dry_run_report
+from spmd.train import main as train_main
 
 STEPS, BATCH, SEQ = 20, 8, 16
 # Code generation without LLVM optimizations, by XLA:CPU's older emitters: it compiles these
@@ -212,6 +213,7 @@ def test_collectives_flag_and_bad_executor():
     assert sections["train"].collectives == "explicit"
     with pytest.raises(UsageError, match="--collectives 'manual'"):
         _program("dp=8", 3, "manual")
+    assert train_main(["--model", "tiny", "--collectives", "manual", "--dry-run"]) == 2
 
 
 def test_explicit_step_keeps_the_auto_steps_shardings():
