@@ -1,7 +1,9 @@
 """DDP: every device holds the whole model and optimizer state and a slice of the batch.
 
-Collectives per step: one all-reduce of the gradients over `data`, P bytes per device; a ring
-moves 2(N-1)/N * P bytes per device. Memory per device: params + grads + Adam state, unsplit.
+Collectives per step: an all-reduce of the gradients over `data`, P bytes (ring: 2(N-1)/N * P
+sent), once per step whatever k. Explicit: one `pmean` of all gradients, which XLA fuses into a
+single all-reduce; auto: the same P bytes in a few all-reduces. Memory per device: params,
+grads and Adam state, unsplit.
 """
 
 from meshes import Preset
@@ -11,5 +13,5 @@ PRESET = Preset(
     mesh="dp=-1",
     zero=3,  # no fsdp axis, so the stage does not matter
     summary="data parallel, state replicated",
-    collectives="all-reduce of grads over data: 2(N-1)/N * P",
+    collectives="all-reduce of grads over data: P (ring 2(N-1)/N * P)",
 )

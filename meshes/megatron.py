@@ -1,10 +1,16 @@
 """Megatron tensor parallelism: attention heads, MLP columns and the vocabulary split N ways
 over `tensor`.
 
-Collectives per step: per layer, the attention output and MLP output projections (row
-parallel) end in an all-reduce of the activations, A bytes each, in the forward, and the
-column-parallel inputs get one in the backward: about 4 * L all-reduces of A bytes (plus the
-output head's), independent of the parameter count. Params and Adam state: 1/N per device.
+Collectives per step, per micro-batch: per layer, all-reduces of one activation A after the
+attention output and MLP down projections (row parallel, forward) and at the inputs of the
+column-parallel q/k/v and gate/up projections (backward), plus one for the vocab-parallel
+embedding (forward) and one for the head's input (backward): (4L + 2) * k all-reduces of A
+bytes, independent of the parameter count; with --remat the backward replays the attention's
+(+L). The vocab-parallel cross-entropy adds 3 all-reduces of [batch, length] scalars. With more
+devices than kv heads the kv heads are replicated, adding an all-reduce of their gradients per
+layer. Params and Adam state: 1/N per device (norm scales replicated). Explicit: exactly
+these. Auto: about 1.26x these bytes for tiny on tp=8, with all-gathers of the replicated kv
+heads' activations.
 """
 
 from meshes import Preset
@@ -14,5 +20,5 @@ PRESET = Preset(
     mesh="tp=-1",
     zero=3,
     summary="tensor parallel (heads, MLP, vocab)",
-    collectives="~4 * L all-reduces of activations A over tensor",
+    collectives="(4L + 2) * k all-reduces of activations A over tensor",
 )

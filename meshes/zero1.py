@@ -1,8 +1,9 @@
 """ZeRO-1: params and grads replicated over `fsdp`, the Adam state split N ways.
 
-Collectives per step: all-reduce of the gradients (2(N-1)/N * P), each device updates its
-1/N slice of the params, then an all-gather of the updated params ((N-1)/N * P). Optimizer
-memory per device: 1/N.
+Collectives per step: an all-reduce of the gradients, P bytes (ring 2(N-1)/N * P); each device
+updates its 1/N slice of the params, then an all-gather of the updated params, P bytes of
+result ((N-1)/N * P sent), one per param tensor. Both executors compile to these figures.
+Optimizer memory per device: 1/N.
 """
 
 from meshes import Preset
@@ -12,5 +13,5 @@ PRESET = Preset(
     mesh="fsdp=-1",
     zero=1,
     summary="optimizer state sharded",
-    collectives="all-reduce of grads 2(N-1)/N * P, all-gather of params (N-1)/N * P",
+    collectives="all-reduce of grads P, all-gather of params P",
 )

@@ -8,6 +8,11 @@ activations in the backward pass.
 
 Params are stored in `param_dtype` (fp32) and cast to `dtype` for compute; the loss is always
 computed in fp32.
+
+Params are read through the hooks of spmd.collectives (`gather`, Megatron's `tp_enter` /
+`tp_reduce`, and the vocab-parallel lookup and cross-entropy's `tp_rank`, `tp_sum`, `tp_max`),
+which take logical names and do nothing unless the explicit executor runs the model inside a
+shard_map, where each device holds only its blocks of the params.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
+from spmd.collectives import gather, layer_remat, tp_enter, tp_max, tp_rank, tp_reduce, tp_sum
 from spmd.rules import constrain
 
 REMAT_POLICIES = {
@@ -66,7 +71,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return (normed * gather(self.scale)).astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -113,17 +118,31 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
         self.wo = _param(rngs, out_std, (h, d, e), ("heads", "head_dim", "embed"))
         self.rope_theta = cfg.rope_theta
+        self.group = h // k  # query heads per kv head
+
+    def _kv_for_local_heads(self, wq: jax.Array, wk: jax.Array, wv: jax.Array):
+        """The kv heads this device's query heads read. When the heads are split more ways
+        than there are kv heads, the kv heads are replicated: pick the one this block needs."""
+        local_heads, needed = wq.shape[1], max(wq.shape[1] // self.group, 1)
+        if wk.shape[1] == needed:
+            return wk, wv
+        first = tp_rank("heads") * local_heads // self.group
+        return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=1) for w in (wk, wv))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         dtype = x.dtype
-        q = jnp.einsum("bte,ehd->bthd", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dtype))
+        x = tp_enter(x, "heads")  # column-parallel q, k, v: this device's heads
+        wq = gather(self.wq)
+        wk, wv = self._kv_for_local_heads(wq, gather(self.wk), gather(self.wv))
+        q = jnp.einsum("bte,ehd->bthd", x, wq.astype(dtype))
+        k = jnp.einsum("bte,ekd->btkd", x, wk.astype(dtype))
+        v = jnp.einsum("bte,ekd->btkd", x, wv.astype(dtype))
         q = constrain(rotary(q, positions, self.rope_theta), ("batch", "length", "heads", None))
         k = constrain(rotary(k, positions, self.rope_theta), ("batch", "length", "kv_heads", None))
         v = constrain(v, ("batch", "length", "kv_heads", None))
         out = causal_attention(q, k, v)
-        return jnp.einsum("bthd,hde->bte", out, self.wo[...].astype(dtype))
+        out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(dtype))
+        return tp_reduce(out, "heads")  # row-parallel: sum the heads' partial outputs
 
 
 class MLP(nnx.Module):
@@ -135,10 +154,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        gate = jnp.einsum("bte,em->btm", x, self.w_gate[...].astype(dtype))
-        up = jnp.einsum("bte,em->btm", x, self.w_up[...].astype(dtype))
+        x = tp_enter(x, "mlp")  # column-parallel gate and up: this device's MLP columns
+        gate = jnp.einsum("bte,em->btm", x, gather(self.w_gate).astype(dtype))
+        up = jnp.einsum("bte,em->btm", x, gather(self.w_up).astype(dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return jnp.einsum("btm,me->bte", hidden, self.w_down[...].astype(dtype))
+        out = jnp.einsum("btm,me->bte", hidden, gather(self.w_down).astype(dtype))
+        return tp_reduce(out, "mlp")  # row-parallel: sum the columns' partial outputs
 
 
 class Block(nnx.Module):
@@ -175,22 +196,50 @@ class Llama(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         # Gather the table's fsdp shards first: a lookup into a table split two ways (vocab
         # and embed) makes the partitioner replicate the whole table.
-        table = constrain(self.embed[...], ("vocab", "embed"))
-        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        table = constrain(gather(self.embed), ("vocab", "embed"))
+        x = embed_tokens(table, tokens, self.cfg.vocab_size).astype(self.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
             return nnx.merge(block_def, state)(x, positions), None
 
-        policy = REMAT_POLICIES[self.cfg.remat]
-        if self.cfg.remat != "none":
+        policy = layer_remat(REMAT_POLICIES[self.cfg.remat])
+        if policy is not None:
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, block_state)
         x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        head = table.T if self.cfg.tie_embeddings else gather(self.lm_head)
+        x = tp_enter(x, "vocab")  # column-parallel head: this device's slice of the vocabulary
         logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
+    """Rows of the embedding table for `tokens`. A table split over the vocabulary holds rows
+    [rank * rows, (rank + 1) * rows): each device looks up the tokens it holds, zeros the
+    others, and the partial results are summed over the vocabulary shards."""
+    rows = table.shape[0]
+    if rows == vocab_size:
+        return jnp.take(table, tokens, axis=0)
+    local = tokens - tp_rank("vocab") * rows
+    mine = (local >= 0) & (local < rows)
+    found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    return tp_sum(jnp.where(mine[..., None], found, 0), "vocab")
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """-log softmax(logits)[target] per token (fp32), exact when the vocabulary dimension of
+    `logits` is split over devices: the max and the sum of exponentials are reduced over the
+    vocabulary shards, and the target's logit comes from the shard that holds it."""
+    rows = logits.shape[-1]
+    shift = tp_max(jax.lax.stop_gradient(logits.max(axis=-1)), "vocab")
+    shifted = logits - shift[..., None]
+    log_total = jnp.log(tp_sum(jnp.exp(shifted).sum(axis=-1), "vocab"))
+    local = targets - tp_rank("vocab") * rows
+    mine = (local >= 0) & (local < rows)
+    picked = jnp.take_along_axis(shifted, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)
+    return log_total - tp_sum(jnp.where(mine, picked[..., 0], 0.0), "vocab")
 
 
 def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
@@ -201,6 +250,4 @@ def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
 
 def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (nats per token, fp32) of batch["inputs"] -> ["targets"]."""
-    logits = model(batch["inputs"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.mean(losses)
+    return jnp.mean(cross_entropy(model(batch["inputs"]), batch["targets"]))

@@ -34,6 +34,7 @@ class TrainConfig:
     mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
     devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
     zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
+    collectives: str = "auto"  # auto: XLA inserts them (jit); explicit: hand-written (shard_map)
     steps: int = 200  # optimizer steps
     batch: int = 32  # global batch: sequences per optimizer step, over all devices
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)

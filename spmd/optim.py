@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from spmd.collectives import global_norm
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
 
@@ -48,6 +50,21 @@ def decay_mask(names_tree: Any) -> Any:
     )
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm (same math, same empty state), but with the norm of
+    spmd.collectives.global_norm, which stays exact on the local shards of a shard_map."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        norm = global_norm(updates)
+        keep = norm < max_norm
+        return jax.tree.map(
+            lambda g: jnp.where(keep, g, g / norm.astype(g.dtype) * max_norm), updates
+        ), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: TrainConfig, names_tree: Any) -> optax.GradientTransformation:
     """Clip by global norm (if grad_clip > 0), then AdamW on the schedule."""
     adamw = optax.adamw(
@@ -59,5 +76,5 @@ def make_optimizer(cfg: TrainConfig, names_tree: Any) -> optax.GradientTransform
         mask=decay_mask(names_tree),
     )
     if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+        return optax.chain(clip_by_global_norm(cfg.grad_clip), adamw)
     return adamw

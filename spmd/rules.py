@@ -41,6 +41,11 @@ BASE_RULES: Rules = {
     "embed": (),
 }
 
+# Logical dims that are replicated instead of split when the mesh axes outnumber them (and are
+# a multiple of them): with tensor=8 and 4 kv heads, each kv head serves the devices of its
+# query heads (grouped-query attention), as in Megatron.
+REPLICATE_WHEN_FEWER = ("kv_heads",)
+
 # The lowest ZeRO stage at which the fsdp axis shards each role's `embed` dimension.
 _FSDP_FROM_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 
@@ -83,6 +88,8 @@ def partition_spec(
             raise ValueError(f"{what}: unknown logical axis {name!r}; known: {sorted(rules)}")
         axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in used)
         ways = math.prod(mesh.shape[a] for a in axes)
+        if name in REPLICATE_WHEN_FEWER and ways > size and ways % size == 0:
+            axes, ways = (), 1
         if size % ways:
             flags = ",".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise UsageError(

@@ -3,7 +3,8 @@
 The state is two pytrees of plain dicts: `params` (the model's nnx.Param values) and
 `opt_state` (optax's), each laid out by the rules of spmd.rules for the layout's ZeRO stage.
 `jax.jit` gets those shardings as in/out shardings, donates the state buffers, and XLA's SPMD
-partitioner inserts the collectives (the `auto` executor).
+partitioner inserts the collectives (the `auto` executor). The `explicit` executor
+(spmd.explicit) puts a shard_map with hand-written collectives inside the same jit.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd import precision, rules
 from spmd.accumulate import accumulated_grads
 from spmd.errors import UsageError
+from spmd.explicit import explicit_steps
 from spmd.mesh import BATCH_AXES
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
+EXECUTORS = ("auto", "explicit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,12 @@ class Program:
         return self.train_step.lower(
             self.abstract_params, self.abstract_opt_state, self.abstract_loss_scale, batch
         ).compile()
+
+
+def check_executor(executor: str) -> None:
+    """UsageError unless `executor` is one of EXECUTORS."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
 
 
 def check_batch(global_batch: int, layout: Layout, accum: int) -> None:
@@ -144,6 +153,7 @@ def build_program(
     seed: int = 0,
     accum: int = 1,
     policy: precision.Policy = precision.POLICIES["fp32"],
+    executor: str = "auto",
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -153,7 +163,12 @@ def build_program(
     loss scaling; the model's compute dtype is `make_model`'s to set (pass
     `policy.compute_dtype` to it).
 
+    `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
+    under shard_map with the hand-written collectives of spmd.explicit. Both take and return
+    the same pytrees with the same shardings.
+
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
+    check_executor(executor)
     with nnx.use_eager_sharding(False):
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
     names = rules.logical_axes(abstract_state)
@@ -206,6 +221,17 @@ def build_program(
     replicated = layout.replicated
     scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
     scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
+    if executor == "explicit":
+        shardings = {
+            "params": param_sh,
+            "grads": grad_sh,
+            "opt_state": opt_sh,
+            "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
+            "batch": batch_sh,
+        }
+        train_step, eval_step = explicit_steps(
+            graphdef, loss_fn, tx, mesh, zero, shardings, accum, policy
+        )
     return Program(
         layout=layout,
         graphdef=graphdef,

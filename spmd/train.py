@@ -61,6 +61,9 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
     check_checkpoint_choices(train)
     check_observability(train)
+    from spmd.step import check_executor
+
+    check_executor(train.collectives)
 
 
 def start_processes(train: TrainConfig) -> int:
@@ -194,7 +197,7 @@ def run(argv: list[str] | None) -> int:
 
     import jax
 
-    from spmd import hlo, precision
+    from spmd import hlo, precision, theory
     from spmd.mesh import format_mesh
     from spmd.observe import dry_run_report, make_observer
     from spmd.optim import make_optimizer
@@ -219,6 +222,7 @@ def run(argv: list[str] | None) -> int:
         seed=train.seed,
         accum=train.accum,
         policy=policy,
+        executor=train.collectives,
     )
     manager, restored = None, None
     if checkpointing:
@@ -236,8 +240,8 @@ def run(argv: list[str] | None) -> int:
     )
     observer = make_observer(train, model_cfg, mesh, compiled)
     if train.dry_run:
-        summary = hlo.collective_summary(hlo.collectives(compiled, mesh))
-        say(hlo.format_report(summary, memory))
+        shape = theory.shape_of(model_cfg, policy.compute_dtype)
+        say(theory.report(program, compiled, shape, train.batch, train.seq_len))
         say(dry_run_report(observer, compiled, device_kind))
         return 0
 

@@ -205,10 +205,12 @@ def test_resume_on_the_same_mesh_is_bitwise(workdir, reference, stopped_at_3):
 
 
 def test_resume_on_another_mesh_continues_within_parity(workdir, reference, stopped_at_3):
+    # Saved by the auto executor on fsdp=8; resumed by the explicit one on dp=2,tp=4.
     directory = copy_of(stopped_at_3, "other-mesh")
     metrics = workdir / "other-mesh.jsonl"
     out = ok(train(workdir, "--metrics", str(metrics), "--checkpoint-dir", str(directory),
-                   "--resume", "--stop-after", "6", mesh="dp=2,tp=4"))  # fmt: skip
+                   "--resume", "--stop-after", "6", "--collectives", "explicit",
+                   mesh="dp=2,tp=4"))  # fmt: skip
     assert "saved on mesh fsdp=8, now on mesh dp=2,tp=4" in out
     resumed = losses(metrics)
     assert sorted(resumed) == [4, 5, 6]

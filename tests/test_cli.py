@@ -74,7 +74,7 @@ ERRORS = [
     (("--mesh", "dp=3", "--devices", "8"), "multiply to 3 but there are 8 devices"),
     (("--mesh", "dp=2,tp=-1,fsdp=-1"), "only one axis may be -1"),
     (("--mesh", "xp=2"), "'xp=2' is not AXIS=SIZE"),
-    (("--mesh", "tp=8"), "does not divide kv_heads=4"),
+    (("--mesh", "tp=4", "--n-heads", "12", "--n-kv-heads", "3"), "does not divide kv_heads=3"),
     (("--mesh", "tp=4", "--mlp-dim", "250"), "does not divide mlp=250"),
     (("--mesh", "tp=4", "--vocab-size", "258"), "does not divide vocab=258"),
     (("--mesh", "fsdp=8", "--embed-dim", "60"), "does not divide embed=60"),

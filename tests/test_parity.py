@@ -1,10 +1,12 @@
-"""Oracle 1: every layout gives the 1-device fp32 loss trajectory (relative diff <= 1e-4)."""
+"""Oracle 1: every layout, under both executors (XLA's partitioner and hand-written
+collectives), gives the 1-device fp32 loss trajectory (relative diff <= 1e-4)."""
 
 import jax
 import numpy as np
 import pytest
 
 from tests import trainer
+from tests.tiny_run import EXECUTORS
 
 LAYOUTS = [
     ("dp=8", 3),
@@ -21,10 +23,12 @@ def reference():
     return trainer.train_losses(trainer.program(trainer.layout("dp=1")))
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("mesh,zero", LAYOUTS)
-def test_loss_trajectory_matches_one_device(reference, mesh, zero):
+def test_loss_trajectory_matches_one_device(reference, mesh, zero, executor):
     ref_losses, ref_params = reference
-    losses, params = trainer.train_losses(trainer.program(trainer.layout(mesh, zero)))
+    program = trainer.program(trainer.layout(mesh, zero), executor=executor)
+    losses, params = trainer.train_losses(program)
     assert len(losses) == trainer.STEPS
     assert trainer.max_relative_difference(losses, ref_losses) <= 1e-4
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it trains, so parity is not trivial

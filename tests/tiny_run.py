@@ -17,10 +17,9 @@ from spmd.optim import make_optimizer
 from spmd.step import Layout, Program, build_program
 
 BATCH, SEQ_LEN = 16, 32
-# The executors a parity test runs. The explicit (shard_map) executor is written on another
-# branch; once build_program takes it, adding "explicit" here runs every executor-parametrized
-# test on it too.
-EXECUTORS = ["auto"]
+# The executors a parity test runs: XLA's partitioner (jit) and hand-written collectives
+# (shard_map).
+EXECUTORS = ["auto", "explicit"]
 
 
 def tiny_train_config(accum: int = 1, lr: float = 3e-3) -> TrainConfig:
@@ -42,7 +41,6 @@ def tiny_program(
     layout = Layout(build_mesh(sizes, jax.devices()[: math.prod(sizes.values())]), zero)
     model_cfg = llama.LlamaConfig(**{**config.preset("tiny"), "remat": remat})
     train = tiny_train_config(accum, lr)
-    executor_args = {} if executor == "auto" else {"collectives": executor}
     return build_program(
         lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
         llama.lm_loss,
@@ -50,7 +48,7 @@ def tiny_program(
         layout,
         accum=accum,
         policy=policy,
-        **executor_args,
+        executor=executor,
     )
 
 

@@ -43,7 +43,9 @@ def layout(mesh: str, zero: int = 3, devices: int | None = None) -> Layout:
     return Layout(build_mesh(sizes, jax.devices()[:count]), zero)
 
 
-def program(lay: Layout, accum: int = 1, **model_overrides) -> Program:
+def program(
+    lay: Layout, accum: int = 1, executor: str = "auto", **model_overrides: object
+) -> Program:
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(
@@ -53,6 +55,7 @@ def program(lay: Layout, accum: int = 1, **model_overrides) -> Program:
         lay,
         seed=0,
         accum=accum,
+        executor=executor,
     )
 
 

@@ -1,0 +1,121 @@
+"""`python -m spmd.bench_collectives`: step time of the auto vs the explicit executor, per layout.
+
+    python -m spmd.bench_collectives [--model tiny] [--batch 16] [--seq-len 128] [--steps 30]
+                                     [--devices 8] [--layouts ddp,zero3,...]
+
+For each named layout of meshes/ (on --devices simulated CPU devices, or the accelerators
+present) both executors' train steps are compiled with the same model, batch and initial
+state, then run alternately, step by step, so that both see the same machine noise. Printed:
+median step time of each (ms), explicit / auto, and the collective bytes per device of each
+compiled step. A benchmark, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from spmd.errors import UsageError, run_command
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m spmd.bench_collectives")
+    parser.add_argument("--model", default="tiny", help="model preset (configs/NAME.toml)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per executor")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+    parser.add_argument("--layouts", default="", help="comma-separated preset names (all)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(lambda args: run(parse_args(args)), argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import meshes
+    from spmd import mesh as mesh_lib
+
+    names = [n for n in args.layouts.split(",") if n] or list(meshes.presets())
+    presets = [meshes.get(n) for n in names]
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be a positive number of steps")
+    if mesh_lib.cpu_only():
+        mesh_lib.simulate_cpu_devices(args.devices)
+
+    import jax
+
+    print(
+        f"{'layout':<9}{'mesh':<20}{'auto ms':>9}{'explicit ms':>13}{'ratio':>7}"
+        f"{'auto bytes':>13}{'explicit bytes':>16}"
+    )
+    for preset in presets:
+        sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
+        times, volume = bench_layout(args, sizes, preset.zero)
+        auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
+        print(
+            f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
+            f"{explicit / auto:>7.2f}{_mib(volume['auto']):>13}{_mib(volume['explicit']):>16}",
+            flush=True,
+        )
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def bench_layout(args: argparse.Namespace, sizes: dict[str, int], zero: int):
+    """({executor: [step seconds]}, {executor: collective bytes per device per step})."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import llama
+    from spmd import config, hlo
+    from spmd.config import TrainConfig
+    from spmd.mesh import build_mesh
+    from spmd.optim import make_optimizer
+    from spmd.step import EXECUTORS, Layout, build_program, check_batch
+
+    model = llama.LlamaConfig(**config.preset(args.model))
+    train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len)
+    layout = Layout(build_mesh(sizes), zero)
+    check_batch(args.batch, layout, 1)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1), dtype=np.int32)
+    batch = {
+        "inputs": jax.device_put(tokens[:, :-1], layout.batch_sharding()),
+        "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
+    }
+    steps, states, volume = {}, {}, {}
+    for executor in EXECUTORS:
+        program = build_program(
+            lambda seed: llama.create(model, seed),
+            llama.lm_loss,
+            lambda names: make_optimizer(train, names),
+            layout,
+            executor=executor,
+        )
+        steps[executor] = program.compile_train_step(args.batch, args.seq_len)
+        summary = hlo.collective_summary(hlo.collectives(steps[executor], layout.mesh))
+        volume[executor] = sum(row["bytes"] for row in summary.values())
+        # One initial state for both (same shardings); copies, since each step donates its own.
+        states[executor] = jax.tree.map(jnp.copy, states["auto"]) if states else program.init()
+    times: dict[str, list[float]] = {e: [] for e in EXECUTORS}
+    for i in range(args.steps + 2):  # the first two steps warm up
+        for executor in EXECUTORS:
+            started = time.perf_counter()
+            *state, metrics = steps[executor](*states[executor], batch)
+            jax.block_until_ready(metrics)
+            if i >= 2:
+                times[executor].append(time.perf_counter() - started)
+            states[executor] = tuple(state)
+    return times, volume
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The textbook figures of a layout: which collectives one optimizer step needs, how many and
+how many bytes, and the per-device memory of its state, to set beside what spmd.hlo reads
+from the compiled step.
+
+Units are those of spmd.hlo: bytes of each op's *result* on one device, summed over the
+executions in one step (an all-reduce of the grads counts P bytes, the reduce-scatter of
+ZeRO-2/3 P/N, an all-gather the gathered size). On a ring each device sends about
+2(N-1)/N of an all-reduce's bytes and (N-1)/N of an all-gather's or reduce-scatter's result.
+
+Counts are the collective calls the layout makes, one per param tensor (per layer and pass
+inside the layer scan); XLA's combiner may fuse several into one op (on CPU it fuses the
+all-reduces of DDP's gradients into one), so a compiled count may be lower, never its bytes.
+
+Per param tensor, from its PartitionSpecs in the three roles of spmd.rules:
+- gradient: reduce-scatter over the batch axes its grad layout splits and its param layout
+  does not (ZeRO-2), or over fsdp per layer and micro-batch when the param itself is split
+  (ZeRO-3, from the transpose of the per-layer all_gather); all-reduce over the remaining
+  batch axes (DDP, ZeRO-1; HSDP's `data`);
+- params: all-gather after the update where the optimizer state is split and the params are
+  not (ZeRO-1/2); with ZeRO-3, all-gather before use: a layer's params in the forward and again
+  in the backward (remat), the embedding, final norm and head once;
+- tensor parallel (Megatron): per layer and micro-batch, all-reduces of one activation
+  [batch, length, embed] after the attention and MLP row-parallel matmuls (forward) and at
+  their column-parallel inputs (backward), plus the vocab-parallel embedding (forward) and head
+  (backward); 1 more per layer when the backward replays the forward (remat: the attention
+  output's, to rebuild the MLP input; the MLP output is not needed again); 3 reductions of
+  [batch, length] for the vocab-parallel cross-entropy; kv heads replicated over tensor add an
+  all-reduce of their gradients per layer;
+- scalars: the loss mean and the gradient norms (4 bytes each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd import hlo, rules
+from spmd.mesh import BATCH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """The model dimensions that tensor-parallel traffic depends on (sizes are counts)."""
+
+    n_layers: int
+    embed_dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    remat: bool = False  # the backward pass replays each layer's forward
+    activation_bytes: int = 4  # bytes per element of the compute dtype
+
+
+def shape_of(model: Any, compute_dtype: Any) -> Transformer:
+    """The Transformer figures of a model config with Llama's field names (spmd does not
+    import models/)."""
+    return Transformer(
+        n_layers=model.n_layers,
+        embed_dim=model.embed_dim,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        head_dim=model.head_dim,
+        remat=model.remat != "none",
+        activation_bytes=np.dtype(compute_dtype).itemsize,
+    )
+
+
+def report(program: Any, compiled: Any, model: Transformer, global_batch: int, seq_len: int) -> str:
+    """--dry-run's table: the compiled step's collectives and memory beside the layout's
+    theoretical figures, with ratios."""
+    measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
+    expected = collectives(program, model, global_batch, seq_len)
+    return format_comparison(
+        measured, expected, hlo.memory(compiled), memory(program, global_batch, seq_len)
+    )
+
+
+def _axes(spec: PartitionSpec) -> list[tuple[str, ...]]:
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+
+
+def _local_bytes(shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, mesh: Any) -> int:
+    ways = [math.prod(mesh.shape[a] for a in axes) for axes in _axes(spec)]
+    ways += [1] * (len(shape) - len(ways))
+    return math.prod(s // w for s, w in zip(shape, ways, strict=True)) * np.dtype(dtype).itemsize
+
+
+def _whole(spec: PartitionSpec, batch_axes: set[str]) -> PartitionSpec:
+    """`spec` without the batch axes: a ZeRO-3 param as the compute uses it (gathered)."""
+    return PartitionSpec(*[tuple(a for a in ax if a not in batch_axes) for ax in _axes(spec)])
+
+
+def _specs(tree: Any) -> list[PartitionSpec]:
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
+    return [s.spec for s in leaves]
+
+
+def collectives(program: Any, model: Transformer, global_batch: int, seq_len: int) -> dict:
+    """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
+    mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
+    names_tree, shapes_tree = program.names, program.abstract_params
+    batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
+    by_role = {
+        role: _specs(rules.tree_shardings(names_tree, shapes_tree, mesh, zero, role))
+        for role in ("params", "grads", "opt_state")
+    }
+    names = jax.tree.leaves(names_tree, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(shapes_tree)
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+
+    def add(kind: str, count: int, nbytes: int) -> None:
+        out[kind]["count"] += count
+        out[kind]["bytes"] += nbytes
+
+    norm_groups = set()
+    for i, (leaf_names, leaf) in enumerate(zip(names, shapes, strict=True)):
+        param, grad, opt = (by_role[r][i] for r in ("params", "grads", "opt_state"))
+        param_axes, grad_axes, opt_axes = (
+            {a for axes in _axes(s) for a in axes} for s in (param, grad, opt)
+        )
+        grad_bytes = _local_bytes(leaf.shape, leaf.dtype, grad, mesh)
+        layers = leaf.shape[0] if leaf_names and leaf_names[0] == "layers" else 1
+        if param_axes & batch_axes:  # ZeRO-3: gathered before use, reduce-scattered by autodiff
+            gathered = _local_bytes(leaf.shape, leaf.dtype, _whole(param, batch_axes), mesh)
+            passes = 2 * accum if layers > 1 else 1
+            add("all-gather", passes * layers, passes * gathered)
+            add("reduce-scatter", accum * layers, accum * grad_bytes)
+        elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
+            add("reduce-scatter", 1, grad_bytes)
+        if batch_axes - grad_axes:
+            add("all-reduce", 1, grad_bytes)
+        if (opt_axes - param_axes) & batch_axes:  # ZeRO-1/2: gather the updated slices
+            add("all-gather", 1, _local_bytes(leaf.shape, leaf.dtype, param, mesh))
+        norm_groups |= {frozenset(s) for s in (grad_axes, opt_axes) if s}
+    if mesh.shape["tensor"] > 1:
+        _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len)
+    scalars = len(norm_groups) + bool(batch_axes)
+    if scalars:
+        add("all-reduce", scalars, 4 * scalars)
+    return dict(out)
+
+
+def _tensor_parallel(
+    out: dict, model: Transformer, mesh: Any, zero: int, accum: int, global_batch: int, seq_len: int
+) -> None:
+    """Add Megatron's activation all-reduces over `tensor` (see the module docstring)."""
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    tokens = global_batch // shards // accum * seq_len  # per device and micro-batch
+    activation = tokens * model.embed_dim * model.activation_bytes
+    per_layer = 4 + (1 if model.remat else 0)
+    calls = accum * (per_layer * model.n_layers + 2)
+    out["all-reduce"]["count"] += calls + 3 * accum
+    out["all-reduce"]["bytes"] += calls * activation + 3 * accum * tokens * 4
+    tensor = mesh.shape["tensor"]
+    if tensor > model.n_kv_heads:  # replicated kv heads: their grads are summed per layer
+        embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
+        kv_bytes = 2 * embed * model.n_kv_heads * model.head_dim * 4
+        out["all-reduce"]["count"] += 2 * accum * model.n_layers
+        out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
+
+
+def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:
+    """Per-device bytes: the compiled step's arguments (params + optimizer state + batch, each
+    leaf split the ways its layout says) and, for ZeRO-3, the largest layer gathered whole."""
+    mesh = program.layout.mesh
+    state = 0
+    for tree in (program.abstract_params, program.abstract_opt_state):
+        for leaf in jax.tree.leaves(tree):
+            state += _local_bytes(leaf.shape, leaf.dtype, leaf.sharding.spec, mesh)
+    batch = program.abstract_batch(global_batch, seq_len)
+    for leaf in jax.tree.leaves(batch):
+        state += _local_bytes(leaf.shape, leaf.dtype, leaf.sharding.spec, mesh)
+    return {"argument": state, "gathered_layer": gathered_layer_bytes(program)}
+
+
+def gathered_layer_bytes(program: Any) -> int:
+    """Bytes of one layer's params as the compute uses them (ZeRO-3's fsdp shards gathered;
+    tensor shards stay split); 0 when the params are not gathered per layer."""
+    mesh = program.layout.mesh
+    batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
+    names = jax.tree.leaves(program.names, is_leaf=lambda x: isinstance(x, tuple))
+    total = 0
+    for leaf_names, leaf in zip(names, jax.tree.leaves(program.abstract_params), strict=True):
+        spec = leaf.sharding.spec
+        split = {a for ax in _axes(spec) for a in ax} & batch_axes
+        if leaf_names[:1] == ("layers",) and split:
+            whole = _local_bytes(leaf.shape, leaf.dtype, _whole(spec, batch_axes), mesh)
+            total += whole // leaf.shape[0]
+    return total
+
+
+def format_comparison(measured: dict, expected: dict, mem: dict, expected_mem: dict) -> str:
+    """Table of measured vs expected collectives (per kind) and memory, with ratios."""
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.3f}" if b else ("-" if not a else "inf")
+
+    lines = [
+        f"{'collective':<16}{'count':>7}{'expected':>10}{'bytes/step':>14}{'expected':>14}"
+        f"{'ratio':>8}  axes"
+    ]
+    for kind in sorted(set(measured) | set(expected)):
+        m = measured.get(kind, {"count": 0, "bytes": 0, "axes": []})
+        e = expected.get(kind, {"count": 0, "bytes": 0})
+        lines.append(
+            f"{kind:<16}{m['count']:>7}{e['count']:>10}{hlo._human(m['bytes']):>14}"
+            f"{hlo._human(e['bytes']):>14}{ratio(m['bytes'], e['bytes']):>8}  "
+            + ", ".join(a or "?" for a in m.get("axes", []))
+        )
+    lines.append(f"{'memory per device':<33}{'bytes':>14}{'expected':>14}{'ratio':>8}")
+    for key, value in mem.items():
+        want = expected_mem.get(key)
+        shown = hlo._human(want) if want is not None else ""
+        lines.append(
+            f"{key:<33}{hlo._human(value):>14}{shown:>14}"
+            f"{ratio(value, want) if want is not None else '':>8}"
+        )
+    if expected_mem.get("gathered_layer"):
+        layer = hlo._human(expected_mem["gathered_layer"])
+        lines.append(f"{'one layer gathered (ZeRO-3)':<33}{'':>14}{layer:>14}")
+    lines.append("expected counts are calls, before XLA's combiner fuses some of them")
+    if "reduce-scatter" in expected and "reduce-scatter" not in measured:
+        lines.append(
+            "no reduce-scatter compiled: XLA's partitioner reduced the gradients with "
+            "all-reduces (as XLA:CPU does under --collectives auto; explicit shows the true op)"
+        )
+    return "\n".join(lines)
