@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from spmd.accumulate import accumulated_grads
 from spmd.errors import UsageError
 from spmd.explicit import explicit_steps
 from spmd.mesh import BATCH_AXES
+from spmd.metrics import say
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
 EXECUTORS = ("auto", "explicit")
@@ -52,6 +53,15 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec())
 
 
+class TrainState(NamedTuple):
+    """Everything a train step updates: the params (a pure dict of arrays, master dtype), the
+    optimizer state, and the loss-scale state (spmd.precision; constant unless fp16)."""
+
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+
+
 @dataclasses.dataclass
 class Program:
     """The compiled-on-first-use functions of one training run and the shardings they use."""
@@ -62,12 +72,21 @@ class Program:
     abstract_params: Any  # ShapeDtypeStructs with shardings
     abstract_opt_state: Any
     abstract_loss_scale: Any  # precision.LossScale of ShapeDtypeStructs (replicated scalars)
-    init: Callable[[], tuple[Any, Any, Any]]  # () -> (params, opt_state, loss_scale), sharded
+    init: Callable[[], TrainState]  # () -> the initial state, made sharded on the mesh
     # (params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale, metrics)
     train_step: Callable
     eval_step: Callable  # (params, batch) -> mean loss
     accum: int
     policy: precision.Policy
+
+    def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
+        *new_state, metrics = self.train_step(*state, batch)
+        return TrainState(*new_state), metrics
+
+    def model(self, params: Any) -> nnx.Module:
+        """The NNX model holding `params` (sharded arrays stay sharded), e.g. for inference."""
+        return nnx.merge(self.graphdef, params)
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         sharding = self.layout.batch_sharding()
@@ -86,6 +105,58 @@ def check_executor(executor: str) -> None:
     """UsageError unless `executor` is one of EXECUTORS."""
     if executor not in EXECUTORS:
         raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
+
+
+def unnamed_model_names(names: Any, shapes: Any, layout: Layout, executor: str) -> Any:
+    """`names` as given when any param names a logical axis. For a model that names none, the
+    data-parallel fallback: each param's largest dimension that the fsdp axis divides is called
+    `embed` (the dimension the ZeRO stage's rules split over fsdp), and one line says what was
+    split. UsageError where the mesh needs names (tensor or pipeline axes over 1)."""
+    leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    if any(name is not None for leaf in leaves for name in leaf):
+        return names
+    mesh = layout.mesh
+    needs_names = [f"{a}={mesh.shape[a]}" for a in ("tensor", "pipeline") if mesh.shape[a] > 1]
+    if needs_names:
+        raise UsageError(
+            f"the model names no logical axes, so it can only be split over data and fsdp, "
+            f"not {', '.join(needs_names)}; give its params logical names (nnx.Param(..., "
+            f"out_sharding=('embed', 'mlp'))) or drop those axes from the mesh"
+        )
+    ways = mesh.shape["fsdp"]
+    if ways == 1:
+        return names
+    if executor == "explicit" and layout.zero_stage == 3:
+        raise UsageError(
+            "--collectives explicit with ZeRO-3 needs a model that reads its params through "
+            "spmd.gather and names their logical axes; this model names none: use the auto "
+            "executor, or ZeRO 1 or 2"
+        )
+
+    def fallback(shape: jax.ShapeDtypeStruct) -> tuple[str | None, ...]:
+        divisible = [d for d, size in enumerate(shape.shape) if size % ways == 0]
+        if not divisible:
+            return (None,) * len(shape.shape)
+        largest = max(divisible, key=lambda d: shape.shape[d])
+        return tuple("embed" if d == largest else None for d in range(len(shape.shape)))
+
+    new_names = jax.tree.map(fallback, shapes)
+    shape_leaves = jax.tree.leaves(shapes)
+    name_leaves = jax.tree.leaves(new_names, is_leaf=_is_names)
+    split = [
+        math.prod(s.shape) for s, n in zip(shape_leaves, name_leaves, strict=True) if "embed" in n
+    ]
+    total = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
+    say(
+        f"spmd: the model names no logical axes: fsdp={ways} splits the largest divisible "
+        f"dimension of {len(split)} of {len(leaves)} params ({sum(split):,} of {total:,} "
+        f"scalars, ZeRO-{layout.zero_stage}); the rest are replicated"
+    )
+    return new_names
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple)
 
 
 def check_batch(global_batch: int, layout: Layout, accum: int) -> None:
@@ -176,19 +247,20 @@ def build_program(
         lambda s: jax.ShapeDtypeStruct(s.shape, policy.param_dtype),
         nnx.to_pure_dict(abstract_state),
     )
+    names = unnamed_model_names(names, shapes, layout, executor)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     mesh, zero = layout.mesh, layout.zero_stage
     param_sh = rules.tree_shardings(names, shapes, mesh, zero, "params")
     grad_sh = rules.tree_shardings(names, shapes, mesh, zero, "grads")
     opt_shapes, opt_sh = opt_state_shardings(tx, shapes, names, layout)
-    batch_sh = layout.batch_sharding()
+    batch_sh = layout.batch_sharding(ndim=1)  # a prefix: splits dim 0 of any batch leaf
 
-    def init() -> tuple[Any, Any, Any]:
+    def init() -> TrainState:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.state(make_model(seed)))
         params = jax.tree.map(lambda p: p.astype(policy.param_dtype), params)
-        return params, tx.init(params), precision.init_loss_scale(policy)
+        return TrainState(params, tx.init(params), precision.init_loss_scale(policy))
 
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
@@ -239,7 +311,7 @@ def build_program(
         abstract_params=_with_sharding(shapes, param_sh),
         abstract_opt_state=_with_sharding(opt_shapes, opt_sh),
         abstract_loss_scale=_with_sharding(scale_shapes, scale_sh),
-        init=jax.jit(init, out_shardings=(param_sh, opt_sh, scale_sh)),
+        init=jax.jit(init, out_shardings=TrainState(param_sh, opt_sh, scale_sh)),
         train_step=jax.jit(
             train_step,
             in_shardings=(param_sh, opt_sh, scale_sh, batch_sh),
