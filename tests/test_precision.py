@@ -6,12 +6,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from spmd import hlo, loop, precision, train
 from spmd.optim import lr_schedule
 from spmd.step import Program
 from tests.tiny_run import (
     BATCH,
+    EXECUTORS,
     SEQ_LEN,
     batch_at,
     initial_state,
@@ -54,9 +56,10 @@ def test_bf16_trains_on_fp32_params_with_bf16_matmuls():
     assert {operands for _, operands in hlo.dot_dtypes(fp32)} == {("f32", "f32")}
 
 
-def test_fp16_overflow_skips_the_step_halves_the_scale_then_training_continues():
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_fp16_overflow_skips_the_step_halves_the_scale_then_training_continues(executor):
     policy = dataclasses.replace(precision.POLICIES["fp16"], growth_interval=3)
-    program = tiny_program("dp=2", accum=2, policy=policy)
+    program = tiny_program("dp=2", accum=2, policy=policy, executor=executor)
     step_fn = program.compile_train_step(BATCH, SEQ_LEN)
     windows = text_windows()
     params, opt_state, loss_scale = initial_state(program)
