@@ -197,11 +197,11 @@ def run(argv: list[str] | None) -> int:
 
     import jax
 
-    from spmd import hlo, precision, theory
+    from spmd import api, hlo, precision, theory
     from spmd.mesh import format_mesh
     from spmd.observe import dry_run_report, make_observer
     from spmd.optim import make_optimizer
-    from spmd.step import Layout, build_program, check_batch, state_bytes_per_device
+    from spmd.step import Layout, check_batch, state_bytes_per_device
 
     layout = Layout(mesh, train.zero)
     check_batch(train.batch, layout, train.accum)
@@ -214,15 +214,16 @@ def run(argv: list[str] | None) -> int:
         f"{model_cfg.n_params() / 1e6:.2f} M params | {format_batch_arithmetic(batch_check)}"
     )
     say(precision.describe(policy))
-    program = build_program(
+    program = api.build(
         lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
         llama.lm_loss,
         lambda names: make_optimizer(train, names),
-        layout,
-        seed=train.seed,
-        accum=train.accum,
-        policy=policy,
+        mesh,
+        zero_stage=train.zero,
         executor=train.collectives,
+        precision_policy=train.precision,
+        accum=train.accum,
+        seed=train.seed,
     )
     manager, restored = None, None
     if checkpointing:
