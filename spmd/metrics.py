@@ -8,6 +8,7 @@ seconds, throughput tokens per second.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import IO, Any
@@ -19,6 +20,18 @@ _PRIMARY = {"is_primary": True}
 def set_primary(is_primary: bool) -> None:
     """Say whether this process prints progress and writes metrics (process 0 does)."""
     _PRIMARY["is_primary"] = is_primary
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float (a skipped fp16 step's grad norm) as None, so each
+    line is strict JSON (null) that jq and other parsers accept."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 class MetricsLog:
@@ -40,7 +53,8 @@ class MetricsLog:
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
+            record = strict_json({"kind": kind, **fields})
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         if self._scalars is not None:
             self._scalars.write(kind, fields)

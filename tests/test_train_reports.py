@@ -4,6 +4,8 @@ the batch self-check at start."""
 
 import re
 
+import pytest
+
 from spmd import train
 from spmd.config import TrainConfig
 
@@ -39,4 +41,20 @@ def test_batch_arithmetic_with_the_linear_scaling_rule():
     assert check["peak_lr"] == 4e-3
     assert "base lr 0.001 x 256/64 (linear scaling) -> 0.004" in train.format_batch_arithmetic(
         check
+    )
+
+
+def test_metrics_lines_are_strict_json_even_for_a_skipped_steps_infinite_norm(tmp_path):
+    import json
+
+    from spmd.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path / "m.jsonl"))
+    log.write("train", step=3, grad_norm=float("inf"), loss=2.5, extra={"x": [float("nan")]})
+    log.close()
+    line = (tmp_path / "m.jsonl").read_text()
+    assert "Infinity" not in line and "NaN" not in line
+    record = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
+    assert (
+        record["grad_norm"] is None and record["loss"] == 2.5 and record["extra"] == {"x": [None]}
     )
