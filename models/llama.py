@@ -149,12 +149,24 @@ class Llama(nnx.Module):
             self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return self.head_logits(self.apply_blocks(self.embed_tokens(tokens)))
+
+    # The three pieces below are what a pipeline runs on separate stages: the embedding on the
+    # first, the stacked blocks split in chunks, the head on the last. `apply_blocks` runs
+    # however many layers `self.blocks` holds, so a model merged with a slice of the stack runs
+    # just that slice.
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [batch, length] -> activations [batch, length, embed] in `dtype`."""
         # Gather the table's fsdp shards first: a lookup into a table split two ways (vocab
         # and embed) makes the partitioner replicate the whole table.
         table = constrain(self.embed[...], ("vocab", "embed"))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        return constrain(x, ("batch", "length", "embed"))
+
+    def apply_blocks(self, x: jax.Array) -> jax.Array:
+        """Run every block in `self.blocks` in order (a scan over the stacked `layers` dim)."""
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
@@ -164,6 +176,10 @@ class Llama(nnx.Module):
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, block_state)
+        return x
+
+    def head_logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and output head: activations [batch, length, embed] -> fp32 logits."""
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
@@ -181,3 +197,13 @@ def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     logits = model(batch["inputs"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.mean(losses)
+
+
+def logits_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats per token, fp32) of logits [..., vocab] against int targets:
+    the same value as `lm_loss`'s, written without a gather. The target's logit is picked by a
+    one-hot product summed over vocab (exact: one term is non-zero), which stays a plain
+    reduction when vocab is split over devices; a gather on split logits crashes XLA's SPMD
+    partitioner inside a partially manual shard_map (the pipeline's head)."""
+    picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
