@@ -34,6 +34,9 @@ class TrainConfig:
     mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
     zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
+    pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
+    microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
+    pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)
     steps: int = 200  # optimizer steps
     batch: int = 32  # global batch: sequences per optimizer step, over all devices
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)

@@ -137,10 +137,13 @@ def build_program(
     layout: Layout,
     seed: int = 0,
     accum: int = 1,
+    pipeline: Any = None,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
     `tx(names)`, given the logical names of every param, e.g. for a weight-decay mask).
+    With a `pipeline` (spmd.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the loss and
+    its gradients come from that pipeline schedule instead of `loss_fn`.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     with nnx.use_eager_sharding(False):
@@ -163,6 +166,13 @@ def build_program(
 
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
+
+    # --- pipeline parallelism: the schedule computes the loss and its gradients ---
+    if pipeline is not None and mesh.shape["pipeline"] > 1:
+        from spmd.pipeline import pipelined_loss
+
+        loss_of = pipelined_loss(graphdef, names, layout, pipeline)  # noqa: F811
+    # --- end pipeline ---
 
     grad_fn = jax.value_and_grad(loss_of)
 

@@ -78,6 +78,30 @@ def setup_mesh(train: TrainConfig):
     return mesh_lib.build_mesh(sizes)
 
 
+def pipeline_of(train: TrainConfig, model: llama.LlamaConfig, layout: Any) -> tuple:
+    """(spmd.pipeline.Pipeline, its schedule report) when the mesh has pp > 1, else (None,
+    None); prints the schedule's bubble and idle share. UsageError for a schedule that cannot
+    run (layers, micro-batches or batch that do not split)."""
+    stages = layout.mesh.shape["pipeline"]
+    if stages == 1:
+        return None, None
+    from spmd import pipeline
+
+    pipe = pipeline.Pipeline(
+        train.pp_schedule, train.microbatches, train.pp_virtual, llama.logits_loss
+    )
+    pipeline.check(pipe, layout, model.n_layers, train.batch, train.accum)
+    report = pipeline.report(pipe, stages)
+    say(
+        f"pipeline: {report['schedule']} over {stages} stages x {report['virtual']} chunks, "
+        f"{report['microbatches']} micro-batches | bubble (p-1)/(M+p-1)/v "
+        f"{report['bubble_theory']:.3f} | idle share of the tick table run "
+        f"{report['idle_fraction']:.3f} ({report['ticks']} ticks, {report['stash_slots']} "
+        f"stashed inputs per stage)"
+    )
+    return pipe, report
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
@@ -111,6 +135,7 @@ def run(argv: list[str] | None) -> int:
         f"{train.accum} x data-parallel {layout.data_parallel} = global batch {train.batch} | "
         f"lr {train.lr:g} -> {peak_lr(train):g} ({train.lr_scaling} scaling)"
     )
+    pipe, pipe_report = pipeline_of(train, model_cfg, layout)
     program = build_program(
         lambda seed: llama.create(model_cfg, seed),
         llama.lm_loss,
@@ -118,6 +143,7 @@ def run(argv: list[str] | None) -> int:
         layout,
         seed=train.seed,
         accum=train.accum,
+        pipeline=pipe,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(train.batch, train.seq_len)
@@ -145,6 +171,7 @@ def run(argv: list[str] | None) -> int:
         n_params=model_cfg.n_params(),
         state_bytes_per_device=state_bytes,
         compile_s=compile_s,
+        pipeline=pipe_report,
     )
     try:
         train_loop(train, program, compiled, log)

@@ -43,7 +43,8 @@ def layout(mesh: str, zero: int = 3, devices: int | None = None) -> Layout:
     return Layout(build_mesh(sizes, jax.devices()[:count]), zero)
 
 
-def program(lay: Layout, accum: int = 1, **model_overrides) -> Program:
+def program(lay: Layout, accum: int = 1, pipeline=None, **model_overrides) -> Program:
+    """The tiny model's program on `lay`; `pipeline` (spmd.pipeline.Pipeline) pipelines it."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(
@@ -53,12 +54,21 @@ def program(lay: Layout, accum: int = 1, **model_overrides) -> Program:
         lay,
         seed=0,
         accum=accum,
+        pipeline=pipeline,
     )
 
 
-def train_losses(prog: Program, steps: int = STEPS) -> tuple[np.ndarray, dict]:
-    """Losses of `steps` optimizer steps and the final params (as numpy)."""
-    params, opt_state = prog.init()
+def train_losses(prog: Program, steps: int = STEPS, initial=None) -> tuple[np.ndarray, dict]:
+    """Losses of `steps` optimizer steps and the final params (as numpy). `initial` (params,
+    opt state) from another program of the same model skips compiling this one's init."""
+    if initial is None:
+        params, opt_state = prog.init()
+    else:
+        params, opt_state = jax.tree.map(
+            lambda x, target: jax.device_put(x, target.sharding),
+            initial,
+            (prog.abstract_params, prog.abstract_opt_state),
+        )
     win = windows()
     losses = []
     for step in range(steps):
