@@ -85,8 +85,9 @@ class Table:
         return self.cells[:, :, COLUMN[field]]
 
     def phases(self) -> list[Phase]:
-        """Maximal runs of ticks with the same slot kinds in use; a run with no forward (or no
-        backward) anywhere skips those slots altogether, so idle slots there cost nothing."""
+        """Maximal runs of ticks with the same slot kinds in use somewhere (warm-up: forwards
+        only, steady: both, cool-down: backwards only). Stages run in lockstep and skip their
+        idle slots, so a tick costs the slot kinds that some stage uses in it."""
         has_f = (self.column("f_chunk") >= 0).any(axis=1)
         has_b = (self.column("b_chunk") >= 0).any(axis=1)
         runs: list[Phase] = []
@@ -99,8 +100,8 @@ class Table:
         return runs
 
     def idle_fraction(self, backward_cost: float = BACKWARD_COST) -> float:
-        """Share of the slot time executed (phases without a slot kind skip it) in which a
-        stage has nothing to do; a backward slot weighs `backward_cost` forward slots."""
+        """Share of the step's slot time (a tick lasts the slot kinds some stage uses in it)
+        in which a stage has nothing to do; a backward slot weighs `backward_cost` forwards."""
         executed = useful = 0.0
         chunks = self.stages * self.virtual
         for phase in self.phases():

@@ -58,9 +58,12 @@ def program(lay: Layout, accum: int = 1, pipeline=None, **model_overrides) -> Pr
     )
 
 
-def train_losses(prog: Program, steps: int = STEPS, initial=None) -> tuple[np.ndarray, dict]:
+def train_losses(
+    prog: Program, steps: int = STEPS, initial=None, step_fn=None
+) -> tuple[np.ndarray, dict]:
     """Losses of `steps` optimizer steps and the final params (as numpy). `initial` (params,
-    opt state) from another program of the same model skips compiling this one's init."""
+    opt state) from another program of the same model skips compiling this one's init;
+    `step_fn` (e.g. an AOT-compiled train step) replaces `prog.train_step`."""
     if initial is None:
         params, opt_state = prog.init()
     else:
@@ -74,7 +77,7 @@ def train_losses(prog: Program, steps: int = STEPS, initial=None) -> tuple[np.nd
     for step in range(steps):
         ids = data.train_window_ids(0, step, BATCH, win.n_train)
         batch = data.global_batch(win, ids, prog.layout.batch_sharding())
-        params, opt_state, metrics = prog.train_step(params, opt_state, batch)
+        params, opt_state, metrics = (step_fn or prog.train_step)(params, opt_state, batch)
         losses.append(metrics["loss"])
     return np.asarray(jax.device_get(losses)), jax.device_get(params)
 
