@@ -193,12 +193,24 @@ class Llama(nnx.Module):
             self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return self.head_logits(self.apply_blocks(self.embed_tokens(tokens)))
+
+    # The three pieces below are what a pipeline runs on separate stages: the embedding on the
+    # first, the stacked blocks split in chunks, the head on the last. `apply_blocks` runs
+    # however many layers `self.blocks` holds, so a model merged with a slice of the stack runs
+    # just that slice.
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [batch, length] -> activations [batch, length, embed] in `dtype`."""
         # Gather the table's fsdp shards first: a lookup into a table split two ways (vocab
         # and embed) makes the partitioner replicate the whole table.
         table = constrain(gather(self.embed), ("vocab", "embed"))
-        x = embed_tokens(table, tokens, self.cfg.vocab_size).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = lookup_embeddings(table, tokens, self.cfg.vocab_size).astype(self.dtype)
+        return constrain(x, ("batch", "length", "embed"))
+
+    def apply_blocks(self, x: jax.Array) -> jax.Array:
+        """Run every block in `self.blocks` in order (a scan over the stacked `layers` dim)."""
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
@@ -208,14 +220,21 @@ class Llama(nnx.Module):
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, block_state)
+        return x
+
+    def head_logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and output head: activations [batch, length, embed] -> fp32 logits."""
         x = self.final_norm(x)
-        head = table.T if self.cfg.tie_embeddings else gather(self.lm_head)
+        if self.cfg.tie_embeddings:
+            head = constrain(gather(self.embed), ("vocab", "embed")).T
+        else:
+            head = gather(self.lm_head)
         x = tp_enter(x, "vocab")  # column-parallel head: this device's slice of the vocabulary
         logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-def embed_tokens(table: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
+def lookup_embeddings(table: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
     """Rows of the embedding table for `tokens`. A table split over the vocabulary holds rows
     [rank * rows, (rank + 1) * rows): each device looks up the tokens it holds, zeros the
     others, and the partial results are summed over the vocabulary shards."""
@@ -251,3 +270,19 @@ def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
 def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy (nats per token, fp32) of batch["inputs"] -> ["targets"]."""
     return jnp.mean(cross_entropy(model(batch["inputs"]), batch["targets"]))
+
+
+def logits_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats per token, fp32) of logits [..., vocab] against int targets:
+    `cross_entropy`'s value, written without a gather. The target's logit is picked by a
+    one-hot product summed over vocab (exact: one term is non-zero; a target another device's
+    vocabulary shard holds one-hots to zeros here), which stays a plain reduction when vocab
+    is split; a gather on split logits crashes XLA's SPMD partitioner inside a partially
+    manual shard_map (the pipeline's head). Exact across vocab shards like `cross_entropy`."""
+    rows = logits.shape[-1]
+    shift = tp_max(jax.lax.stop_gradient(logits.max(axis=-1)), "vocab")
+    shifted = logits - shift[..., None]
+    log_total = jnp.log(tp_sum(jnp.exp(shifted).sum(axis=-1), "vocab"))
+    local = targets - tp_rank("vocab") * rows
+    picked = jnp.sum(shifted * jax.nn.one_hot(local, rows, dtype=shifted.dtype), axis=-1)
+    return jnp.mean(log_total - tp_sum(picked, "vocab"))

@@ -56,6 +56,7 @@ def build(
     precision_policy: str = "fp32",
     accum: int = 1,
     seed: int = 0,
+    pipeline: Any = None,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
@@ -69,6 +70,10 @@ def build(
       `program.policy.compute_dtype` on to the model, which casts for its matmuls.
     - accum: micro-batches per optimizer step (the batch's dimension 0 split accum ways),
       with one gradient reduction per step.
+
+    - pipeline: a spmd.pipeline.Pipeline (schedule, micro-batches, virtual stages) used when
+      the mesh's pipeline axis is over 1; the model then provides `embed_tokens(tokens)`,
+      `apply_blocks(x)` and `head_logits(x)`, as models/llama.py does.
 
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). Returns a Program: `init()` -> TrainState sharded on the mesh, `step(state, batch)`
@@ -85,6 +90,7 @@ def build(
         accum=accum,
         policy=precision.get(precision_policy),
         executor=executor,
+        pipeline=pipeline,
     )
 
 

@@ -35,6 +35,9 @@ class TrainConfig:
     devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
     zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
     collectives: str = "auto"  # auto: XLA inserts them (jit); explicit: hand-written (shard_map)
+    pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
+    microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
+    pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)
     steps: int = 200  # optimizer steps
     batch: int = 32  # global batch: sequences per optimizer step, over all devices
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)

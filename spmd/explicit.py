@@ -50,13 +50,16 @@ def explicit_steps(
     shardings: dict[str, Any],
     accum: int,
     policy: precision.Policy = precision.POLICIES["fp32"],
+    local_loss: Callable | None = None,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
     `shardings` holds the layout's NamedShardings: pytrees "params", "grads", "opt_state" and
     "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
     "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
-    scaling. The steps' signatures are those of spmd.step's auto steps."""
+    scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
+    blocks (a pipeline schedule's loss). The steps' signatures are those of spmd.step's auto
+    steps."""
     param_specs, grad_specs, opt_specs = (
         _specs(shardings[k]) for k in ("params", "grads", "opt_state")
     )
@@ -64,8 +67,10 @@ def explicit_steps(
     batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
     batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
 
-    def local_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    def model_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
+
+    local_loss = local_loss or model_loss
 
     def local_grads(
         params: Any, batch: dict[str, jax.Array], loss_scale: precision.LossScale

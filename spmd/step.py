@@ -225,6 +225,7 @@ def build_program(
     accum: int = 1,
     policy: precision.Policy = precision.POLICIES["fp32"],
     executor: str = "auto",
+    pipeline: Any = None,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -237,6 +238,9 @@ def build_program(
     `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
     under shard_map with the hand-written collectives of spmd.explicit. Both take and return
     the same pytrees with the same shardings.
+
+    With a `pipeline` (spmd.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the loss and
+    its gradients come from that pipeline schedule instead of `loss_fn`.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
@@ -265,14 +269,26 @@ def build_program(
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
 
+    step_accum = accum  # micro-batches the step itself loops over
+    local_loss = None  # the explicit executor's per-device loss, when not loss_fn's
+    if pipeline is not None and mesh.shape["pipeline"] > 1:
+        from spmd import pipeline as pp
+
+        pp.check_composition(executor, policy, pipeline)
+        # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
+        pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)
+        step_accum = 1
+        loss_of = pp.pipelined_loss(graphdef, names, layout, pipeline)  # noqa: F811
+        local_loss = pp.manual_pipelined_loss(graphdef, names, pipeline, mesh.shape["pipeline"])
+
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
         with rules.activation_layout(mesh, zero):
-            if accum == 1:
+            if step_accum == 1:
                 loss, grads = grad_fn(params, batch)
             else:
                 loss, grads = accumulated_grads(
-                    grad_fn, params, batch, accum, mesh, zero, grad_sh, policy.reduce_dtype
+                    grad_fn, params, batch, step_accum, mesh, zero, grad_sh, policy.reduce_dtype
                 )
         grads = jax.lax.with_sharding_constraint(grads, grad_sh)
         params, opt_state, loss_scale, grads = precision.apply_gradients(
@@ -302,7 +318,7 @@ def build_program(
             "batch": batch_sh,
         }
         train_step, eval_step = explicit_steps(
-            graphdef, loss_fn, tx, mesh, zero, shardings, accum, policy
+            graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
         )
     return Program(
         layout=layout,

@@ -143,6 +143,30 @@ def setup_mesh(train: TrainConfig, n_processes: int = 1):
     return mesh_lib.build_mesh(sizes, dcn=dcn)
 
 
+def pipeline_of(train: TrainConfig, model: llama.LlamaConfig, layout: Any) -> tuple:
+    """(spmd.pipeline.Pipeline, its schedule report) when the mesh has pp > 1, else (None,
+    None); prints the schedule's bubble and idle share. UsageError for a schedule that cannot
+    run (layers, micro-batches or batch that do not split)."""
+    stages = layout.mesh.shape["pipeline"]
+    if stages == 1:
+        return None, None
+    from spmd import pipeline
+
+    pipe = pipeline.Pipeline(
+        train.pp_schedule, train.microbatches, train.pp_virtual, llama.logits_loss
+    )
+    pipeline.check(pipe, layout, model.n_layers, train.batch, train.accum)
+    report = pipeline.report(pipeline.with_accumulation(pipe, stages, train.accum), stages)
+    say(
+        f"pipeline: {report['schedule']} over {stages} stages x {report['virtual']} chunks, "
+        f"{report['microbatches']} micro-batches | bubble (p-1)/(M+p-1)/v "
+        f"{report['bubble_theory']:.3f} | idle share of the tick table run "
+        f"{report['idle_fraction']:.3f} ({report['ticks']} ticks, {report['stash_slots']} "
+        f"stashed inputs per stage)"
+    )
+    return pipe, report
+
+
 def main(argv: list[str] | None = None) -> int:
     from spmd import distributed
 
@@ -214,6 +238,7 @@ def run(argv: list[str] | None) -> int:
         f"{model_cfg.n_params() / 1e6:.2f} M params | {format_batch_arithmetic(batch_check)}"
     )
     say(precision.describe(policy))
+    pipe, pipe_report = pipeline_of(train, model_cfg, layout)
     program = api.build(
         lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
         llama.lm_loss,
@@ -224,6 +249,7 @@ def run(argv: list[str] | None) -> int:
         precision_policy=train.precision,
         accum=train.accum,
         seed=train.seed,
+        pipeline=pipe,
     )
     manager, restored = None, None
     if checkpointing:
@@ -262,6 +288,7 @@ def run(argv: list[str] | None) -> int:
         peak_tflops_per_device=observer.peak,
         memory_per_device=memory,
         batch_arithmetic=batch_check,
+        pipeline=pipe_report,
     )
     from spmd.preemption import StopSignals
 

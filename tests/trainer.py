@@ -44,8 +44,13 @@ def layout(mesh: str, zero: int = 3, devices: int | None = None) -> Layout:
 
 
 def program(
-    lay: Layout, accum: int = 1, executor: str = "auto", **model_overrides: object
+    lay: Layout,
+    accum: int = 1,
+    executor: str = "auto",
+    pipeline: object = None,
+    **model_overrides: object,
 ) -> Program:
+    """The tiny model's program on `lay`; `pipeline` (spmd.pipeline.Pipeline) pipelines it."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(
@@ -56,18 +61,30 @@ def program(
         seed=0,
         accum=accum,
         executor=executor,
+        pipeline=pipeline,
     )
 
 
-def train_losses(prog: Program, steps: int = STEPS) -> tuple[np.ndarray, dict]:
-    """Losses of `steps` optimizer steps and the final params (as numpy)."""
-    params, opt_state, loss_scale = prog.init()
+def train_losses(
+    prog: Program, steps: int = STEPS, initial=None, step_fn=None
+) -> tuple[np.ndarray, dict]:
+    """Losses of `steps` optimizer steps and the final params (as numpy). `initial` (params,
+    opt state, loss scale) from another program of the same model skips compiling this one's init;
+    `step_fn` (e.g. an AOT-compiled train step) replaces `prog.train_step`."""
+    if initial is None:
+        params, opt_state, loss_scale = prog.init()
+    else:
+        params, opt_state, loss_scale = jax.tree.map(
+            lambda x, target: jax.device_put(x, target.sharding),
+            tuple(initial),
+            (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale),
+        )
     win = windows()
     losses = []
     for step in range(steps):
         ids = data.train_window_ids(0, step, BATCH, win.n_train)
         batch = data.global_batch(win, ids, prog.layout.batch_sharding())
-        params, opt_state, loss_scale, metrics = prog.train_step(
+        params, opt_state, loss_scale, metrics = (step_fn or prog.train_step)(
             params, opt_state, loss_scale, batch
         )
         losses.append(metrics["loss"])
