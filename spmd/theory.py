@@ -71,14 +71,46 @@ def shape_of(model: Any, compute_dtype: Any) -> Transformer:
     )
 
 
-def report(program: Any, compiled: Any, model: Transformer, global_batch: int, seq_len: int) -> str:
+def report(
+    program: Any,
+    compiled: Any,
+    model: Transformer,
+    global_batch: int,
+    seq_len: int,
+    pipeline: dict | None = None,
+) -> str:
     """--dry-run's table: the compiled step's collectives and memory beside the layout's
-    theoretical figures, with ratios."""
+    theoretical figures, with ratios. `pipeline`: the schedule's summary (spmd.schedules) when
+    pp > 1, whose activation sends are set beside the compiled collective-permutes."""
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
     expected = collectives(program, model, global_batch, seq_len)
-    return format_comparison(
+    if pipeline is not None:
+        expected["collective-permute"] = pipeline_sends(
+            program, model, pipeline, global_batch, seq_len
+        )
+    text = format_comparison(
         measured, expected, hlo.memory(compiled), memory(program, global_batch, seq_len)
     )
+    if pipeline is not None:
+        text += (
+            "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
+            "recomputation and the sum of the embedding and head gradients over pipeline"
+        )
+    return text
+
+
+def pipeline_sends(
+    program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
+) -> dict[str, int]:
+    """{"count", "bytes"} of the schedule's messages per device per step: each tick every
+    stage sends one micro-batch's activations [rows, length, embed] forward and their gradient
+    backward (a `ppermute` each way)."""
+    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
+    count = 2 * pipeline["ticks"]
+    return {
+        "count": count,
+        "bytes": count * rows * seq_len * model.embed_dim * model.activation_bytes,
+    }
 
 
 def _axes(spec: PartitionSpec) -> list[tuple[str, ...]]:

@@ -268,7 +268,7 @@ def run(argv: list[str] | None) -> int:
     observer = make_observer(train, model_cfg, mesh, compiled)
     if train.dry_run:
         shape = theory.shape_of(model_cfg, policy.compute_dtype)
-        say(theory.report(program, compiled, shape, train.batch, train.seq_len))
+        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
         say(dry_run_report(observer, compiled, device_kind))
         return 0
 

@@ -229,6 +229,18 @@ def test_what_pipelines_do_not_compose_with_is_refused_up_front(executor, precis
         )
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_compiled_activation_sends_match_the_schedule(schedule):
+    from spmd import theory
+
+    prog, step = compiled_step("pp=2", 3, schedule, 4, trainer.BATCH)
+    sends = hlo.collective_summary(hlo.collectives(step, prog.layout.mesh))["collective-permute"]
+    summary = schedules.build(schedule, 2, 4).summary()
+    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    want = theory.pipeline_sends(prog, shape, summary, trainer.BATCH, trainer.SEQ_LEN)
+    assert (sends["count"], sends["bytes"]) == (want["count"], want["bytes"])
+
+
 # --- memory ----------------------------------------------------------------------------------
 
 
