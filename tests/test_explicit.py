@@ -7,7 +7,6 @@ Compiles the tiny preset's step in-process on the 8 simulated CPU devices of con
 """
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -38,11 +37,9 @@ def _program(mesh_text: str, zero: int, executor: str, accum: int = 1, **model_o
     return trainer.program(trainer.layout(mesh_text, zero), accum, executor, **model_overrides)
 
 
-@functools.cache
 def _compiled(mesh_text: str, zero: int, executor: str, accum: int = 1):
-    """(program, compiled train step) of one layout and executor."""
-    program = _program(mesh_text, zero, executor, accum)
-    return program, program.compile_train_step(BATCH, SEQ)
+    """(program, compiled train step) of one layout and executor (shared with test_parity)."""
+    return trainer.compiled(mesh_text, zero, executor, accum)
 
 
 def _shape(model=TINY) -> theory.Transformer:

@@ -9,8 +9,7 @@ from tests import trainer
 
 
 def compiled(mesh: str, zero: int = 3):
-    prog = trainer.program(trainer.layout(mesh, zero))
-    return prog, prog.compile_train_step(trainer.BATCH, trainer.SEQ_LEN)
+    return trainer.compiled(mesh, zero)
 
 
 @pytest.fixture(scope="module")

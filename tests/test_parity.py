@@ -18,17 +18,21 @@ LAYOUTS = [
 ]
 
 
+def losses_of(mesh: str, zero: int = 3, executor: str = "auto") -> tuple:
+    program, step = trainer.compiled(mesh, zero, executor)
+    return trainer.train_losses(program, trainer.STEPS, trainer.initial_state(), step)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return trainer.train_losses(trainer.program(trainer.layout("dp=1")))
+    return losses_of("dp=1")
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("mesh,zero", LAYOUTS)
 def test_loss_trajectory_matches_one_device(reference, mesh, zero, executor):
     ref_losses, ref_params = reference
-    program = trainer.program(trainer.layout(mesh, zero), executor=executor)
-    losses, params = trainer.train_losses(program)
+    losses, params = losses_of(mesh, zero, executor)
     assert len(losses) == trainer.STEPS
     assert trainer.max_relative_difference(losses, ref_losses) <= 1e-4
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it trains, so parity is not trivial

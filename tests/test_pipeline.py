@@ -30,9 +30,12 @@ def pipe(schedule: str, microbatches: int, virtual: int = 1) -> Pipeline:
 @functools.cache
 def reference(n_layers: int) -> tuple:
     """The 1-device run of the tiny model with `n_layers`: (losses, final params, init state)."""
-    prog = trainer.program(trainer.layout("dp=1"), n_layers=n_layers)
-    initial = jax.device_get(prog.init())
-    losses, params = trainer.train_losses(prog, trainer.STEPS, initial, compile_step(prog))
+    if n_layers == trainer.tiny_config().n_layers:  # the session's shared program and init
+        (prog, step), initial = trainer.compiled("dp=1"), trainer.initial_state()
+    else:
+        prog = trainer.program(trainer.layout("dp=1"), n_layers=n_layers)
+        initial, step = jax.device_get(tuple(prog.init())), compile_step(prog)
+    losses, params = trainer.train_losses(prog, trainer.STEPS, initial, step)
     return losses, params, initial
 
 

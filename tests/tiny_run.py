@@ -63,25 +63,17 @@ def batch_at(program: Program, windows: data.TokenWindows, step: int) -> dict[st
     return data.global_batch(windows, ids, program.layout.batch_sharding())
 
 
-_HOST_INIT: list = []  # [(params, opt_state)] as numpy, from the session's first init
-
-
 def initial_state(program: Program) -> tuple[Any, Any, Any]:
-    """(params, opt_state, loss_scale) of `program.init()`, placed on the program's shardings.
+    """(params, opt_state, loss_scale) of the seed-0 init (made once per session, see
+    trainer.initial_state) placed on the program's shardings, with the program's initial loss
+    scale. Params and optimizer state are a function of the seed only, not of the mesh."""
+    from tests import trainer
 
-    The params and optimizer state are computed once per test session and reused: they are a
-    function of the seed only (not of the mesh), and compiling init costs as much as compiling
-    a train step on this machine."""
-    if not _HOST_INIT:
-        # LLVM's optimizations of the RNG code are most of init's compile time; they do not
-        # change the integer RNG bits, and the tests compare runs from this same init.
-        init = program.init.lower().compile({"xla_backend_optimization_level": 0})
-        params, opt_state, _ = init()
-        _HOST_INIT.append(jax.device_get((params, opt_state)))
+    params, opt_state, _ = trainer.initial_state()
     shardings = jax.tree.map(
         lambda a: a.sharding, (program.abstract_params, program.abstract_opt_state)
     )
-    params, opt_state = jax.device_put(_HOST_INIT[0], shardings)
+    params, opt_state = jax.device_put((params, opt_state), shardings)
     loss_scale = jax.device_put(precision.init_loss_scale(program.policy))
     return params, opt_state, loss_scale
 

@@ -65,6 +65,23 @@ def program(
     )
 
 
+@functools.cache
+def compiled(
+    mesh: str, zero: int = 3, executor: str = "auto", accum: int = 1
+) -> tuple[Program, object]:
+    """(program, AOT-compiled train step for BATCH x SEQ_LEN) of the tiny model on `mesh`,
+    made once per test session: the parity, layout and explicit-collective tests share them."""
+    prog = program(layout(mesh, zero), accum, executor)
+    return prog, prog.compile_train_step(BATCH, SEQ_LEN)
+
+
+@functools.cache
+def initial_state() -> tuple:
+    """(params, opt_state, loss_scale) of the seed-0 init, as host arrays, made once: it does
+    not depend on the mesh, and compiling init costs as much as a train step."""
+    return jax.device_get(tuple(compiled("dp=1")[0].init()))
+
+
 def train_losses(
     prog: Program, steps: int = STEPS, initial=None, step_fn=None
 ) -> tuple[np.ndarray, dict]:
