@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from models import llama
-    from spmd import config, hlo
+    from spmd import config
+    from spmd.estimate import hlo
 
     cfg = llama.LlamaConfig(**config.preset("tiny"))
     mesh = spmd.make_mesh("dp=2")

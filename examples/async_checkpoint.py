@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python examples/async_checkpoint.py [--model small] [--mesh fsdp=8] [--saves 5]
 
-Trains the model with the real program and spmd.checkpoint.save, timing every step to
+Trains the model with the real program and spmd.io.checkpoint.save, timing every step to
 completion (dispatch + block_until_ready). Each round times a few steps with no save, then
 starts a save and times the steps that run while orbax writes it in the background, until it is
 complete; rounds interleave so that both kinds of step see the same machine load. Prints
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=8, help="rounds (one save each)")
     args = parser.parse_args()
 
-    from spmd import mesh as mesh_lib
+    from spmd.parallel import mesh as mesh_lib
 
     sizes = mesh_lib.parse_mesh(args.mesh)
     if mesh_lib.cpu_only() and (mesh_lib.devices_needed(sizes) or 1) > 1:
@@ -39,10 +39,11 @@ def main() -> None:
     import numpy as np
 
     from models import llama
-    from spmd import checkpoint, config, data
+    from spmd import config
     from spmd.config import TrainConfig
-    from spmd.optim import make_optimizer
-    from spmd.step import Layout, build_program
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import Layout, build_program
+    from spmd.io import checkpoint, data
 
     model_cfg = llama.LlamaConfig(**config.preset(args.model))
     train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000)

@@ -10,7 +10,8 @@ Mixed into one table for a model of P params trained with fp32 Adam on N devices
     ZeRO-3         4P / N        4P / N        8P / N
 
 The compiled column is read from the shardings the compiled train step takes its params and
-optimizer state in (spmd.step.state_bytes_per_device); the gradients live only inside the step,
+optimizer state in (spmd.engine.step.state_bytes_per_device); the gradients live only inside the
+step,
 in XLA's temp buffers, so that column shows the compiled temp size instead. The script checks
 that params + Adam state agree with the formula to within Adam's 4-byte step counter.
 
@@ -45,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from models import llama
-    from spmd import config, hlo
-    from spmd.step import state_bytes_per_device
+    from spmd import config
+    from spmd.engine.step import state_bytes_per_device
+    from spmd.estimate import hlo
 
     cfg = llama.LlamaConfig(**config.preset(args.model))
     n_params, mib = cfg.n_params(), 2**20

@@ -6,7 +6,7 @@ single all-reduce; auto: the same P bytes in a few all-reduces. Memory per devic
 grads and Adam state, unsplit.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="ddp",

@@ -8,7 +8,7 @@ of P bytes, about 5x the explicit all-reduce bytes for the tiny model. Two data 
 default; the rest of the devices form the fsdp axis.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="hsdp",

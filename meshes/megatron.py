@@ -13,7 +13,7 @@ these. Auto: about 1.26x these bytes for tiny on tp=8, with all-gathers of the r
 heads' activations.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="megatron",

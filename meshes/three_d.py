@@ -8,7 +8,7 @@ all-reduce bytes for tiny, with the fsdp and data gradient reductions as all-red
 backward layer loop.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="3d",

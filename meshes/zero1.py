@@ -6,7 +6,7 @@ result ((N-1)/N * P sent), one per param tensor. Both executors compile to these
 Optimizer memory per device: 1/N.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="zero1",

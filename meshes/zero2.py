@@ -7,7 +7,7 @@ Collectives per step: a reduce-scatter of the gradients, P/N bytes of result per
 as an all-reduce of P bytes (8 ops for the tiny model), the all-gather as above.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="zero2",

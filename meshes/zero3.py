@@ -11,7 +11,7 @@ all-reduces of P bytes instead of the reduce-scatter. Memory per device: P/N of 
 gathered layer while it computes.
 """
 
-from meshes import Preset
+from meshes.preset import Preset
 
 PRESET = Preset(
     name="zero3",

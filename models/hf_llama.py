@@ -51,8 +51,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models import llama
 from models.hf_config import ARCHITECTURES, hf_config, llama_config
-from spmd import safetensors_io
 from spmd.errors import UsageError
+from spmd.io import safetensors_io
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

@@ -9,7 +9,7 @@ activations in the backward pass.
 Params are stored in `param_dtype` (fp32) and cast to `dtype` for compute; the loss is always
 computed in fp32.
 
-Params are read through the hooks of spmd.collectives (`gather`, Megatron's `tp_enter` /
+Params are read through the hooks of spmd.parallel.collectives (`gather`, Megatron's `tp_enter` /
 `tp_reduce`, and the vocab-parallel lookup and cross-entropy's `tp_rank`, `tp_sum`, `tp_max`),
 which take logical names and do nothing unless the explicit executor runs the model inside a
 shard_map, where each device holds only its blocks of the params.
@@ -24,8 +24,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmd.collectives import gather, layer_remat, tp_enter, tp_max, tp_rank, tp_reduce, tp_sum
-from spmd.rules import constrain
+from spmd.parallel.hooks import (
+    constrain,
+    gather,
+    layer_remat,
+    tp_enter,
+    tp_max,
+    tp_rank,
+    tp_reduce,
+    tp_sum,
+)
 
 REMAT_POLICIES = {
     "none": None,
@@ -262,7 +270,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
-    """A freshly initialised model (eager, unsharded; use spmd.step to create it sharded)."""
+    """A freshly initialised model (eager, unsharded; use spmd.engine.step to create it sharded)."""
     with nnx.use_eager_sharding(False):
         return Llama(cfg, nnx.Rngs(seed), dtype)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.llama import Attention, Block, Llama, LlamaConfig, rotary
-from spmd.rules import constrain
+from spmd.parallel.hooks import constrain
 
 CACHE_NAMES = ("batch", "length", "kv_heads", None)  # of one layer's keys or values
 

@@ -26,13 +26,13 @@ _EXPORTS = {
     "checkpoints": "spmd.api",
     "save": "spmd.api",
     "restore": "spmd.api",
-    "TrainState": "spmd.step",
-    "Program": "spmd.step",
-    "gather": "spmd.collectives",
-    "tp_enter": "spmd.collectives",
-    "tp_reduce": "spmd.collectives",
-    "constrain": "spmd.rules",
-    "simulate_cpu_devices": "spmd.mesh",
+    "TrainState": "spmd.engine.step",
+    "Program": "spmd.engine.step",
+    "gather": "spmd.parallel.hooks",
+    "tp_enter": "spmd.parallel.hooks",
+    "tp_reduce": "spmd.parallel.hooks",
+    "constrain": "spmd.parallel.hooks",
+    "simulate_cpu_devices": "spmd.parallel.mesh",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -25,10 +25,12 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmd import checkpoint, precision, rules
-from spmd import mesh as mesh_lib
-from spmd.metrics import say
-from spmd.step import Layout, Program, TrainState, build_program
+from spmd.engine import precision
+from spmd.engine.step import Layout, Program, TrainState, build_program
+from spmd.io import checkpoint
+from spmd.observe.metrics import say
+from spmd.parallel import mesh as mesh_lib
+from spmd.parallel import rules
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
@@ -71,7 +73,8 @@ def build(
     - accum: micro-batches per optimizer step (the batch's dimension 0 split accum ways),
       with one gradient reduction per step.
 
-    - pipeline: a spmd.pipeline.Pipeline (schedule, micro-batches, virtual stages) used when
+    - pipeline: a spmd.parallel.pipeline.Pipeline (schedule, micro-batches, virtual stages) used
+    when
       the mesh's pipeline axis is over 1; the model then provides `embed_tokens(tokens)`,
       `apply_blocks(x)` and `head_logits(x)`, as models/llama.py does.
 

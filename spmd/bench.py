@@ -19,9 +19,10 @@ import time
 from typing import Any
 
 from models import llama
-from spmd import config, data, tokens, train
+from spmd import config, train
 from spmd.errors import UsageError, run_command
-from spmd.metrics import say
+from spmd.io import data, tokens
+from spmd.observe.metrics import say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,15 @@ def run(argv: list[str] | None) -> int:
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
     train.check_choices(cfg, model_cfg)
-    mesh = train.setup_mesh(cfg)
+    from spmd.parallel.mesh import setup_mesh
+
+    mesh = setup_mesh(cfg.mesh, cfg.devices)
 
     import jax
 
-    from spmd.mesh import format_mesh
-    from spmd.optim import make_optimizer
-    from spmd.step import Layout, build_program, check_batch
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import Layout, build_program, check_batch
+    from spmd.parallel.mesh import format_mesh
 
     layout = Layout(mesh, cfg.zero)
     check_batch(cfg.batch, layout, cfg.accum)

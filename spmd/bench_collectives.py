@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import meshes
-    from spmd import mesh as mesh_lib
+    from spmd.parallel import mesh as mesh_lib
 
     names = [n for n in args.layouts.split(",") if n] or list(meshes.presets())
     presets = [meshes.get(n) for n in names]
@@ -75,11 +75,12 @@ def bench_layout(args: argparse.Namespace, sizes: dict[str, int], zero: int):
     import numpy as np
 
     from models import llama
-    from spmd import config, hlo
+    from spmd import config
     from spmd.config import TrainConfig
-    from spmd.mesh import build_mesh
-    from spmd.optim import make_optimizer
-    from spmd.step import EXECUTORS, Layout, build_program, check_batch
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import EXECUTORS, Layout, build_program, check_batch
+    from spmd.estimate import hlo
+    from spmd.parallel.mesh import build_mesh
 
     model = llama.LlamaConfig(**config.preset(args.model))
     train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len)

@@ -5,7 +5,7 @@
 
 HF -> spmd streams each tensor from the safetensors files onto the param shardings of `--mesh`
 (models/hf_llama.py) and writes a params-only checkpoint (step 0) that `spmd.generate
---checkpoint` and `--to-hf` read; spmd.params_io says why `spmd.train --resume` refuses it
+--checkpoint` and `--to-hf` read; spmd.io.params_io says why `spmd.train --resume` refuses it
 (`--init-from-hf` trains from the HF folder instead). spmd -> HF reads the params of a
 checkpoint's newest step (or `--step`) and writes config.json and safetensors (`--hf-dtype
 float32` by default, so the round trip is bit-exact; `bfloat16` halves the size), sharded at
@@ -60,7 +60,8 @@ def run(argv: list[str] | None) -> int:
     if cfg.max_shard_mb < 1:
         raise UsageError(f"--max-shard-mb {cfg.max_shard_mb} must be at least 1")
     from models import hf_llama
-    from spmd import checkpoint, params_io, weights
+    from spmd import weights
+    from spmd.io import checkpoint, params_io
 
     started = time.perf_counter()
     if to_spmd:

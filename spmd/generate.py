@@ -88,12 +88,12 @@ def _make_sampler(
     from flax import nnx
 
     from models import llama_decode
-    from spmd import rules
+    from spmd.parallel import hooks
 
     layout = program.layout
 
     def run(params: Any, tokens: Any, lengths: Any, key: Any) -> Any:
-        with rules.activation_layout(layout.mesh, layout.zero_stage):
+        with hooks.activation_layout(layout.mesh, layout.zero_stage):
             model = nnx.merge(program.graphdef, params)
             batch, prompt_len = tokens.shape
             cache = llama_decode.init_cache(
@@ -194,7 +194,7 @@ class Codec:
 def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Codec:
     """--tokenizer, else the tokenizer the checkpoint was trained or converted with, else a
     Hugging Face folder's tokenizer.json; bytes if none."""
-    from spmd.tokens import _load_tokenizer
+    from spmd.io.tokens import _load_tokenizer
 
     path = (
         cfg.tokenizer

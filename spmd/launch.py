@@ -3,7 +3,7 @@
 Starts N copies of COMMAND as the processes of one JAX job on this host: a free coordinator
 port on 127.0.0.1 is chosen and handed to each copy through the environment (SPMD_COORDINATOR,
 SPMD_NUM_PROCESSES, SPMD_PROCESS_ID, and SPMD_LOCAL_DEVICES when --devices-per-process is
-given), which `spmd.distributed.initialize` reads. Every output line is prefixed with its
+given), which `spmd.parallel.distributed.initialize` reads. Every output line is prefixed with its
 process rank. If one process fails, the others are terminated (SIGTERM, then SIGKILL after
 --grace seconds) and the launcher exits with the first failure's status: never a hang.
 """

@@ -4,8 +4,9 @@
     python -m spmd.plan --params 7e9 --devices 64 --recommend
     python -m spmd.plan --model tiny --mesh dp=2,fsdp=2,tp=2 --measure
 
-Prints the analytic model of spmd.cost for one layout (or, with --recommend, for the layout
-spmd.recommend proposes): memory per device against the HBM, the collectives of one optimizer
+Prints the analytic model of spmd.estimate.cost for one layout (or, with --recommend, for the layout
+spmd.estimate.recommend proposes): memory per device against the HBM, the collectives of one
+optimizer
 step with their ring times, compute time and the batch arithmetic. --measure compiles the real
 train step on simulated CPU devices and puts its figures beside the analytic ones. Every flag of
 `python -m spmd.train` is accepted, so a training command line can be planned as it is. Units:
@@ -23,11 +24,12 @@ import typing
 from typing import Any
 
 from models import llama
-from spmd import config, cost, measure, recommend
+from spmd import config
 from spmd.config import TrainConfig
+from spmd.engine.optim import peak_lr
 from spmd.errors import UsageError
-from spmd.mesh import MESH_AXES, format_mesh, parse_mesh, resolve_mesh
-from spmd.optim import peak_lr
+from spmd.estimate import cost, measure, recommend
+from spmd.parallel.mesh import MESH_AXES, format_mesh, parse_mesh, resolve_mesh
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`python -m spmd.report RUN.jsonl [MORE.jsonl ...] --out report.png`: runs side by side.
 
 Draws loss, throughput (tokens/s) and step time against step from the train records of each
-metrics JSONL (spmd.metrics), one line per run, labelled with its mesh and ZeRO stage, so
+metrics JSONL (spmd.observe.metrics), one line per run, labelled with its mesh and ZeRO stage, so
 layouts can be compared at a glance. Needs matplotlib (the optional extra `report`).
 """
 

@@ -16,12 +16,13 @@ import traceback
 from typing import Any
 
 from models import llama
-from spmd import config, data, profile, tokens
+from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
-from spmd.loop import train_loop
-from spmd.metrics import MetricsLog, say
-from spmd.resume import open_checkpoints
+from spmd.io import data, tokens
+from spmd.io.resume import open_checkpoints
+from spmd.observe import profile
+from spmd.observe.metrics import MetricsLog, say
 
 SECTIONS = {"model": llama.LlamaConfig, "train": TrainConfig}
 
@@ -52,7 +53,7 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
         raise UsageError(f"--devices {train.devices} must be 0 (as needed) or a device count")
     if not 0 <= train.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
-    from spmd import precision
+    from spmd.engine import precision
 
     precision.get(train.precision)  # UsageError naming the valid policies
     if model.remat not in llama.REMAT_POLICIES:
@@ -61,7 +62,7 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
     check_checkpoint_choices(train)
     check_observability(train)
-    from spmd.step import check_executor
+    from spmd.engine.step import check_executor
 
     check_executor(train.collectives)
 
@@ -69,8 +70,8 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
 def start_processes(train: TrainConfig) -> int:
     """Join the multi-process job if this is one (flags, spmd.launch, SLURM, Open MPI);
     only process 0 prints progress and writes metrics. Returns the number of processes."""
-    from spmd import distributed
-    from spmd.metrics import set_primary
+    from spmd.observe.metrics import set_primary
+    from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
         train.coordinator,
@@ -111,46 +112,14 @@ def check_observability(train: TrainConfig) -> None:
         raise UsageError(f"--straggler-threshold {train.straggler_threshold} must be >= 0")
 
 
-def setup_mesh(train: TrainConfig, n_processes: int = 1):
-    """Simulate CPU devices if needed (before JAX starts), then build the global mesh; in a
-    multi-process job, a hybrid mesh whose `--dcn-mesh` ways cross processes."""
-    from spmd import distributed
-    from spmd import mesh as mesh_lib
-
-    sizes = mesh_lib.parse_mesh(train.mesh)
-    needed = mesh_lib.devices_needed(sizes)
-    if needed and needed % n_processes:
-        raise UsageError(
-            f"--mesh {train.mesh} needs {needed} devices, which {n_processes} processes cannot "
-            f"share evenly; use a mesh whose product is a multiple of {n_processes}"
-        )
-    local = train.devices or distributed.local_devices_from_env()
-    if local:
-        if not mesh_lib.cpu_only():
-            raise UsageError(
-                f"--devices {local} simulates CPU devices, but this machine has "
-                f"accelerators; drop --devices to use them"
-            )
-        mesh_lib.simulate_cpu_devices(local, announce=False)
-    elif needed and needed > n_processes and mesh_lib.cpu_only():
-        mesh_lib.simulate_cpu_devices(needed // n_processes, announce=n_processes == 1)
-    if n_processes == 1:
-        return mesh_lib.build_mesh(sizes)
-    import jax
-
-    sizes = mesh_lib.resolve_mesh(sizes, len(jax.devices()))
-    dcn = mesh_lib.dcn_split(sizes, n_processes, train.dcn_mesh, len(jax.local_devices()))
-    return mesh_lib.build_mesh(sizes, dcn=dcn)
-
-
 def pipeline_of(train: TrainConfig, model: llama.LlamaConfig, layout: Any) -> tuple:
-    """(spmd.pipeline.Pipeline, its schedule report) when the mesh has pp > 1, else (None,
+    """(spmd.parallel.pipeline.Pipeline, its schedule report) when the mesh has pp > 1, else (None,
     None); prints the schedule's bubble and idle share. UsageError for a schedule that cannot
     run (layers, micro-batches or batch that do not split)."""
     stages = layout.mesh.shape["pipeline"]
     if stages == 1:
         return None, None
-    from spmd import pipeline
+    from spmd.parallel import pipeline
 
     pipe = pipeline.Pipeline(
         train.pp_schedule, train.microbatches, train.pp_virtual, llama.logits_loss
@@ -168,7 +137,7 @@ def pipeline_of(train: TrainConfig, model: llama.LlamaConfig, layout: Any) -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spmd import distributed
+    from spmd.parallel import distributed
 
     try:
         code = run(argv)
@@ -190,25 +159,88 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    sections = config.resolve(argv, SECTIONS, "python -m spmd.train", expand_train=expand_layout)
-    if sections["train"].init_from_hf:  # the folder's config.json is the architecture
-        from models import hf_llama
-
-        folder = hf_llama.open_checkpoint(sections["train"].init_from_hf, sections["model"].remat)
-        sections["model"] = folder.config
+    sections = resolve_sections(argv)
     train, model_cfg = sections["train"], sections["model"]
     check_choices(train, model_cfg)
     n_processes = start_processes(train)
     say(config.format_config(sections))
     checkpointing = bool(train.checkpoint_dir) and not train.dry_run
     if checkpointing:
-        from spmd import checkpoint
+        check_checkpoint_dir(train)
+    token_file, windows = open_data(train, model_cfg)
+    from spmd.parallel.mesh import setup_mesh
 
-        checkpoint.check_directory(train.checkpoint_dir, train.resume)
-        if train.resume:
-            from spmd.params_io import refuse_resume
+    mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
+    program, pipe_report = build_run_program(train, model_cfg, mesh)
+    manager, restored = None, None
+    if checkpointing:
+        manager, restored = open_checkpoints(train, program, sections, token_file.fingerprint)
+    compiled, facts = compile_step(train, model_cfg, program)
+    if train.dry_run:
+        from spmd.estimate import theory
+        from spmd.observe.observer import dry_run_report
 
-            refuse_resume(train.checkpoint_dir)
+        shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
+        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+        say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
+        return 0
+    log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
+    write_config_record(log, sections, program, facts, pipe_report)
+    from spmd.engine.loop import Run, train_loop
+    from spmd.io.preemption import StopSignals
+
+    # Open until the last save is written: a stop signal during the final eval or save is noted
+    # (and the run ends as planned) instead of killing the process mid-save.
+    with StopSignals() as stop:
+        try:
+            loop_run = Run(
+                train,
+                sections,
+                program,
+                compiled,
+                log,
+                windows,
+                token_file,
+                manager,
+                stop,
+                facts["observer"],
+            )
+            start = initial_state(loop_run, restored)
+            if start is not None:
+                train_loop(loop_run, *start)
+        finally:
+            if manager is not None:
+                manager.close()  # waits for a save still being written
+            log.close()
+    return 0
+
+
+def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
+    """The config tree of the command line; with --init-from-hf the Hugging Face folder's
+    config.json is the architecture."""
+    sections = config.resolve(argv, SECTIONS, "python -m spmd.train", expand_train=expand_layout)
+    if sections["train"].init_from_hf:
+        from models import hf_llama
+
+        folder = hf_llama.open_checkpoint(sections["train"].init_from_hf, sections["model"].remat)
+        sections["model"] = folder.config
+    return sections
+
+
+def check_checkpoint_dir(train: TrainConfig) -> None:
+    """UsageError for a --checkpoint-dir that a fresh run would overwrite or that --resume
+    cannot continue (a params-only conversion)."""
+    from spmd.io import checkpoint
+
+    checkpoint.check_directory(train.checkpoint_dir, train.resume)
+    if train.resume:
+        from spmd.io.params_io import refuse_resume
+
+        refuse_resume(train.checkpoint_dir)
+
+
+def open_data(train: TrainConfig, model_cfg: llama.LlamaConfig) -> tuple[Any, Any]:
+    """(token file, train/eval windows) of --data, tokenized once and cached."""
     token_file = tokens.open_tokens(train.data, train.tokenizer, train.data_cache)
     tokens.check_vocab(token_file, model_cfg.vocab_size)
     windows = data.TokenWindows(token_file.load(), train.seq_len, train.eval_fraction)
@@ -217,25 +249,27 @@ def run(argv: list[str] | None) -> int:
         f"({token_file.path}), {windows.n_train} train / {windows.n_eval} eval windows of "
         f"{train.seq_len + 1}"
     )
-    mesh = setup_mesh(train, n_processes)
+    return token_file, windows
 
+
+def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: Any) -> tuple:
+    """(the Program of this run on `mesh`, the pipeline schedule report or None), printing the
+    mesh, the batch arithmetic and the precision policy."""
     import jax
 
-    from spmd import api, hlo, precision, theory
-    from spmd.mesh import format_mesh
-    from spmd.observe import dry_run_report, make_observer
-    from spmd.optim import make_optimizer
-    from spmd.step import Layout, check_batch, state_bytes_per_device
+    from spmd import api
+    from spmd.engine import precision
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import Layout, check_batch
+    from spmd.parallel.mesh import format_mesh
 
     layout = Layout(mesh, train.zero)
     check_batch(train.batch, layout, train.accum)
-    mesh_text = format_mesh(dict(mesh.shape))
-    device_kind = jax.devices()[0].device_kind
     policy = precision.get(train.precision)
-    batch_check = batch_arithmetic(train, layout.data_parallel)
     say(
-        f"mesh {mesh_text} ({mesh.size} x {device_kind}), zero {train.zero} | "
-        f"{model_cfg.n_params() / 1e6:.2f} M params | {format_batch_arithmetic(batch_check)}"
+        f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
+        f"zero {train.zero} | {model_cfg.n_params() / 1e6:.2f} M params | "
+        f"{format_batch_arithmetic(batch_arithmetic(train, layout.data_parallel))}"
     )
     say(precision.describe(policy))
     pipe, pipe_report = pipeline_of(train, model_cfg, layout)
@@ -251,9 +285,18 @@ def run(argv: list[str] | None) -> int:
         seed=train.seed,
         pipeline=pipe,
     )
-    manager, restored = None, None
-    if checkpointing:
-        manager, restored = open_checkpoints(train, program, sections, token_file.fingerprint)
+    return program, pipe_report
+
+
+def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any) -> tuple:
+    """(the compiled train step, what the config record and dry run report of it), printing the
+    compile time and per-device memory."""
+    import jax
+
+    from spmd.engine.step import state_bytes_per_device
+    from spmd.estimate import hlo
+    from spmd.observe.observer import make_observer
+
     started = time.perf_counter()
     compiled = program.compile_train_step(train.batch, train.seq_len)
     compile_s = time.perf_counter() - started
@@ -265,61 +308,68 @@ def run(argv: list[str] | None) -> int:
         f"{state_bytes['opt_state'] / 2**20:.2f} MiB, temp {memory.get('temp', 0) / 2**20:.2f} "
         f"MiB with --remat {model_cfg.remat} (activations kept for the backward pass)"
     )
-    observer = make_observer(train, model_cfg, mesh, compiled)
-    if train.dry_run:
-        shape = theory.shape_of(model_cfg, policy.compute_dtype)
-        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
-        say(dry_run_report(observer, compiled, device_kind))
-        return 0
+    facts = {
+        "compile_s": compile_s,
+        "state_bytes": state_bytes,
+        "memory": memory,
+        "device_kind": jax.devices()[0].device_kind,
+        "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
+    }
+    return compiled, facts
 
-    log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
+
+def write_config_record(
+    log: MetricsLog, sections: dict[str, Any], program: Any, facts: dict, pipe_report: Any
+) -> None:
+    """The first JSONL record: the resolved config, the mesh and what the compile found."""
+    import jax
+
+    from spmd.parallel.mesh import format_mesh
+
+    train, model_cfg, mesh = sections["train"], sections["model"], program.layout.mesh
     log.write(
         "config",
         config=config.as_dict(sections),
         mesh=dict(mesh.shape),
-        mesh_text=mesh_text,
+        mesh_text=format_mesh(dict(mesh.shape)),
         devices=mesh.size,
-        device_kind=device_kind,
+        device_kind=facts["device_kind"],
         platform=jax.devices()[0].platform,
         n_params=model_cfg.n_params(),
-        state_bytes_per_device=state_bytes,
-        compile_s=compile_s,
-        flops_per_step=observer.flops_per_step,
-        peak_tflops_per_device=observer.peak,
-        memory_per_device=memory,
-        batch_arithmetic=batch_check,
+        state_bytes_per_device=facts["state_bytes"],
+        compile_s=facts["compile_s"],
+        flops_per_step=facts["observer"].flops_per_step,
+        peak_tflops_per_device=facts["observer"].peak,
+        memory_per_device=facts["memory"],
+        batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
     )
-    from spmd.preemption import StopSignals
 
-    # Open until the last save is written: a stop signal during the final eval or save is noted
-    # (and the run ends as planned) instead of killing the process mid-save.
-    with StopSignals() as stop:
-        try:
-            train_loop(
-                train,
-                sections,
-                program,
-                compiled,
-                log,
-                windows,
-                token_file,
-                manager,
-                restored,
-                stop,
-                observer,
-            )
-        finally:
-            if manager is not None:
-                manager.close()  # waits for a save still being written
-            log.close()
-    return 0
+
+def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
+    """(state, first step) to train from: the restored checkpoint's, the Hugging Face
+    weights of --init-from-hf, or a fresh init; None when the checkpoint already completes
+    --steps."""
+    train, program = run.train, run.program
+    if restored is not None:
+        run.log.write("resume", step=restored.step, checkpoint_dir=train.checkpoint_dir)
+        if restored.step >= train.steps:
+            say(f"the checkpoint at step {restored.step} already completes --steps {train.steps}")
+            return None
+        return restored.state, restored.step + 1
+    if train.init_from_hf:
+        from spmd.weights import init_from_hf
+
+        params, opt_state, loss_scale = init_from_hf(train.init_from_hf, program)
+    else:
+        params, opt_state, loss_scale = program.init()
+    return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, 1
 
 
 def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:
     """The textbook self-check of a run: per-device micro-batch x accum x data-parallel size =
     global batch (sequences), tokens per optimizer step, and the LR before and after scaling."""
-    from spmd.optim import peak_lr
+    from spmd.engine.optim import peak_lr
 
     return {
         "micro_batch_per_device": train.batch // (data_parallel * train.accum),

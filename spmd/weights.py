@@ -1,7 +1,7 @@
 """Where the params of `spmd.generate` and `spmd.convert` come from: an spmd checkpoint folder
 or a Hugging Face folder, loaded straight onto the shardings of a mesh.
 
-Both build the same Program as training (spmd.step.build_program) for the model the source
+Both build the same Program as training (spmd.engine.step.build_program) for the model the source
 describes, so params land in exactly the layout a training run of that mesh would use.
 """
 
@@ -13,8 +13,9 @@ from typing import Any
 import optax
 
 from models import hf_llama, llama
-from spmd import config, params_io
-from spmd.step import Layout, Program, build_program
+from spmd import config
+from spmd.engine.step import Layout, Program, build_program
+from spmd.io import params_io
 
 
 @dataclasses.dataclass
@@ -31,15 +32,9 @@ class Loaded:
 def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
     """The mesh of `--mesh` (simulating CPU devices when needed, so call this before anything
     starts JAX's backend) and the ZeRO stage that decides how params are sharded."""
-    from spmd.train import setup_mesh
+    from spmd.parallel.mesh import setup_mesh
 
-    return Layout(setup_mesh(_MeshFlags(mesh, devices)), zero)
-
-
-@dataclasses.dataclass(frozen=True)
-class _MeshFlags:  # the two fields of TrainConfig that setup_mesh reads
-    mesh: str
-    devices: int
+    return Layout(setup_mesh(mesh, devices), zero)
 
 
 def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from spmd import hlo, rules
-from spmd.accumulate import replica_axes
-from spmd.mesh import build_mesh, parse_mesh
-from spmd.step import Program
+from spmd.engine.accumulate import replica_axes
+from spmd.engine.step import Program
+from spmd.estimate import hlo
+from spmd.parallel import rules
+from spmd.parallel.mesh import build_mesh, parse_mesh
 from tests.tiny_run import BATCH, EXECUTORS, SEQ_LEN, tiny_program, train_losses
 
 

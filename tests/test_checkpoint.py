@@ -1,4 +1,4 @@
-"""Checkpoints: spmd.checkpoint on small pytrees (resharding restore, partial and damaged steps),
+"""Checkpoints: spmd.io.checkpoint on small pytrees (resharding restore, partial and damaged steps),
 then the real CLI in subprocesses: bitwise resume, resume on another mesh, falling back past a
 damaged step, SIGTERM, kill -9 in the middle of a save, and bad --resume input.
 
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import checkpoint, mesh
 from spmd.errors import UsageError
+from spmd.io import checkpoint
+from spmd.parallel import mesh
 from spmd.train import main
 
 ROOT = Path(__file__).resolve().parents[1]

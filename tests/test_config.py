@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from models.llama import LlamaConfig
-from spmd import config, data
+from spmd import config
 from spmd.errors import UsageError
-from spmd.mesh import format_mesh, parse_mesh, resolve_mesh
+from spmd.io import data
+from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
 from spmd.train import SECTIONS, expand_layout
 
 
@@ -68,7 +69,7 @@ def test_batches_depend_on_seed_and_step_only_and_cover_an_epoch_once():
 
 
 def test_dcn_split_puts_data_parallel_ways_across_hosts_and_tensor_last(capsys):
-    from spmd.mesh import dcn_split
+    from spmd.parallel.mesh import dcn_split
 
     assert dcn_split(parse_mesh("dp=2,fsdp=2,tp=2"), 2)["data"] == 2
     assert dcn_split(parse_mesh("fsdp=4,tp=2"), 2)["fsdp"] == 2

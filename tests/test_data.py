@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import data, mesh, tokens
 from spmd.errors import UsageError
+from spmd.io import data, tokens
+from spmd.parallel import mesh
 
 SEQ_LEN = 8
 BATCH = 8

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd import hlo, mesh, theory
 from spmd.config import resolve
+from spmd.engine.step import state_bytes_per_device
 from spmd.errors import UsageError
-from spmd.step import state_bytes_per_device
+from spmd.estimate import hlo, theory
+from spmd.parallel import mesh
 from spmd.train import SECTIONS
 from spmd.train import main as train_main
 from tests import trainer
@@ -164,7 +165,7 @@ def test_cross_entropy_matches_optax_on_one_device():
 
 
 def test_kv_heads_replicate_when_tensor_outnumbers_them():
-    from spmd import rules
+    from spmd.parallel import rules
 
     tp8 = mesh.build_mesh(mesh.parse_mesh("tp=8"))
     table = rules.rules_for(3, "params")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from spmd import checkpoint, convert, generate, params_io, weights
+from spmd import convert, generate, weights
 from spmd.errors import UsageError
+from spmd.io import checkpoint, params_io
 from tests import cli, trainer
 
 UNTIED = Path(__file__).resolve().parent / "fixtures" / "hf_llama_untied"

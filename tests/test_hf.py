@@ -16,8 +16,10 @@ import pytest
 from flax import nnx
 
 from models import hf_config, hf_llama
-from spmd import convert, data, rules, safetensors_io, tokens, train, weights
+from spmd import convert, train, weights
 from spmd.errors import UsageError
+from spmd.io import data, safetensors_io, tokens
+from spmd.parallel import hooks
 from tests import cli, trainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -29,7 +31,7 @@ def logits_of(loaded: weights.Loaded, input_ids: np.ndarray) -> np.ndarray:
 
     @jax.jit
     def forward(params, tokens):
-        with rules.activation_layout(layout.mesh, layout.zero_stage):
+        with hooks.activation_layout(layout.mesh, layout.zero_stage):
             return nnx.merge(loaded.program.graphdef, params)(tokens)
 
     return np.asarray(forward(loaded.params, jax.device_put(input_ids, layout.batch_sharding())))

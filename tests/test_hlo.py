@@ -1,4 +1,5 @@
-"""Tests for spmd.hlo: collectives and memory read from compiled HLO (8 CPU devices assumed)."""
+"""Tests for spmd.estimate.hlo: collectives and memory read from compiled HLO (8 CPU devices
+assumed)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd import hlo
+from spmd.estimate import hlo
 
 
 def _mesh(shape=(2, 4), names=("data", "tensor")):

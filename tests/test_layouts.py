@@ -3,8 +3,8 @@ params + optimizer state one device holds."""
 
 import pytest
 
-from spmd import hlo
-from spmd.step import state_bytes_per_device
+from spmd.engine.step import state_bytes_per_device
+from spmd.estimate import hlo
 from tests import trainer
 
 

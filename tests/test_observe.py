@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 
-from spmd import flops, profile, report, stragglers, train
+from spmd import report, train
 from spmd.errors import UsageError
+from spmd.estimate import flops
+from spmd.observe import profile, stragglers
 from tests import trainer
 from tests.cli import records, run
 from tests.test_multihost import train as train_processes

@@ -9,9 +9,11 @@ import optax
 import pytest
 
 from models import llama
-from spmd import data, hlo, schedules
 from spmd.errors import UsageError
-from spmd.pipeline import Pipeline, check
+from spmd.estimate import hlo
+from spmd.io import data
+from spmd.parallel import schedules
+from spmd.parallel.pipeline import Pipeline, check
 from tests import trainer
 from tests.cli import records, run
 
@@ -217,8 +219,8 @@ def test_explicit_executor_runs_the_schedule_with_hand_written_collectives(
     ],
 )
 def test_what_pipelines_do_not_compose_with_is_refused_up_front(executor, precision_name, message):
-    from spmd import precision
-    from spmd.step import build_program
+    from spmd.engine import precision
+    from spmd.engine.step import build_program
 
     with pytest.raises(UsageError, match=message):
         build_program(
@@ -234,7 +236,7 @@ def test_what_pipelines_do_not_compose_with_is_refused_up_front(executor, precis
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_compiled_activation_sends_match_the_schedule(schedule):
-    from spmd import theory
+    from spmd.estimate import theory
 
     prog, step = compiled_step("pp=2", 3, schedule, 4, trainer.BATCH)
     sends = hlo.collective_summary(hlo.collectives(step, prog.layout.mesh))["collective-permute"]

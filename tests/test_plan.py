@@ -1,4 +1,5 @@
-"""Tests for the planner (spmd.cost, spmd.recommend, spmd.measure, `python -m spmd.plan`):
+"""Tests for the planner (spmd.estimate.cost, spmd.estimate.recommend, spmd.estimate.measure,
+`python -m spmd.plan`):
 the textbook worked numbers, agreement with the compiled step, and the command line."""
 
 import dataclasses
@@ -13,9 +14,10 @@ import jax
 import pytest
 
 from models import llama
-from spmd import config, cost, measure, plan, recommend
+from spmd import config, plan
 from spmd.config import TrainConfig
-from spmd.step import sharded_bytes
+from spmd.engine.step import sharded_bytes
+from spmd.estimate import cost, measure, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,10 +142,10 @@ LAYOUTS = [
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_state_bytes_agree_with_the_engine_across_layouts(preset):
     """Analytic params + optimizer state per device vs the shardings the engine's jitted step
-    takes its state in (its explicit in_shardings, which spmd.step.state_bytes_per_device
+    takes its state in (its explicit in_shardings, which spmd.engine.step.state_bytes_per_device
     reads back from the compiled step; test_measure_compiles checks that they agree)."""
     shape = config.build(llama.LlamaConfig, config.preset(preset), preset)
-    from spmd.mesh import parse_mesh
+    from spmd.parallel.mesh import parse_mesh
 
     for mesh, zero in LAYOUTS:
         sizes = parse_mesh(mesh)

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmd import hlo, loop, precision, train
-from spmd.optim import lr_schedule
-from spmd.step import Program
+from spmd import train
+from spmd.engine import loop, precision
+from spmd.engine.optim import lr_schedule
+from spmd.engine.step import Program
+from spmd.estimate import hlo
 from tests.tiny_run import (
     BATCH,
     EXECUTORS,

@@ -47,7 +47,7 @@ def test_batch_arithmetic_with_the_linear_scaling_rule():
 def test_metrics_lines_are_strict_json_even_for_a_skipped_steps_infinite_norm(tmp_path):
     import json
 
-    from spmd.metrics import MetricsLog
+    from spmd.observe.metrics import MetricsLog
 
     log = MetricsLog(str(tmp_path / "m.jsonl"))
     log.write("train", step=3, grad_norm=float("inf"), loss=2.5, extra={"x": [float("nan")]})

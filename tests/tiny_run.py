@@ -10,11 +10,13 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd import config, data, precision
+from spmd import config
 from spmd.config import TrainConfig
-from spmd.mesh import build_mesh, parse_mesh
-from spmd.optim import make_optimizer
-from spmd.step import Layout, Program, build_program
+from spmd.engine import precision
+from spmd.engine.optim import make_optimizer
+from spmd.engine.step import Layout, Program, build_program
+from spmd.io import data
+from spmd.parallel.mesh import build_mesh, parse_mesh
 
 BATCH, SEQ_LEN = 16, 32
 # The executors a parity test runs: XLA's partitioner (jit) and hand-written collectives

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd import data
 from spmd.config import TrainConfig, build, preset
-from spmd.mesh import build_mesh, parse_mesh
-from spmd.optim import make_optimizer
-from spmd.step import Layout, Program, build_program
+from spmd.engine.optim import make_optimizer
+from spmd.engine.step import Layout, Program, build_program
+from spmd.io import data
+from spmd.parallel.mesh import build_mesh, parse_mesh
 
 STEPS = 20
 BATCH = 16
@@ -50,7 +50,8 @@ def program(
     pipeline: object = None,
     **model_overrides: object,
 ) -> Program:
-    """The tiny model's program on `lay`; `pipeline` (spmd.pipeline.Pipeline) pipelines it."""
+    """The tiny model's program on `lay`; `pipeline` (spmd.parallel.pipeline.Pipeline) pipelines
+    it."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from spmd import distributed  # noqa: E402
-from spmd import mesh as mesh_lib  # noqa: E402
+from spmd.parallel import distributed  # noqa: E402
+from spmd.parallel import mesh as mesh_lib  # noqa: E402
 
 distributed.initialize()
 mesh_lib.simulate_cpu_devices(distributed.local_devices_from_env(), announce=False)

@@ -1,10 +1,11 @@
 """Build the jitted, sharded train and eval steps for (model, loss, optimizer, layout).
 
 The state is two pytrees of plain dicts: `params` (the model's nnx.Param values) and
-`opt_state` (optax's), each laid out by the rules of spmd.rules for the layout's ZeRO stage.
+`opt_state` (optax's), each laid out by the rules of spmd.parallel.rules for the layout's ZeRO
+stage.
 `jax.jit` gets those shardings as in/out shardings, donates the state buffers, and XLA's SPMD
 partitioner inserts the collectives (the `auto` executor). The `explicit` executor
-(spmd.explicit) puts a shard_map with hand-written collectives inside the same jit.
+(spmd.parallel.explicit) puts a shard_map with hand-written collectives inside the same jit.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import precision, rules
-from spmd.accumulate import accumulated_grads
+from spmd.engine import precision
+from spmd.engine.accumulate import accumulated_grads
 from spmd.errors import UsageError
-from spmd.explicit import explicit_steps
-from spmd.mesh import BATCH_AXES
-from spmd.metrics import say
+from spmd.observe.metrics import say
+from spmd.parallel import hooks, rules
+from spmd.parallel.explicit import explicit_steps
+from spmd.parallel.mesh import BATCH_AXES
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
 EXECUTORS = ("auto", "explicit")
@@ -55,7 +57,7 @@ class Layout:
 
 class TrainState(NamedTuple):
     """Everything a train step updates: the params (a pure dict of arrays, master dtype), the
-    optimizer state, and the loss-scale state (spmd.precision; constant unless fp16)."""
+    optimizer state, and the loss-scale state (spmd.engine.precision; constant unless fp16)."""
 
     params: Any
     opt_state: Any
@@ -216,6 +218,73 @@ def state_bytes_per_device(compiled: Any, program: Program) -> dict[str, int]:
     }
 
 
+def auto_steps(
+    loss_of: Callable,
+    tx: optax.GradientTransformation,
+    layout: Layout,
+    shardings: dict[str, Any],
+    accum: int,
+    policy: precision.Policy,
+) -> tuple[Callable, Callable]:
+    """(train_step, eval_step) of the `auto` executor, not yet jitted: plain JAX under the
+    layout's activation constraints; XLA's partitioner inserts the collectives. `loss_of(params,
+    batch)` is the loss of the global batch; with accum > 1 the step loops over micro-batches."""
+    mesh, zero = layout.mesh, layout.zero_stage
+
+    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
+        grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
+        with hooks.activation_layout(mesh, zero):
+            if accum == 1:
+                loss, grads = grad_fn(params, batch)
+            else:
+                loss, grads = accumulated_grads(
+                    grad_fn,
+                    params,
+                    batch,
+                    accum,
+                    mesh,
+                    zero,
+                    shardings["grads"],
+                    policy.reduce_dtype,
+                )
+        grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
+        params, opt_state, loss_scale, grads = precision.apply_gradients(
+            tx, grads, params, opt_state, loss_scale, policy
+        )
+        metrics = {
+            "loss": loss.astype(policy.output_dtype),
+            "grad_norm": optax.tree.norm(grads),
+            "loss_scale": loss_scale["scale"],
+            "skipped_steps": loss_scale["skipped_steps"],
+        }
+        return params, opt_state, loss_scale, metrics
+
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        with hooks.activation_layout(mesh, zero):
+            return loss_of(params, batch)
+
+    return train_step, eval_step
+
+
+def abstract_model(
+    make_model: Callable[[int], nnx.Module],
+    seed: int,
+    layout: Layout,
+    policy: precision.Policy,
+    executor: str,
+) -> tuple[Any, Any, Any]:
+    """(graphdef, logical names, param ShapeDtypeStructs in the master dtype) of the model
+    `make_model(seed)` builds, traced without allocating anything."""
+    with nnx.use_eager_sharding(False):
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
+    names = rules.logical_axes(abstract_state)
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, policy.param_dtype),
+        nnx.to_pure_dict(abstract_state),
+    )
+    return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
+
+
 def build_program(
     make_model: Callable[[int], nnx.Module],
     loss_fn: LossFn,
@@ -236,29 +305,26 @@ def build_program(
     `policy.compute_dtype` to it).
 
     `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
-    under shard_map with the hand-written collectives of spmd.explicit. Both take and return
-    the same pytrees with the same shardings.
+    under shard_map with the hand-written collectives of spmd.parallel.explicit. Both take and
+    return the same pytrees with the same shardings.
 
-    With a `pipeline` (spmd.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the loss and
-    its gradients come from that pipeline schedule instead of `loss_fn`.
+    With a `pipeline` (spmd.parallel.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the
+    loss and its gradients come from that pipeline schedule instead of `loss_fn`.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
-    with nnx.use_eager_sharding(False):
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
-    names = rules.logical_axes(abstract_state)
-    shapes = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, policy.param_dtype),
-        nnx.to_pure_dict(abstract_state),
-    )
-    names = unnamed_model_names(names, shapes, layout, executor)
+    graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     mesh, zero = layout.mesh, layout.zero_stage
-    param_sh = rules.tree_shardings(names, shapes, mesh, zero, "params")
-    grad_sh = rules.tree_shardings(names, shapes, mesh, zero, "grads")
     opt_shapes, opt_sh = opt_state_shardings(tx, shapes, names, layout)
-    batch_sh = layout.batch_sharding(ndim=1)  # a prefix: splits dim 0 of any batch leaf
+    shardings = {
+        "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
+        "grads": rules.tree_shardings(names, shapes, mesh, zero, "grads"),
+        "opt_state": opt_sh,
+        "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
+        "batch": layout.batch_sharding(ndim=1),  # a prefix: splits dim 0 of any batch leaf
+    }
 
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):
@@ -272,7 +338,7 @@ def build_program(
     step_accum = accum  # micro-batches the step itself loops over
     local_loss = None  # the explicit executor's per-device loss, when not loss_fn's
     if pipeline is not None and mesh.shape["pipeline"] > 1:
-        from spmd import pipeline as pp
+        from spmd.parallel import pipeline as pp
 
         pp.check_composition(executor, policy, pipeline)
         # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
@@ -281,45 +347,15 @@ def build_program(
         loss_of = pp.pipelined_loss(graphdef, names, layout, pipeline)  # noqa: F811
         local_loss = pp.manual_pipelined_loss(graphdef, names, pipeline, mesh.shape["pipeline"])
 
-    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
-        grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
-        with rules.activation_layout(mesh, zero):
-            if step_accum == 1:
-                loss, grads = grad_fn(params, batch)
-            else:
-                loss, grads = accumulated_grads(
-                    grad_fn, params, batch, step_accum, mesh, zero, grad_sh, policy.reduce_dtype
-                )
-        grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-        params, opt_state, loss_scale, grads = precision.apply_gradients(
-            tx, grads, params, opt_state, loss_scale, policy
-        )
-        metrics = {
-            "loss": loss.astype(policy.output_dtype),
-            "grad_norm": optax.tree.norm(grads),
-            "loss_scale": loss_scale["scale"],
-            "skipped_steps": loss_scale["skipped_steps"],
-        }
-        return params, opt_state, loss_scale, metrics
-
-    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with rules.activation_layout(mesh, zero):
-            return loss_of(params, batch)
-
-    replicated = layout.replicated
-    scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
-    scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
     if executor == "explicit":
-        shardings = {
-            "params": param_sh,
-            "grads": grad_sh,
-            "opt_state": opt_sh,
-            "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
-            "batch": batch_sh,
-        }
         train_step, eval_step = explicit_steps(
             graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
         )
+    else:
+        train_step, eval_step = auto_steps(loss_of, tx, layout, shardings, step_accum, policy)
+    param_sh, batch_sh, replicated = shardings["params"], shardings["batch"], layout.replicated
+    scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
+    scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
     return Program(
         layout=layout,
         graphdef=graphdef,

@@ -1,7 +1,7 @@
 """Deterministic, resumable, process-sharded token batches: the global batch at step t is a
 function of (seed, step) only.
 
-The token file (spmd.tokens, memory-mapped) is cut into windows of seq_len + 1 consecutive
+The token file (spmd.io.tokens, memory-mapped) is cut into windows of seq_len + 1 consecutive
 tokens (inputs and next-token targets); the last `eval_fraction` of the windows is held out for
 eval. Training visits the train windows in a fresh permutation every epoch, drawn from
 (seed, epoch), and step t takes the slice [t*batch, (t+1)*batch) of that sequence: no mesh,

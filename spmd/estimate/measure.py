@@ -1,9 +1,12 @@
 """Check the analytic plan against the compiled step (`python -m spmd.plan --measure`).
 
-Builds and compiles the real train step (spmd.step, AOT: nothing runs) for a planned layout on
-simulated CPU devices and puts the figures of spmd.cost beside the compiled ones: bytes of params
+Builds and compiles the real train step (spmd.engine.step, AOT: nothing runs) for a planned layout
+on
+simulated CPU devices and puts the figures of spmd.estimate.cost beside the compiled ones: bytes of
+params
 + optimizer state per device (from the shardings the step takes its state in), the compiled
-peak memory, and the bytes of each collective kind per optimizer step (spmd.hlo). All figures
+peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo). All
+figures
 are bytes per device.
 """
 
@@ -14,10 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmd import cost
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
-from spmd.mesh import format_mesh
+from spmd.estimate import cost
+from spmd.parallel.mesh import format_mesh
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -28,7 +31,7 @@ def simulated_devices(count: int) -> list:
     `count` of the CPU devices it has (e.g. under pytest). UsageError if there are too few."""
     import jax
 
-    from spmd import mesh as mesh_lib
+    from spmd.parallel import mesh as mesh_lib
 
     try:
         if not mesh_lib.cpu_only():
@@ -48,7 +51,8 @@ def simulated_devices(count: int) -> list:
 
 
 def predicted_collectives(s: cost.Setup, reduce_scatter_as_all_reduce: bool) -> dict:
-    """Analytic bytes per step by collective kind, in spmd.hlo's convention; optionally with
+    """Analytic bytes per step by collective kind, in spmd.estimate.hlo's convention; optionally
+    with
     each reduce-scatter counted as the all-reduce of its whole buffer."""
     out: dict[str, float] = {}
     for c in cost.collectives(s):
@@ -77,14 +81,14 @@ def build(
     devices: list,
     **build_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """(spmd.step Program, Mesh) of the engine's train step for layout `s` on `devices`:
-    the model is `make_model(seed, compute_dtype)`, the optimizer spmd.optim's AdamW for
+    """(spmd.engine.step Program, Mesh) of the engine's train step for layout `s` on `devices`:
+    the model is `make_model(seed, compute_dtype)`, the optimizer spmd.engine.optim's AdamW for
     `train`. The engine has no stage 0: plain DDP is the fsdp devices folded into `data`."""
     import jax.numpy as jnp
 
-    from spmd import mesh as mesh_lib
-    from spmd.optim import make_optimizer
-    from spmd.step import Layout, build_program
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import Layout, build_program
+    from spmd.parallel import mesh as mesh_lib
 
     check_engine_can_build(s)
     sizes = {**s.mesh, "data": s.data_parallel, "fsdp": 1} if s.zero == 0 else dict(s.mesh)
@@ -115,15 +119,15 @@ def measure(
     """Compile the train step of `make_model(seed, compute_dtype)` for layout `s` and compare.
 
     `s.n_params` must be the built model's parameter count (compare like with like).
-    `build_kwargs` go to spmd.step.build_program (e.g. an executor, once it takes one);
+    `build_kwargs` go to spmd.engine.step.build_program (e.g. an executor, once it takes one);
     `executor` says which one the step uses. XLA:CPU reports an auto-mode reduce-scatter as an
     all-reduce of the whole buffer, so on CPU with the auto executor the analytic
     reduce-scatters are counted that way. Returns {"rows": {what: {"analytic", "compiled"
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
     import jax
 
-    from spmd import hlo
-    from spmd.step import state_bytes_per_device
+    from spmd.engine.step import state_bytes_per_device
+    from spmd.estimate import hlo
 
     check_engine_can_build(s)
     devices = simulated_devices(s.devices)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from spmd import cost
 from spmd.errors import UsageError
-from spmd.mesh import format_mesh
+from spmd.estimate import cost
+from spmd.parallel.mesh import format_mesh
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from spmd import flops, profile, stragglers
-from spmd.metrics import MetricsLog, device_memory, say
+from spmd.estimate import flops
+from spmd.observe import profile, stragglers
+from spmd.observe.metrics import MetricsLog, device_memory, say
 
 
 @dataclasses.dataclass

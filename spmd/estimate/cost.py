@@ -5,7 +5,8 @@ checks it against the compiled step. Units everywhere: sizes in bytes, times in 
 bandwidths in bytes per second, compute in FLOP/s. GB means 1e9 bytes.
 
 A layout is a mesh {data, pipeline, fsdp, tensor} -> size plus the ZeRO stage of the fsdp axis
-(spmd.rules): stage 1 shards optimizer state over fsdp, 2 also gradients, 3 also params; the
+(spmd.parallel.rules): stage 1 shards optimizer state over fsdp, 2 also gradients, 3 also params;
+the
 data axis always replicates. Stage 0 is plain DDP: the fsdp devices then replicate too.
 """
 
@@ -106,7 +107,7 @@ class Network:
 class Comm:
     """One kind of collective a step runs. `bytes` is the op's result on one device for one
     execution (all-reduce: the buffer S; all-gather: the gathered array; reduce-scatter: the
-    1/N shard; permute: the message), the convention of spmd.hlo."""
+    1/N shard; permute: the message), the convention of spmd.estimate.hlo."""
 
     kind: str
     axes: tuple[str, ...]
@@ -148,7 +149,8 @@ def check_setup(s: Setup) -> None:
 
 def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
     """(parameter count, mesh axes other than fsdp that split it) for each kind of param,
-    following spmd.rules: matrices split over tensor, stacked layers over pipeline. Every param
+    following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline. Every
+    param
     has an `embed` dim, which ZeRO shards over fsdp. The counts add up to n_params()."""
     e, layers = shape.embed_dim, shape.n_layers
     attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)

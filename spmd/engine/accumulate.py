@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import rules
-from spmd.mesh import BATCH_AXES
+from spmd.parallel import hooks
+from spmd.parallel.mesh import BATCH_AXES
 
 GradFn = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any]]
 
@@ -83,7 +83,7 @@ def accumulated_grads(
 
     def body(carry: tuple, micro: dict) -> tuple[tuple, None]:
         loss_sum, grad_sum = carry
-        with rules.activation_layout(mesh, zero_stage, exclude=replicas):
+        with hooks.activation_layout(mesh, zero_stage, exclude=replicas):
             losses, grads = per_replica(params, micro)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(reduce_dtype), grad_sum, grads)
         grad_sum = jax.lax.with_sharding_constraint(grad_sum, accum_shardings)

@@ -1,4 +1,4 @@
-"""TensorBoard scalars beside the JSONL, fed by the same records (spmd.metrics.MetricsLog).
+"""TensorBoard scalars beside the JSONL, fed by the same records (spmd.observe.metrics.MetricsLog).
 
 Written with tensorboardX (the optional extra `tensorboard`): pure Python over protobuf, with no
 TensorFlow or PyTorch behind it. Every number of a record that has a `step` becomes the scalar

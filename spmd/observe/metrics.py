@@ -38,7 +38,7 @@ class MetricsLog:
     """Append-only JSONL writer (no file when `path` is empty); flushed after every record so
     a crashed run still leaves its history. `append` continues an existing file (a resumed run)
     instead of starting it afresh. With `tensorboard` (a directory) the numbers of every
-    stepped record also become TensorBoard scalars (spmd.tensorboard)."""
+    stepped record also become TensorBoard scalars (spmd.observe.tensorboard)."""
 
     def __init__(self, path: str = "", append: bool = False, tensorboard: str = "") -> None:
         self._file: IO[str] | None = None
@@ -47,7 +47,7 @@ class MetricsLog:
             self._file = Path(path).open("a" if append else "w")
         self._scalars = None
         if tensorboard and _PRIMARY["is_primary"]:
-            from spmd.tensorboard import ScalarWriter
+            from spmd.observe.tensorboard import ScalarWriter
 
             self._scalars = ScalarWriter(tensorboard)
 

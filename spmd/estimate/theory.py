@@ -1,8 +1,8 @@
 """The textbook figures of a layout: which collectives one optimizer step needs, how many and
-how many bytes, and the per-device memory of its state, to set beside what spmd.hlo reads
+how many bytes, and the per-device memory of its state, to set beside what spmd.estimate.hlo reads
 from the compiled step.
 
-Units are those of spmd.hlo: bytes of each op's *result* on one device, summed over the
+Units are those of spmd.estimate.hlo: bytes of each op's *result* on one device, summed over the
 executions in one step (an all-reduce of the grads counts P bytes, the reduce-scatter of
 ZeRO-2/3 P/N, an all-gather the gathered size). On a ring each device sends about
 2(N-1)/N of an all-reduce's bytes and (N-1)/N of an all-gather's or reduce-scatter's result.
@@ -11,7 +11,7 @@ Counts are the collective calls the layout makes, one per param tensor (per laye
 inside the layer scan); XLA's combiner may fuse several into one op (on CPU it fuses the
 all-reduces of DDP's gradients into one), so a compiled count may be lower, never its bytes.
 
-Per param tensor, from its PartitionSpecs in the three roles of spmd.rules:
+Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.rules:
 - gradient: reduce-scatter over the batch axes its grad layout splits and its param layout
   does not (ZeRO-2), or over fsdp per layer and micro-batch when the param itself is split
   (ZeRO-3, from the transpose of the per-layer all_gather); all-reduce over the remaining
@@ -40,8 +40,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd import hlo, rules
-from spmd.mesh import BATCH_AXES
+from spmd.estimate import hlo
+from spmd.parallel import rules
+from spmd.parallel.mesh import BATCH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,8 @@ def report(
     pipeline: dict | None = None,
 ) -> str:
     """--dry-run's table: the compiled step's collectives and memory beside the layout's
-    theoretical figures, with ratios. `pipeline`: the schedule's summary (spmd.schedules) when
+    theoretical figures, with ratios. `pipeline`: the schedule's summary (spmd.parallel.schedules)
+    when
     pp > 1, whose activation sends are set beside the compiled collective-permutes."""
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
     expected = collectives(program, model, global_batch, seq_len)

@@ -1,7 +1,8 @@
 """Logical axis names -> mesh axes: the table that turns a mesh into a parallelism strategy.
 
 Models name the dimensions of their params and activations with logical names (`batch`,
-`embed`, `mlp`, ...). This module maps those names onto the mesh axes of spmd.mesh, once per
+`embed`, `mlp`, ...). This module maps those names onto the mesh axes of spmd.parallel.mesh, once
+per
 *role*: params, grads, optimizer state and activations differ only in whether the `fsdp` axis
 shards the `embed` dimension, and that is exactly what the ZeRO stage says:
 
@@ -13,9 +14,7 @@ param, the dimension and the sizes that would work. Nothing is silently replicat
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -139,44 +138,3 @@ def tree_shardings(
         what = f"param {jax.tree_util.keystr(path, simple=True, separator='/')}"
         out.append(NamedSharding(mesh, partition_spec(names, leaf.shape, rules, mesh, what)))
     return jax.tree.unflatten(treedef, out)
-
-
-# --- activation constraints -------------------------------------------------------------
-# The model calls `constrain(x, names)` on a few activations; it is a no-op unless a layout is
-# active (auto executor), so models stay runnable without any mesh.
-
-_ACTIVE: list[tuple[jax.sharding.Mesh, Rules]] = []
-
-
-@contextlib.contextmanager
-def activation_layout(
-    mesh: jax.sharding.Mesh, zero_stage: int, exclude: tuple[str, ...] = ()
-) -> Iterator[None]:
-    """Within this context, `constrain` pins activations to the layout's shardings. Mesh axes
-    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns)."""
-    rules = rules_for(zero_stage, "activations")
-    _ACTIVE.append((mesh, {k: tuple(a for a in v if a not in exclude) for k, v in rules.items()}))
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-@contextlib.contextmanager
-def no_activation_layout() -> Iterator[None]:
-    """Within this context `constrain` does nothing (e.g. inside a manual shard_map)."""
-    saved = list(_ACTIVE)
-    _ACTIVE.clear()
-    try:
-        yield
-    finally:
-        _ACTIVE.extend(saved)
-
-
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
-    if not _ACTIVE:
-        return x
-    mesh, rules = _ACTIVE[-1]
-    spec = partition_spec(names, x.shape, rules, mesh, f"activation {names}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,6 +1,6 @@
 """Params alone in and out of spmd checkpoints: for generation, export, and converted weights.
 
-Any checkpoint folder of spmd.checkpoint (a training run's, or one written by `spmd.convert
+Any checkpoint folder of spmd.io.checkpoint (a training run's, or one written by `spmd.convert
 --from-hf`) can give back its params without its optimizer state: `saved_config` reads the
 config item (which says what model to build) and `restore_params` reads only the `params`
 subtree of the state item, straight into the shardings of the current mesh.
@@ -20,8 +20,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from spmd import checkpoint
 from spmd.errors import UsageError
+from spmd.io import checkpoint
 
 CONVERTED_FROM = "converted_from"  # config key of a converted checkpoint: the source folder
 CONVERTED_STEP = 0

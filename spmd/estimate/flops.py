@@ -21,8 +21,8 @@ import math
 import re
 from typing import Any
 
-from spmd import hlo
 from spmd.errors import UsageError
+from spmd.estimate import hlo
 
 # Dense peak TFLOP/s of one JAX device (no structured sparsity), per compute precision.
 # Matched by substring of `jax.Device.device_kind`, first match wins, so specific names come

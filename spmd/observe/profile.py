@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spmd import hlo
 from spmd.errors import UsageError
+from spmd.estimate import hlo
 
 CONTROL_FLOW = ("while", "conditional", "call")  # their events span the ops they run
 

@@ -5,7 +5,7 @@ optimizer steps done), each holding three items:
 
     state   the train state: a dict of named pytrees ({"params": ..., "opt_state": ...}; new
             entries such as a loss scale just join the dict), written shard by shard
-    data    the data sampler's state (spmd.data.data_state: step, seed, batch, seq_len, ...)
+    data    the data sampler's state (spmd.io.data.data_state: step, seed, batch, seq_len, ...)
     config  the resolved run config
 
 RNG: every random choice of a run is a function of (seed, step) (params from the seed, the data

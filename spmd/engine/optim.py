@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.collectives import global_norm
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
+from spmd.parallel.collectives import global_norm
 
 LR_SCALINGS = ("none", "linear")
 
@@ -52,7 +52,7 @@ def decay_mask(names_tree: Any) -> Any:
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """optax.clip_by_global_norm (same math, same empty state), but with the norm of
-    spmd.collectives.global_norm, which stays exact on the local shards of a shard_map."""
+    spmd.parallel.collectives.global_norm, which stays exact on the local shards of a shard_map."""
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params

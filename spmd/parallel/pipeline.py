@@ -1,8 +1,9 @@
 """Pipeline parallelism over the `pipeline` mesh axis, in SPMD, driven by a static tick table.
 
-`pipelined_loss(...)` returns a drop-in `loss(params, batch)` for spmd.step: its value is the
+`pipelined_loss(...)` returns a drop-in `loss(params, batch)` for spmd.engine.step: its value is the
 mean loss of the batch, and `jax.value_and_grad` of it runs a whole pipeline schedule (GPipe,
-1F1B or interleaved; spmd.schedules) in one pass, because the loss is a scalar: the forward of
+1F1B or interleaved; spmd.parallel.schedules) in one pass, because the loss is a scalar: the
+forward of
 its `custom_vjp` already computes every gradient, the backward only scales them.
 
 How it runs. A `jax.shard_map` is manual over `pipeline` only; `data`, `fsdp` and `tensor`
@@ -50,9 +51,9 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from spmd import rules, schedules
 from spmd.errors import UsageError
-from spmd.pipeline_stage import AXIS, LogitsLoss, stage_step
+from spmd.parallel import hooks, schedules
+from spmd.parallel.pipeline_stage import AXIS, LogitsLoss, stage_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ def pipelined_loss(graphdef: Any, names: Any, layout: Any, pipe: Pipeline) -> Ca
         # Micro-batch i takes every M-th row, so each device's rows stay on that device. The
         # active activation layout pins it (it leaves out the axes an accumulation vmap owns).
         x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
-        return rules.constrain(x, (None, "batch", "length"))
+        return hooks.constrain(x, (None, "batch", "length"))
 
     def run(params: Any, batch: dict, sched: schedules.Table) -> tuple[jax.Array, Any]:
         stacked, outer, treedef = split_params(params)

@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import sys
+from typing import Any
 
 import jax
 import numpy as np
@@ -201,3 +202,33 @@ def axis_size(mesh: jax.sharding.Mesh, axes: str | tuple[str, ...] | None) -> in
     if isinstance(axes, str):
         axes = (axes,)
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int = 1) -> Any:
+    """The global mesh of `--mesh` (with `--devices` simulated CPU devices per process, or as many
+    as the mesh needs on a CPU-only machine; call before anything starts JAX's backend); in a
+    multi-process job, a hybrid mesh whose `--dcn-mesh` ways cross processes."""
+    from spmd.parallel import distributed
+
+    sizes = parse_mesh(mesh)
+    needed = devices_needed(sizes)
+    if needed and needed % n_processes:
+        raise UsageError(
+            f"--mesh {mesh} needs {needed} devices, which {n_processes} processes cannot "
+            f"share evenly; use a mesh whose product is a multiple of {n_processes}"
+        )
+    local = devices or distributed.local_devices_from_env()
+    if local:
+        if not cpu_only():
+            raise UsageError(
+                f"--devices {local} simulates CPU devices, but this machine has "
+                f"accelerators; drop --devices to use them"
+            )
+        simulate_cpu_devices(local, announce=False)
+    elif needed and needed > n_processes and cpu_only():
+        simulate_cpu_devices(needed // n_processes, announce=n_processes == 1)
+    if n_processes == 1:
+        return build_mesh(sizes)
+    sizes = resolve_mesh(sizes, len(jax.devices()))
+    dcn = dcn_split(sizes, n_processes, dcn_mesh, len(jax.local_devices()))
+    return build_mesh(sizes, dcn=dcn)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd import config, data
+from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
-from spmd.metrics import MetricsLog, say
+from spmd.io import data
+from spmd.observe.metrics import MetricsLog, say
 
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
@@ -33,7 +34,7 @@ def open_checkpoints(
 ) -> tuple[Any, Any]:
     """(the checkpoint manager, the restored checkpoint or None): with --resume, the newest
     readable checkpoint, read onto this run's mesh, after checking it continues this run."""
-    from spmd import checkpoint
+    from spmd.io import checkpoint
 
     manager = checkpoint.open_manager(train.checkpoint_dir, train.keep_checkpoints)
     if not train.resume:

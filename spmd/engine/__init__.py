@@ -1,0 +1,8 @@
+"""What one training run executes: the program and the loop around it.
+
+`step` builds the Program (sharded init, jitted train and eval steps) of a model, loss,
+optimizer and layout under either executor; `accumulate` loops over micro-batches inside a
+step; `precision` holds the dtype policies (fp32 / bf16 / fp16 with dynamic loss scaling);
+`optim` is the optax chain (AdamW, clipping, warm-up + cosine, LR scaling); `loop` runs the
+optimizer steps with progress, eval and checkpoints.
+"""

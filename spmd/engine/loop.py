@@ -1,0 +1,227 @@
+"""The optimizer-step loop of `python -m spmd.train`: steps, progress, eval, checkpoints.
+
+Metrics of a logged step are fetched only after the next step is dispatched, so the host never
+stalls the device; checkpoints are saved every --checkpoint-every steps, at the end, and when a
+stop signal or --stop-after ends the run early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spmd import config
+from spmd.config import TrainConfig
+from spmd.io import data, tokens
+from spmd.io.resume import finish_stopped, run_data_state
+from spmd.observe.metrics import MetricsLog, progress_line, say
+
+
+def train_record(
+    step: int, metrics: dict, step_time_s: float, schedule: Any, tokens_per_step: int
+) -> dict[str, Any]:
+    """The JSONL "train" record of optimizer step `step` (1-based) from the step's metrics
+    (fetched to the host): the same keys under every precision policy."""
+    skipped = int(metrics["skipped_steps"])
+    return {
+        "step": step,
+        "loss": float(metrics["loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        # Skipped (fp16 overflow) steps leave the optimizer's step count, so its LR, as it was.
+        "lr": float(schedule(step - 1 - skipped)),
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_step / step_time_s,
+        "loss_scale": float(metrics["loss_scale"]),  # 1.0 unless --precision fp16
+        "skipped_steps": skipped,  # cumulative
+    }
+
+
+@dataclasses.dataclass
+class Run:
+    """What the step loop works with, built once by `python -m spmd.train`."""
+
+    train: TrainConfig
+    sections: dict[str, Any]  # the resolved config tree, saved with each checkpoint
+    program: Any  # spmd.engine.step.Program
+    compiled: Any  # the compiled train step
+    log: MetricsLog
+    windows: data.TokenWindows
+    token_file: tokens.TokenFile
+    manager: Any  # orbax CheckpointManager, None without --checkpoint-dir
+    stop: Any  # spmd.io.preemption.StopSignals
+    observer: Any = None  # spmd.observe.observer.Observer
+
+
+def make_evaluator(run: Run) -> Callable[[Any, int], float]:
+    """evaluate(params, step): the mean loss over --eval-batches held-out batches, logged and
+    printed. The eval step is compiled on first use: runs without an eval split skip it."""
+    import jax
+    import numpy as np
+
+    train, program = run.train, run.program
+    compiled_eval: list[Any] = []
+
+    def evaluate(params: Any, step: int) -> float:
+        if not compiled_eval:
+            abstract_batch = program.abstract_batch(train.batch, train.seq_len)
+            compiled_eval.append(
+                program.eval_step.lower(program.abstract_params, abstract_batch).compile()
+            )
+        sharding = program.layout.batch_sharding()
+        losses = [
+            compiled_eval[0](
+                params,
+                data.global_batch(
+                    run.windows, data.eval_window_ids(i, train.batch, run.windows), sharding
+                ),
+            )
+            for i in range(train.eval_batches)
+        ]
+        loss = float(np.mean(jax.device_get(losses)))
+        run.log.write("eval", step=step, loss=loss)
+        say(f"eval at step {step}: loss {loss:.4f}")
+        return loss
+
+    return evaluate
+
+
+@dataclasses.dataclass
+class Progress:
+    """Step timing and the train records of logged steps. Step time is wall time between
+    reports divided by the steps in between; eval, profiling and saving are taken out."""
+
+    run: Run
+    first_step: int
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the newest train record
+
+    def __post_init__(self) -> None:
+        from spmd.engine.optim import lr_schedule
+
+        self.schedule = lr_schedule(self.run.train)
+        self.tokens_per_step = self.run.train.batch * self.run.train.seq_len
+        self.clock_step, self.clock = self.first_step - 1, time.perf_counter()
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` of host work out of the step time."""
+        self.clock += seconds
+
+    def restart_clock(self) -> None:
+        self.clock = time.perf_counter()
+
+    def report(self, step: int, metrics: dict) -> dict[str, Any]:
+        """Fetch a logged step's metrics, write its train record and progress line."""
+        import jax
+
+        train, observer = self.run.train, self.run.observer
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        step_time = (now - self.clock) / (step - self.clock_step)
+        self.clock_step, self.clock = step, now
+        self.step_times.append(step_time)
+        record = train_record(step, metrics, step_time, self.schedule, self.tokens_per_step)
+        if observer is not None:
+            record.update(observer.step_fields(step_time))
+        self.run.log.write("train", **record)
+        loss, grad_norm, rate = record["loss"], record["grad_norm"], record["tokens_per_s"]
+        line = progress_line(step, train.steps, loss, grad_norm, step_time, rate)
+        if observer is not None:
+            line += throughput_text(record)
+        if train.precision == "fp16":
+            line += f" | loss scale {record['loss_scale']:g}, {record['skipped_steps']} skipped"
+        say(line)
+        self.last = record
+        return record
+
+
+def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> None:
+    """Save `state` at `step` with the data state and config (async; returns once queued)."""
+    from spmd.io import checkpoint
+
+    train = run.train
+    data_state = run_data_state(train, step, run.token_file.fingerprint)
+    blocked = checkpoint.save(run.manager, step, state, data_state, config.as_dict(run.sections))
+    run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
+
+
+def train_loop(run: Run, state: dict[str, Any], first: int) -> None:
+    """Run optimizer steps `first`..--steps from `state` (params, opt_state, loss_scale).
+    Metrics of a logged step are fetched only after the next step is dispatched, so the host
+    never stalls the device. Checkpoints are saved every --checkpoint-every steps, at the end,
+    and when a stop signal or --stop-after ends the run early."""
+    train, observer = run.train, run.observer
+    batch_sharding = run.program.layout.batch_sharding()
+    evaluate = make_evaluator(run)
+    progress = Progress(run, first)
+    eval_loss = None
+    pending = None
+    stop_reason = None
+    for step in range(first, (train.stop_after or train.steps) + 1):
+        ids = data.train_window_ids(train.seed, step - 1, train.batch, run.windows.n_train)
+        batch = data.global_batch(run.windows, ids, batch_sharding)
+        if observer is not None:  # starting and reading a --profile trace is not step time
+            progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
+        params, opt_state, loss_scale, metrics = run.compiled(
+            state["params"], state["opt_state"], state["loss_scale"], batch
+        )
+        state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
+        stop_reason = run.stop.received or ("stop_after" if step == train.stop_after else None)
+        if observer is not None:
+            progress.pause(observer.after_step(step, metrics, run.log))
+        if pending is not None:
+            progress.report(*pending)
+            pending = None
+        if step % train.log_every == 0 or step == train.steps or stop_reason:
+            pending = (step, metrics)
+        if run.windows.n_eval and train.eval_every and step % train.eval_every == 0:
+            if pending is not None:
+                progress.report(*pending)
+                pending = None
+            eval_loss = evaluate(params, step)
+            progress.restart_clock()  # eval time is not step time
+        periodic = train.checkpoint_every and step % train.checkpoint_every == 0
+        if run.manager is not None and (stop_reason or periodic or step == train.steps):
+            save_checkpoint(
+                run, step, state, stop_reason or ("end" if step == train.steps else "every")
+            )
+        if stop_reason:
+            break
+    if pending is not None:
+        progress.report(*pending)
+    if stop_reason:
+        finish_stopped(train, run.manager, run.log, step, stop_reason)
+        return
+    if run.windows.n_eval and (not train.eval_every or train.steps % train.eval_every):
+        eval_loss = evaluate(state["params"], train.steps)
+    write_summary(run, progress, eval_loss)
+
+
+def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None:
+    """The JSONL summary record and the closing line of a run that reached --steps."""
+    train, observer = run.train, run.observer
+    median_step = statistics.median(progress.step_times[1:] or progress.step_times)
+    tokens_per_step = progress.tokens_per_step
+    final_loss = progress.last["loss"]
+    run.log.write(
+        "summary",
+        steps=train.steps,
+        final_loss=final_loss,
+        eval_loss=eval_loss,
+        median_step_time_s=median_step,
+        tokens_per_s=tokens_per_step / median_step,
+        **(observer.throughput(median_step) if observer is not None else {}),
+    )
+    say(
+        f"done: {train.steps} steps, final loss {final_loss:.4f}, eval loss "
+        f"{eval_loss if eval_loss is None else round(eval_loss, 4)}, median "
+        f"{median_step * 1e3:.1f} ms/step, {tokens_per_step / median_step:,.0f} tokens/s"
+    )
+
+
+def throughput_text(record: dict) -> str:
+    """The progress line's tail: TFLOP/s per device, and MFU where the peak is known."""
+    text = f" | {record['tflops_per_device']:.3g} TFLOP/s/device"
+    return text + (f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")

@@ -1,0 +1,8 @@
+"""Everything that crosses the disk: training data in, checkpoints and weights out and back.
+
+`tokens` tokenizes text once into a memory-mapped cache; `data` turns it into step-indexed,
+process-sharded global batches (a function of seed and step only); `checkpoint` is orbax
+(async, sharded, restored onto any mesh); `resume` reopens a run's checkpoints and data state;
+`preemption` turns SIGTERM / SIGINT into a clean save; `params_io` reads params-only
+checkpoints; `safetensors_io` reads and writes the safetensors format.
+"""

@@ -1,0 +1,12 @@
+"""How work is split across devices: the mesh and the strategies that live on it.
+
+`mesh` parses `--mesh dp=2,fsdp=2,tp=2` and builds the device mesh (ICI x DCN across hosts,
+simulated CPU devices on a laptop); `distributed` joins a multi-process job; `rules` maps the
+model's logical axis names onto mesh axes per role and ZeRO stage (DDP, ZeRO-1/2/3, Megatron
+and pipeline layouts are entries of that table); `hooks` is the only module a model imports
+(gather, tp_enter, tp_reduce, constrain, ...); `collectives` and `explicit` are the
+hand-written executor (shard_map with psum / all_gather / psum_scatter); `schedules`,
+`pipeline` and `pipeline_stage` run pipeline schedules (GPipe, 1F1B, interleaved) over the
+`pipeline` axis. New strategies (sequence / context parallelism, experts, DiLoCo) land here,
+each as its own module plus rule entries.
+"""

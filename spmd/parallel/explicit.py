@@ -1,0 +1,179 @@
+"""The `explicit` executor: the train and eval steps as one `jax.shard_map` over the whole mesh,
+every collective written by hand (spmd.parallel.collectives).
+
+The steps take and return the same (params, opt_state, batch) pytrees, with the same global
+shardings, as the `auto` executor's, so checkpoints and the train loop do not care which one
+ran. Inside, each device sees its local blocks:
+
+1. cast the params to varying over the batch axes, so `grad` leaves each device's gradient
+   unreduced (ZeRO-3 params are all_gathered per layer by the model; their gradients come back
+   reduce-scattered over fsdp by autodiff);
+2. with gradient accumulation, add up the local gradients of the micro-batches (a lax.scan);
+3. reduce the gradients once: pmean (DDP, ZeRO-1), psum_scatter (ZeRO-2) or psum over data
+   (ZeRO-3), per leaf from its PartitionSpecs;
+4. slice params and grads down to the optimizer state's layout, update, all_gather back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd.engine import precision
+from spmd.parallel import collectives, hooks
+from spmd.parallel.mesh import BATCH_AXES
+
+
+def _specs(shardings: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _zeros_like(x: jax.Array) -> jax.Array:
+    """Zeros of x's shape, dtype and varying axes (a valid scan carry for x's sums)."""
+    zeros = jnp.zeros(x.shape, x.dtype)
+    vma = tuple(sorted(hooks.varying_axes(x)))
+    return lax.pcast(zeros, vma, to="varying") if vma else zeros
+
+
+def local_grads(
+    grad_fn: Callable, params: Any, batch: dict[str, jax.Array], accum: int, reduce_dtype: Any
+) -> tuple[jax.Array, Any]:
+    """(mean loss, mean gradients) of this device's rows, unreduced across devices. With
+    accum > 1 micro-batch i takes every accum-th local row (the auto executor's rows) and the
+    gradients are summed in `reduce_dtype` by a lax.scan."""
+    if accum == 1:
+        return grad_fn(params, batch)
+
+    def split(x: jax.Array) -> jax.Array:
+        return x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+
+    def body(carry: tuple, micro: dict) -> tuple[tuple, None]:
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, micro)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(reduce_dtype), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), None
+
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[::accum], batch))
+    shapes = (shapes[0], jax.tree.map(lambda g: g.update(dtype=reduce_dtype), shapes[1]))
+    zeros = jax.tree.map(_zeros_like, shapes)
+    # Each device adds only its own gradients: nothing crosses the wire inside the loop
+    # (except ZeRO-3's gathers and their reduce-scatters, which are per layer by design).
+    (loss_sum, grad_sum), _ = lax.scan(body, zeros, jax.tree.map(split, batch))
+    return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+
+
+def sliced_update(
+    tx: optax.GradientTransformation,
+    params: Any,
+    grads: Any,
+    opt_state: Any,
+    loss_scale: Any,
+    grad_norm: jax.Array,
+    specs: dict[str, Any],
+    policy: precision.Policy,
+) -> tuple[Any, Any, Any]:
+    """(params, opt_state, loss_scale) after the optimizer update. Each rank updates only its
+    slice (the optimizer state's layout; ZeRO-1/2 slice replicated params and grads) and the
+    new slices are all_gathered back to the params' layout. An fp16 step whose (already
+    globally reduced) gradient norm is not finite keeps every rank's slices as they were."""
+    take = collectives.take_slice
+    slice_params = jax.tree.map(take, params, specs["params"], specs["opt_per_param"])
+    slice_grads = jax.tree.map(take, grads, specs["grads"], specs["opt_per_param"])
+    updates, new_opt_state = tx.update(slice_grads, opt_state, slice_params)
+    new_slices = optax.apply_updates(slice_params, updates)
+    if policy.loss_scaling:
+        finite = jnp.isfinite(grad_norm)
+        new_slices, new_opt_state = precision.keep_if_finite(
+            finite, (new_slices, new_opt_state), (slice_params, opt_state)
+        )
+        loss_scale = precision.next_loss_scale(loss_scale, finite, policy)
+    gather = collectives.gather_whole
+    params = jax.tree.map(gather, new_slices, specs["opt_per_param"], specs["params"])
+    return params, new_opt_state, loss_scale
+
+
+def explicit_steps(
+    graphdef: Any,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    shardings: dict[str, Any],
+    accum: int,
+    policy: precision.Policy = precision.POLICIES["fp32"],
+    local_loss: Callable | None = None,
+) -> tuple[Callable, Callable]:
+    """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
+
+    `shardings` holds the layout's NamedShardings: pytrees "params", "grads", "opt_state" and
+    "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
+    "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
+    scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
+    blocks (a pipeline schedule's loss). The steps' signatures are those of spmd.engine.step's
+    auto steps."""
+    specs = {
+        "params": _specs(shardings["params"]),
+        "grads": _specs(shardings["grads"]),
+        "opt_state": _specs(shardings["opt_state"]),
+        "opt_per_param": _specs(shardings["opt_state_per_param"]),
+    }
+    batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
+    batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+
+    def model_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, params), batch)
+
+    local_loss = local_loss or model_loss
+
+    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
+        with hooks.explicit_layout(mesh, zero_stage), hooks.no_activation_layout():
+            grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
+            varying = collectives.vary_over(params, batch_axes)
+            loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
+            grads = jax.tree.map(
+                lambda g, p, s: collectives.reduce_grad(g, p, s, batch_axes),
+                grads,
+                specs["params"],
+                specs["grads"],
+            )
+            loss = lax.pmean(loss, batch_axes) if batch_axes else loss
+            grads = precision.unscale(grads, loss_scale, policy)
+            grad_norm = collectives.global_norm(grads)
+            params, opt_state, loss_scale = sliced_update(
+                tx, params, grads, opt_state, loss_scale, grad_norm, specs, policy
+            )
+            metrics = {
+                "loss": loss.astype(policy.output_dtype),
+                "grad_norm": grad_norm,
+                "loss_scale": loss_scale["scale"],
+                "skipped_steps": loss_scale["skipped_steps"],
+            }
+            return params, opt_state, loss_scale, metrics
+
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        with hooks.explicit_layout(mesh, zero_stage), hooks.no_activation_layout():
+            loss = local_loss(params, batch)
+            return lax.pmean(loss, batch_axes) if batch_axes else loss
+
+    train = jax.shard_map(
+        train_step,
+        mesh=mesh,
+        in_specs=(specs["params"], specs["opt_state"], PartitionSpec(), batch_spec),
+        out_specs=(specs["params"], specs["opt_state"], PartitionSpec(), PartitionSpec()),
+        check_vma=True,
+    )
+    evaluate = jax.shard_map(
+        eval_step,
+        mesh=mesh,
+        in_specs=(specs["params"], batch_spec),
+        out_specs=PartitionSpec(),
+        check_vma=True,
+    )
+    return train, evaluate

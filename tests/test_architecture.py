@@ -1,0 +1,94 @@
+"""The import graph keeps the architecture's one-way dependencies (read with ast, nothing run):
+commands -> engine / parallel / estimate / io / observe; models/ see only the hooks."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORE_PACKAGES = ("spmd.engine", "spmd.parallel", "spmd.estimate", "spmd.io", "spmd.observe")
+# Top-level modules of spmd/ that run as `python -m spmd.X`, and `weights`, which they share
+# to load a Llama from a checkpoint or a Hugging Face folder (so it may import models/).
+COMMANDS = {
+    f"spmd.{m}"
+    for m in (
+        "__main__ train plan convert generate bench bench_collectives launch report weights"
+    ).split()
+}
+# What models/ may import from spmd: the hooks, the exception that means "exit 2", and the
+# file format the Hugging Face mapping reads.
+MODEL_ALLOWED = {"spmd.parallel.hooks", "spmd.errors", "spmd.io.safetensors_io"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for top in ("spmd", "models", "meshes"):
+        for path in (ROOT / top).rglob("*.py"):
+            found[module_name(path)] = path
+    return found
+
+
+def imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """Project modules that `path` imports anywhere in its body (function-level included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import mod` imports the module when there is one, else the package
+            targets = [
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in modules
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        out.update(t for t in targets if t in modules)
+    return out
+
+
+GRAPH = {name: imports_of(path, project_modules()) for name, path in project_modules().items()}
+
+
+def test_graph_covers_the_packages():
+    for package in CORE_PACKAGES:
+        assert package in GRAPH, package
+    assert "spmd.parallel.hooks" in GRAPH and "models.llama" in GRAPH
+    assert "spmd.engine.step" in GRAPH["spmd.api"]
+
+
+def test_models_import_only_the_hooks():
+    for name, deps in GRAPH.items():
+        if name.startswith("models"):
+            core = {d for d in deps if d.startswith("spmd")}
+            assert core <= MODEL_ALLOWED, f"{name} imports {sorted(core - MODEL_ALLOWED)}"
+
+
+def test_core_packages_import_no_model_and_no_command():
+    for name, deps in GRAPH.items():
+        if name.startswith(CORE_PACKAGES):
+            bad = {d for d in deps if d.startswith(("models", "meshes")) or d in COMMANDS}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_no_import_cycle():
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(GRAPH[name]):
+            if state.get(dep) == "open":
+                cycle = path[path.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
