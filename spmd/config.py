@@ -41,7 +41,10 @@ class TrainConfig:
     steps: int = 200  # optimizer steps
     batch: int = 32  # global batch: sequences per optimizer step, over all devices
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (compute dtype; params stay fp32)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: compute and working-param dtype (master fp32)
+    # dtype of gradient accumulation and of the cross-device gradient reduction: fp32, or the
+    # 16-bit compute dtype; "" = the precision's default (its compute dtype, as in ZeRO)
+    grad_reduce: str = ""
     seq_len: int = 128  # tokens per sequence
     lr: float = 3e-3  # peak learning rate (before the scaling rule)
     lr_scaling: str = "none"  # none | linear: lr * batch / ref_batch
