@@ -56,6 +56,7 @@ def build(
     zero_stage: int = 3,
     executor: str = "auto",
     precision_policy: str = "fp32",
+    grad_reduce: str = "",
     accum: int = 1,
     seed: int = 0,
     pipeline: Any = None,
@@ -68,8 +69,11 @@ def build(
     - executor "auto" (XLA inserts the collectives) or "explicit" (shard_map, collectives by
       hand; a model then reads its params through `spmd.gather` and marks row-parallel
       outputs with `spmd.tp_reduce`, as models/llama.py does).
-    - precision_policy "fp32", "bf16" or "fp16": params and optimizer state stay fp32; pass
-      `program.policy.compute_dtype` on to the model, which casts for its matmuls.
+    - precision_policy "fp32", "bf16" or "fp16": under bf16 / fp16 the params the step takes
+      and returns are 16-bit working params and the optimizer state holds the fp32 master
+      weights (sharded over fsdp from ZeRO-1 on); pass `program.policy.compute_dtype` on to the
+      model. grad_reduce "fp32" / "bf16" / "fp16" ("": the policy's compute dtype) is the dtype
+      gradients are accumulated and reduced in.
     - accum: micro-batches per optimizer step (the batch's dimension 0 split accum ways),
       with one gradient reduction per step.
 
@@ -91,7 +95,7 @@ def build(
         layout,
         seed=seed,
         accum=accum,
-        policy=precision.get(precision_policy),
+        policy=precision.get(precision_policy, grad_reduce),
         executor=executor,
         pipeline=pipeline,
     )
@@ -119,10 +123,17 @@ def save(
     step: int,
     state: TrainState,
     metadata: dict[str, Any] | None = None,
+    program: Program | None = None,
 ) -> float:
     """Start saving `state` as step `step`, with JSON-ready `metadata` (e.g. the data
-    position). Returns the seconds the caller was blocked (copy to host memory)."""
-    return checkpoint.save(manager, step, state._asdict(), metadata or {}, {})
+    position). Returns the seconds the caller was blocked (copy to host memory). Under bf16 /
+    fp16 pass the `program`: the checkpoint then holds the fp32 master weights as its params
+    (the 16-bit working params are derived on restore), as under fp32."""
+    if program is None:
+        if isinstance(state.opt_state, dict) and "master" in state.opt_state:
+            raise ValueError("spmd.save of a bf16 / fp16 state needs program=")
+        return checkpoint.save(manager, step, state._asdict(), metadata or {}, {})
+    return checkpoint.save(manager, step, program.checkpoint_view(state), metadata or {}, {})
 
 
 def restore(
@@ -132,8 +143,5 @@ def restore(
     program's shardings (any mesh restores any checkpoint of the same model). A damaged step is
     moved aside to <step>.damaged and the next older one is used. UsageError if the shapes
     differ from the program's or nothing can be read."""
-    target = TrainState(
-        program.abstract_params, program.abstract_opt_state, program.abstract_loss_scale
-    )
-    restored = checkpoint.restore_newest(manager, target._asdict(), {}, say)
-    return restored.step, TrainState(**restored.state), restored.data
+    restored = checkpoint.restore_newest(manager, program.abstract_checkpoint(), {}, say)
+    return restored.step, program.from_checkpoint(restored.state), restored.data

@@ -55,7 +55,7 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
         raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
 
-    precision.get(train.precision)  # UsageError naming the valid policies
+    precision.get(train.precision, train.grad_reduce)  # UsageError naming the valid values
     if model.remat not in llama.REMAT_POLICIES:
         raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
     if model.n_heads % model.n_kv_heads:
@@ -265,7 +265,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
 
     layout = Layout(mesh, train.zero)
     check_batch(train.batch, layout, train.accum)
-    policy = precision.get(train.precision)
+    policy = precision.get(train.precision, train.grad_reduce)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
         f"zero {train.zero} | {model_cfg.n_params() / 1e6:.2f} M params | "
@@ -281,6 +281,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
         zero_stage=train.zero,
         executor=train.collectives,
         precision_policy=train.precision,
+        grad_reduce=train.grad_reduce,
         accum=train.accum,
         seed=train.seed,
         pipeline=pipe,
@@ -356,7 +357,7 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
         if restored.step >= train.steps:
             say(f"the checkpoint at step {restored.step} already completes --steps {train.steps}")
             return None
-        return restored.state, restored.step + 1
+        return program.from_checkpoint(restored.state)._asdict(), restored.step + 1
     if train.init_from_hf:
         from spmd.weights import init_from_hf
 

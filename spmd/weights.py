@@ -57,18 +57,11 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
 
 def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
     """(params, optimizer state, loss scale) to start training `program` from a Hugging Face
-    folder. The optimizer state and loss scale are the ones `program.init` makes, computed
-    without its random params (XLA drops them as unused): spmd's optimizer state (AdamW
-    moments, step counts) is zeros that do not depend on the param values."""
-    import jax
-
-    shardings = jax.tree.map(
-        lambda x: x.sharding, (program.abstract_opt_state, program.abstract_loss_scale)
-    )
-    opt_state, loss_scale = jax.jit(lambda: program.init()[1:], out_shardings=shardings)()
+    folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the
+    working params derived in the policy's dtype)."""
     checkpoint = hf_llama.open_checkpoint(directory)
-    params = hf_llama.load_params(checkpoint, program.abstract_params)
-    return params, opt_state, loss_scale
+    master = hf_llama.load_params(checkpoint, program.abstract_master)
+    return tuple(program.start(master))
 
 
 def from_hf(directory: str, layout: Layout) -> Loaded:

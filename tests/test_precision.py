@@ -36,13 +36,18 @@ def lowered_step(program: Program):
     )
 
 
-def test_bf16_trains_on_fp32_params_with_bf16_matmuls():
+def test_bf16_trains_bf16_working_params_on_fp32_master_weights():
     program = tiny_program("dp=2", policy="bf16")
     compiled = program.compile_train_step(BATCH, SEQ_LEN)
     losses, (params, opt_state, loss_scale) = train_losses(program, steps=20, step_fn=compiled)
     assert losses[-1] < losses[0] - 0.5
-    state_dtypes = {leaf.dtype for leaf in jax.tree.leaves((params, opt_state)) if leaf.ndim}
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    state_dtypes = {leaf.dtype for leaf in jax.tree.leaves(opt_state) if leaf.ndim}
     assert state_dtypes == {jnp.dtype(jnp.float32)}
+    # The working params are the master weights rounded to bf16, leaf by leaf.
+    master = jax.device_get(opt_state["master"])
+    for working, fp32 in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(master)):
+        np.testing.assert_array_equal(working, fp32.astype(jnp.bfloat16))
     assert float(loss_scale["scale"]) == 1.0 and int(loss_scale["skipped_steps"]) == 0
 
     # What the step asks for: every matmul (forward and backward) takes bf16 input; only the

@@ -72,6 +72,8 @@ def initial_state(program: Program) -> tuple[Any, Any, Any]:
     from tests import trainer
 
     params, opt_state, _ = trainer.initial_state()
+    if program.policy.has_master:  # bf16 / fp16: 16-bit working params, fp32 master in opt_state
+        return tuple(program.start(params))
     shardings = jax.tree.map(
         lambda a: a.sharding, (program.abstract_params, program.abstract_opt_state)
     )

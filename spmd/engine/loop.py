@@ -143,7 +143,13 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
 
     train = run.train
     data_state = run_data_state(train, step, run.token_file.fingerprint)
-    blocked = checkpoint.save(run.manager, step, state, data_state, config.as_dict(run.sections))
+    blocked = checkpoint.save(
+        run.manager,
+        step,
+        run.program.checkpoint_view(state),
+        data_state,
+        config.as_dict(run.sections),
+    )
     run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
 
 

@@ -1,10 +1,12 @@
 """Mixed-precision policies and dynamic loss scaling.
 
-A policy names four dtypes: `param` (the master weights the optimizer updates, and so the
-optimizer state), `compute` (what the model casts params and activations to for its matmuls),
-`reduce` (gradient accumulators and the cross-device gradient reduction) and `output` (the loss
-reported). Master weights stay fp32 in every policy: updates of lr * 1e-3 relative size vanish
-in a 16-bit mantissa.
+A policy names five dtypes, as the ZeRO paper lays out mixed precision: `param` (the working
+params the model holds and the step all-gathers: the compute dtype, 16-bit under bf16 / fp16),
+`master` (the weights the optimizer updates, kept with its moments in the optimizer state and
+sharded with it from ZeRO-1 on: always fp32, since updates of lr * 1e-3 relative size vanish
+in a 16-bit mantissa), `compute` (matmuls and activations), `reduce` (the gradients: their
+accumulation over micro-batches and the cross-device reduction; `--grad-reduce`) and `output`
+(the loss reported). Under fp32 the working params are the master weights (no copy).
 
 fp16 has 5 exponent bits, so small gradients underflow to zero in its backward pass. The loss
 is multiplied by a scale before differentiation and the gradients divided by it after; the
@@ -38,37 +40,62 @@ class Policy:
     """Dtypes of one precision policy and, for fp16, the loss-scale dynamics."""
 
     name: str
-    param_dtype: Any
+    param_dtype: Any  # working params: what the model holds and the step all-gathers
     compute_dtype: Any
-    reduce_dtype: Any
+    reduce_dtype: Any  # gradient accumulation and cross-device reduction
     output_dtype: Any
     loss_scaling: bool = False
     initial_scale: float = 2.0**15
     growth_interval: int = 2000  # finite steps in a row before the scale grows
     growth_factor: float = 2.0
     backoff_factor: float = 0.5  # on a non-finite gradient
+    master_dtype: Any = jnp.float32  # the weights the optimizer updates
+
+    @property
+    def has_master(self) -> bool:
+        """True when the optimizer state keeps master weights apart from the working params."""
+        return jnp.dtype(self.param_dtype) != jnp.dtype(self.master_dtype)
 
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+# The 16-bit policies reduce gradients in their compute dtype by default, as the ZeRO paper,
+# DeepSpeed and PyTorch FSDP (reduce_dtype = param_dtype) do: half the bytes on the wire.
+# `--grad-reduce fp32` is Megatron-LM's / torchtitan's choice (fp32 accumulation and reduce).
 POLICIES = {
     "fp32": Policy("fp32", F32, F32, F32, F32),
-    "bf16": Policy("bf16", F32, BF16, F32, F32),
-    "fp16": Policy("fp16", F32, F16, F32, F32, loss_scaling=True),
+    "bf16": Policy("bf16", BF16, BF16, BF16, F32),
+    "fp16": Policy("fp16", F16, F16, F16, F32, loss_scaling=True),
 }
+DTYPE_NAMES = {"fp32": F32, "bf16": BF16, "fp16": F16}
 
 
-def get(name: str) -> Policy:
-    """The policy called `name`; UsageError naming the valid ones otherwise."""
+def get(name: str, grad_reduce: str = "") -> Policy:
+    """The policy called `name`, reducing gradients in `grad_reduce` ("": the policy's
+    default); UsageError naming the valid values otherwise."""
     if name not in POLICIES:
         raise UsageError(f"--precision {name!r} is not one of {', '.join(POLICIES)}")
-    return POLICIES[name]
+    policy = POLICIES[name]
+    if not grad_reduce:
+        return policy
+    allowed = sorted({"fp32", short_name(policy.compute_dtype)})
+    if grad_reduce not in allowed:
+        raise UsageError(
+            f"--grad-reduce {grad_reduce!r} does not go with --precision {name}; use "
+            f"{' or '.join(allowed)} (fp32, or the policy's 16-bit compute dtype)"
+        )
+    return dataclasses.replace(policy, reduce_dtype=DTYPE_NAMES[grad_reduce])
+
+
+def short_name(dtype: Any) -> str:
+    """fp32, bf16 or fp16."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[jnp.dtype(dtype).name]
 
 
 def describe(policy: Policy) -> str:
-    """One line for the run log, e.g. "bf16: params fp32, compute bf16, grad reduce fp32"."""
-
-    def short(dtype: Any) -> str:
-        return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[jnp.dtype(dtype).name]
+    """One line for the run log, e.g. "precision bf16: params bf16 (master fp32 in the optimizer
+    state), compute bf16, grad reduce bf16, output fp32"."""
+    short = short_name
+    master = f" (master {short(policy.master_dtype)} in the optimizer state)"
 
     scaling = (
         f", dynamic loss scale from {policy.initial_scale:g} (x{policy.growth_factor:g} after "
@@ -77,7 +104,8 @@ def describe(policy: Policy) -> str:
         else ""
     )
     return (
-        f"precision {policy.name}: params {short(policy.param_dtype)}, compute "
+        f"precision {policy.name}: params {short(policy.param_dtype)}"
+        f"{master if policy.has_master else ''}, compute "
         f"{short(policy.compute_dtype)}, grad reduce {short(policy.reduce_dtype)}, output "
         f"{short(policy.output_dtype)}{scaling}"
     )
@@ -149,6 +177,35 @@ def scaled_value_and_grad(
     return loss_and_grads
 
 
+# --- master weights ---------------------------------------------------------------------------
+# Under bf16 / fp16 the optimizer state is {"master": fp32 params, "inner": the optimizer's own
+# state}, both laid out by the opt_state rules (sharded over fsdp from ZeRO-1 on); under fp32 it
+# is the optimizer's state alone and the params are the master weights.
+
+
+def cast(tree: Any, dtype: Any) -> Any:
+    """Every leaf of `tree` as `dtype` (no-op for leaves already of it)."""
+    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
+
+
+def init_opt_state(tx: optax.GradientTransformation, master: Any, policy: Policy) -> Any:
+    """The optimizer state at step 0 for master weights `master` (fp32)."""
+    if not policy.has_master:
+        return tx.init(master)
+    return {"master": master, "inner": tx.init(master)}
+
+
+def split_opt_state(params: Any, opt_state: Any, policy: Policy) -> tuple[Any, Any]:
+    """(master weights, the optimizer's own state) of a train state."""
+    if not policy.has_master:
+        return params, opt_state
+    return opt_state["master"], opt_state["inner"]
+
+
+def join_opt_state(master: Any, inner: Any, policy: Policy) -> Any:
+    return {"master": master, "inner": inner} if policy.has_master else inner
+
+
 def apply_gradients(
     tx: optax.GradientTransformation,
     grads: Any,
@@ -157,17 +214,18 @@ def apply_gradients(
     state: LossScale,
     policy: Policy,
 ) -> tuple[Any, Any, LossScale, Any]:
-    """One optimizer update from (reduced) gradients of the scaled loss: unscale, update, and
-    when the policy scales, skip the update (params and optimizer state returned as they were)
-    if any gradient is not finite. Returns (params, opt_state, loss-scale state, unscaled
-    grads). The gradients must be the global ones, so every device takes the same decision."""
-    grads = unscale(grads, state, policy)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    """One optimizer update from (reduced) gradients of the scaled loss: unscale in the master
+    dtype, update the master weights, write back the working params in `policy.param_dtype`;
+    when the policy scales, skip the update (everything returned as it was) if any gradient
+    is not finite. Returns (params, opt_state, loss-scale state, unscaled master-dtype grads).
+    The gradients must be the global ones, so every device takes the same decision."""
+    grads = unscale(cast(grads, policy.master_dtype), state, policy)
+    master, inner = split_opt_state(params, opt_state, policy)
+    updates, new_inner = tx.update(grads, inner, master)
+    new_master = optax.apply_updates(master, updates)
     if policy.loss_scaling:
         finite = all_finite(grads)
-        new_params, new_opt_state = keep_if_finite(
-            finite, (new_params, new_opt_state), (params, opt_state)
-        )
+        new_master, new_inner = keep_if_finite(finite, (new_master, new_inner), (master, inner))
         state = next_loss_scale(state, finite, policy)
-    return new_params, new_opt_state, state, grads
+    new_params = cast(new_master, policy.param_dtype)
+    return new_params, join_opt_state(new_master, new_inner, policy), state, grads

@@ -56,8 +56,9 @@ class Layout:
 
 
 class TrainState(NamedTuple):
-    """Everything a train step updates: the params (a pure dict of arrays, master dtype), the
-    optimizer state, and the loss-scale state (spmd.engine.precision; constant unless fp16)."""
+    """Everything a train step updates: the params (a pure dict of arrays in the policy's
+    working dtype), the optimizer state (with the fp32 master weights under bf16 / fp16), and
+    the loss-scale state (spmd.engine.precision; constant unless fp16)."""
 
     params: Any
     opt_state: Any
@@ -74,7 +75,11 @@ class Program:
     abstract_params: Any  # ShapeDtypeStructs with shardings
     abstract_opt_state: Any
     abstract_loss_scale: Any  # precision.LossScale of ShapeDtypeStructs (replicated scalars)
+    abstract_master: Any  # the master weights (fp32) in the params' shardings, e.g. to load
     init: Callable[[], TrainState]  # () -> the initial state, made sharded on the mesh
+    start: Callable[[Any], TrainState]  # master weights -> the state of a fresh optimizer
+    # the tree a checkpoint holds -> TrainState (the working params derived from the master)
+    from_checkpoint: Callable[[dict], TrainState]
     # (params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale, metrics)
     train_step: Callable
     eval_step: Callable  # (params, batch) -> mean loss
@@ -85,6 +90,21 @@ class Program:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
         *new_state, metrics = self.train_step(*state, batch)
         return TrainState(*new_state), metrics
+
+    def checkpoint_view(self, state: Any) -> dict[str, Any]:
+        """What a checkpoint holds of `state` (a TrainState or a dict of its fields): "params"
+        are the master weights (fp32 under every policy; the 16-bit working params are derived
+        from them on restore), "opt_state" the optimizer's own state, and "loss_scale"."""
+        state = state if isinstance(state, dict) else TrainState(*state)._asdict()
+        master, inner = precision.split_opt_state(state["params"], state["opt_state"], self.policy)
+        return {"params": master, "opt_state": inner, "loss_scale": state["loss_scale"]}
+
+    def abstract_checkpoint(self) -> dict[str, Any]:
+        """The restore target of `checkpoint_view` on this program's mesh (resharding)."""
+        abstract = TrainState(
+            self.abstract_params, self.abstract_opt_state, self.abstract_loss_scale
+        )
+        return self.checkpoint_view(abstract)
 
     def model(self, params: Any) -> nnx.Module:
         """The NNX model holding `params` (sharded arrays stay sharded), e.g. for inference."""
@@ -180,23 +200,27 @@ def _with_sharding(shapes: Any, shardings: Any) -> Any:
 
 
 def opt_state_shardings(
-    tx: optax.GradientTransformation, abstract_params: Any, names: Any, layout: Layout
+    tx: optax.GradientTransformation,
+    master: Any,
+    names: Any,
+    layout: Layout,
+    policy: precision.Policy,
 ) -> tuple[Any, Any]:
-    """(abstract opt state, its shardings): param-shaped leaves (Adam's m and v) follow the
+    """(abstract opt state, its shardings) for master weights `master` (ShapeDtypeStructs):
+    the master copy and the param-shaped leaves of the optimizer (Adam's m and v) follow the
     opt_state rules; scalars such as the step count are replicated."""
-    shapes = jax.eval_shape(tx.init, abstract_params)
-    per_param = rules.tree_shardings(
-        names, abstract_params, layout.mesh, layout.zero_stage, "opt_state"
-    )
-    shardings = optax.tree_map_params(
+    shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
+    per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
+    _, inner_shapes = precision.split_opt_state(master, shapes, policy)
+    inner = optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
-        shapes,
+        inner_shapes,
         per_param,
         transform_non_params=lambda _: layout.replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return shapes, shardings
+    return shapes, precision.join_opt_state(per_param, inner, policy)
 
 
 def sharded_bytes(abstract: Any) -> int:
@@ -233,13 +257,16 @@ def auto_steps(
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
+        # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
+        # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
+        grad_params = precision.cast(params, policy.reduce_dtype)
         with hooks.activation_layout(mesh, zero):
             if accum == 1:
-                loss, grads = grad_fn(params, batch)
+                loss, grads = grad_fn(grad_params, batch)
             else:
                 loss, grads = accumulated_grads(
                     grad_fn,
-                    params,
+                    grad_params,
                     batch,
                     accum,
                     mesh,
@@ -317,7 +344,8 @@ def build_program(
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     mesh, zero = layout.mesh, layout.zero_stage
-    opt_shapes, opt_sh = opt_state_shardings(tx, shapes, names, layout)
+    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
+    opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, names, layout, policy)
     shardings = {
         "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
         "grads": rules.tree_shardings(names, shapes, mesh, zero, "grads"),
@@ -326,11 +354,20 @@ def build_program(
         "batch": layout.batch_sharding(ndim=1),  # a prefix: splits dim 0 of any batch leaf
     }
 
+    def start(master: Any) -> TrainState:
+        master = precision.cast(master, policy.master_dtype)
+        opt_state = precision.init_opt_state(tx, master, policy)
+        params = precision.cast(master, policy.param_dtype)
+        return TrainState(params, opt_state, precision.init_loss_scale(policy))
+
     def init() -> TrainState:
         with nnx.use_eager_sharding(False):
-            params = nnx.to_pure_dict(nnx.state(make_model(seed)))
-        params = jax.tree.map(lambda p: p.astype(policy.param_dtype), params)
-        return TrainState(params, tx.init(params), precision.init_loss_scale(policy))
+            return start(nnx.to_pure_dict(nnx.state(make_model(seed))))
+
+    def from_checkpoint(saved: dict) -> TrainState:
+        opt_state = precision.join_opt_state(saved["params"], saved["opt_state"], policy)
+        params = precision.cast(saved["params"], policy.param_dtype)
+        return TrainState(params, opt_state, saved["loss_scale"])
 
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
@@ -356,6 +393,7 @@ def build_program(
     param_sh, batch_sh, replicated = shardings["params"], shardings["batch"], layout.replicated
     scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
     scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
+    state_sh = TrainState(param_sh, opt_sh, scale_sh)
     return Program(
         layout=layout,
         graphdef=graphdef,
@@ -363,7 +401,10 @@ def build_program(
         abstract_params=_with_sharding(shapes, param_sh),
         abstract_opt_state=_with_sharding(opt_shapes, opt_sh),
         abstract_loss_scale=_with_sharding(scale_shapes, scale_sh),
-        init=jax.jit(init, out_shardings=TrainState(param_sh, opt_sh, scale_sh)),
+        abstract_master=_with_sharding(master_shapes, param_sh),
+        init=jax.jit(init, out_shardings=state_sh),
+        start=jax.jit(start, out_shardings=state_sh),
+        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh),
         train_step=jax.jit(
             train_step,
             in_shardings=(param_sh, opt_sh, scale_sh, batch_sh),

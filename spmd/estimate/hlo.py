@@ -39,11 +39,18 @@ class Collective:
 
 
 def collectives(compiled: Any, mesh: jax.sharding.Mesh | None = None) -> list[Collective]:
-    """Collectives of ``compiled`` (a jax Compiled object or its HLO text), in HLO text order.
+    """Collectives of ``compiled`` (a jax Compiled object or its HLO text; or a Lowered one: the
+    program as spmd emits it, before XLA optimizes it), in HLO text order. XLA:CPU promotes
+    16-bit collectives to fp32 when it compiles; the lowered program shows the emitted dtype.
 
     Ops whose replica groups all hold a single device are left out. With ``mesh`` None, axes=().
     """
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    if isinstance(compiled, str):
+        text = compiled
+    elif isinstance(compiled, jax.stages.Lowered):
+        text = compiled.as_text(dialect="hlo")
+    else:
+        text = compiled.as_text()
     partitions, replicas = _header_int(text, "num_partitions"), _header_int(text, "replica_count")
     comps, entry = _parse_computations(text)
     mult = _multipliers(comps, entry)

@@ -158,10 +158,14 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
         param_axes, grad_axes, opt_axes = (
             {a for axes in _axes(s) for a in axes} for s in (param, grad, opt)
         )
-        grad_bytes = _local_bytes(leaf.shape, leaf.dtype, grad, mesh)
+        # Gradients travel in the policy's reduce dtype (--grad-reduce), params in their working
+        # dtype (16-bit under bf16 / fp16): the ZeRO paper's 2 + 2 bytes per param.
+        grad_bytes = _local_bytes(leaf.shape, program.policy.reduce_dtype, grad, mesh)
         layers = leaf.shape[0] if leaf_names and leaf_names[0] == "layers" else 1
         if param_axes & batch_axes:  # ZeRO-3: gathered before use, reduce-scattered by autodiff
-            gathered = _local_bytes(leaf.shape, leaf.dtype, _whole(param, batch_axes), mesh)
+            # ZeRO-3 gathers what autodiff differentiates: the params in the reduce dtype.
+            gather_dtype = program.policy.reduce_dtype
+            gathered = _local_bytes(leaf.shape, gather_dtype, _whole(param, batch_axes), mesh)
             passes = 2 * accum if layers > 1 else 1
             add("all-gather", passes * layers, passes * gathered)
             add("reduce-scatter", accum * layers, accum * grad_bytes)

@@ -68,12 +68,9 @@ def open_checkpoints(
 
 
 def program_state_target(program: Any) -> dict[str, Any]:
-    """The train state's named pytrees as ShapeDtypeStructs with this run's shardings."""
-    return {
-        "params": program.abstract_params,
-        "opt_state": program.abstract_opt_state,
-        "loss_scale": program.abstract_loss_scale,
-    }
+    """What a checkpoint holds (params = the fp32 master weights, the optimizer's own state,
+    the loss scale) as ShapeDtypeStructs with this run's shardings."""
+    return program.abstract_checkpoint()
 
 
 def run_data_state(train: TrainConfig, step: int, fingerprint: str) -> dict[str, Any]:

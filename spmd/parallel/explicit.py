@@ -80,23 +80,28 @@ def sliced_update(
     policy: precision.Policy,
 ) -> tuple[Any, Any, Any]:
     """(params, opt_state, loss_scale) after the optimizer update. Each rank updates only its
-    slice (the optimizer state's layout; ZeRO-1/2 slice replicated params and grads) and the
-    new slices are all_gathered back to the params' layout. An fp16 step whose (already
-    globally reduced) gradient norm is not finite keeps every rank's slices as they were."""
+    slice of the master weights (the optimizer state's layout: under bf16 / fp16 the master
+    copy lives there already; under fp32 ZeRO-1/2 slice the replicated params), writes back
+    the slice in the working dtype and all_gathers it to the params' layout (16-bit bytes under
+    bf16 / fp16). An fp16 step whose (already globally reduced) gradient norm is not finite
+    keeps every rank's slices as they were."""
     take = collectives.take_slice
-    slice_params = jax.tree.map(take, params, specs["params"], specs["opt_per_param"])
+    master, inner = precision.split_opt_state(params, opt_state, policy)
+    if not policy.has_master:
+        master = jax.tree.map(take, params, specs["params"], specs["opt_per_param"])
     slice_grads = jax.tree.map(take, grads, specs["grads"], specs["opt_per_param"])
-    updates, new_opt_state = tx.update(slice_grads, opt_state, slice_params)
-    new_slices = optax.apply_updates(slice_params, updates)
+    updates, new_inner = tx.update(slice_grads, inner, master)
+    new_master = optax.apply_updates(master, updates)
     if policy.loss_scaling:
         finite = jnp.isfinite(grad_norm)
-        new_slices, new_opt_state = precision.keep_if_finite(
-            finite, (new_slices, new_opt_state), (slice_params, opt_state)
+        new_master, new_inner = precision.keep_if_finite(
+            finite, (new_master, new_inner), (master, inner)
         )
         loss_scale = precision.next_loss_scale(loss_scale, finite, policy)
+    working = precision.cast(new_master, policy.param_dtype)
     gather = collectives.gather_whole
-    params = jax.tree.map(gather, new_slices, specs["opt_per_param"], specs["params"])
-    return params, new_opt_state, loss_scale
+    params = jax.tree.map(gather, working, specs["opt_per_param"], specs["params"])
+    return params, precision.join_opt_state(new_master, new_inner, policy), loss_scale
 
 
 def explicit_steps(
@@ -135,7 +140,8 @@ def explicit_steps(
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         with hooks.explicit_layout(mesh, zero_stage), hooks.no_activation_layout():
             grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
-            varying = collectives.vary_over(params, batch_axes)
+            # Gradients come out, are accumulated and reduced in the reduce dtype.
+            varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
             loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
             grads = jax.tree.map(
                 lambda g, p, s: collectives.reduce_grad(g, p, s, batch_axes),
@@ -144,6 +150,7 @@ def explicit_steps(
                 specs["grads"],
             )
             loss = lax.pmean(loss, batch_axes) if batch_axes else loss
+            grads = precision.cast(grads, policy.master_dtype)
             grads = precision.unscale(grads, loss_scale, policy)
             grad_norm = collectives.global_norm(grads)
             params, opt_state, loss_scale = sliced_update(
