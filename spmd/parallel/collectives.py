@@ -64,6 +64,13 @@ def reduce_grad(
     batch axes get a psum (DDP, ZeRO-1; over `data` only for ZeRO-3, whose fsdp sum already
     happened in the transpose of `gather`). Then divide by the number of batch shards."""
     dims_param, dims_grad = (_dim_axes(s, grad.ndim) for s in (param_spec, grad_spec))
+    shards = math.prod(mesh.shape[a] for a in batch_axes) if (mesh := explicit_mesh()) else 1
+    # A 16-bit sum over N devices can overflow where each addend does not (fp16 tops out at
+    # 65504, and its loss-scaled gradients sit near it): divide first, as PyTorch DDP's
+    # gradient pre-divide does. fp32 keeps sum-then-divide.
+    predivide = shards > 1 and jnp.dtype(grad.dtype).itemsize < 4
+    if predivide:
+        grad = grad / shards
     for dim, (have, want) in enumerate(zip(dims_param, dims_grad, strict=True)):
         scatter = tuple(a for a in want if a not in have)
         if scatter:
@@ -71,8 +78,7 @@ def reduce_grad(
     rest = tuple(a for a in batch_axes if a not in _spec_axes(grad_spec))
     if rest:
         grad = lax.psum(grad, rest)
-    shards = math.prod(mesh.shape[a] for a in batch_axes) if (mesh := explicit_mesh()) else 1
-    return grad / shards if shards > 1 else grad
+    return grad / shards if shards > 1 and not predivide else grad
 
 
 def take_slice(x: jax.Array, have: PartitionSpec, want: PartitionSpec) -> jax.Array:
