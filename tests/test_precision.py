@@ -46,7 +46,9 @@ def test_bf16_trains_bf16_working_params_on_fp32_master_weights():
     assert state_dtypes == {jnp.dtype(jnp.float32)}
     # The working params are the master weights rounded to bf16, leaf by leaf.
     master = jax.device_get(opt_state["master"])
-    for working, fp32 in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(master)):
+    for working, fp32 in zip(
+        jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(master), strict=True
+    ):
         np.testing.assert_array_equal(working, fp32.astype(jnp.bfloat16))
     assert float(loss_scale["scale"]) == 1.0 and int(loss_scale["skipped_steps"]) == 0
 
