@@ -9,6 +9,7 @@ line naming the bad value.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -54,7 +55,10 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
     if not 0 <= train.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
+    from spmd.engine.optim import check_hyperparameters, peak_lr
 
+    check_hyperparameters(train)
+    peak_lr(train)  # UsageError for --lr-scaling and --ref-batch
     precision.get(train.precision, train.grad_reduce)  # UsageError naming the valid values
     if model.remat not in llama.REMAT_POLICIES:
         raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
@@ -104,11 +108,12 @@ def check_observability(train: TrainConfig) -> None:
     """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
     if train.profile:
         profile.parse_window(train.profile, train.steps)
-    if train.peak_tflops < 0:
+    # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
+    if not (0 <= train.peak_tflops < math.inf):
         raise UsageError(f"--peak-tflops {train.peak_tflops} must be 0 (the table) or positive")
     if not 0 < train.comm_warn <= 1:
         raise UsageError(f"--comm-warn {train.comm_warn} must be a fraction in (0, 1]")
-    if train.straggler_threshold < 0:
+    if not (0 <= train.straggler_threshold < math.inf):
         raise UsageError(f"--straggler-threshold {train.straggler_threshold} must be >= 0")
 
 
