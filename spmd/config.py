@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib.resources
+import inspect
+import re
 import sys
 import tomllib
 import typing
@@ -115,13 +118,38 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: its comment in the class source}: the comment on the field's line, else the
+    comment lines just above it. The comments document the defaults, so --help shows them."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (a frozen or generated class): flags without help
+        return {}
+    comments, above = {}, []
+    for line in (raw.strip() for raw in lines):
+        if line.startswith("#"):
+            above.append(line[1:].strip())
+            continue
+        field = re.match(r"(\w+)\s*:\s*\S", line)
+        if field:
+            trailing = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            if trailing or above:
+                comments[field.group(1)] = trailing or " ".join(above)
+        above = []
+    return comments
+
+
 def build_parser(prog: str, sections: dict[str, type], description: str = "") -> _Parser:
-    """A parser with --config plus one flag per field of every section (default: not given)."""
+    """A parser with --config plus one flag per field of every section (default: not given),
+    each with its field's comment as help."""
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML run config with [model] and [train] tables")
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
+        comments = field_comments(cls)
         for name, kind in _field_types(cls).items():
+            text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
             if kind is bool:  # `--dry-run` alone means true; `--dry-run false` also works
                 group.add_argument(
                     flag_name(name),
@@ -131,6 +159,7 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
                     const=True,
                     default=argparse.SUPPRESS,
                     metavar="BOOL",
+                    help=text,
                 )
             else:
                 group.add_argument(
@@ -139,6 +168,7 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
                     type=kind,
                     default=argparse.SUPPRESS,
                     metavar=kind.__name__.upper(),
+                    help=text,
                 )
     return parser
 
