@@ -76,6 +76,15 @@ class TrainConfig:
     checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
+    # What a diverging run does (a non-finite loss or gradient norm, or a loss spike): stop =
+    # save nothing more and exit with status 3, naming the newest finite checkpoint; rollback =
+    # restore that checkpoint, skip the data of the steps it undoes, go on; ignore = go on.
+    # Under every policy a state whose loss, gradient norm or params are not finite is never saved.
+    on_divergence: str = "stop"
+    spike_threshold: float = 0.0  # a loss above this x the median of recent ones diverges (0: off)
+    spike_window: int = 50  # how many recent finite losses (steps) the spike median is taken over
+    max_rollbacks: int = 3  # rollbacks over the whole run (resumes included); then as `stop`
+    rollback_lr_factor: float = 1.0  # each rollback multiplies the LR schedule by this, in (0, 1]
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
     init_from_hf: str = ""  # start from a Hugging Face Llama folder (its config.json: the model)
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
