@@ -190,7 +190,10 @@ class Guard:
         from spmd.engine import precision
 
         if self._all_finite is None:  # compiled once, on the first save
-            self._all_finite = jax.jit(precision.all_finite)
+            # Replicated, so that every process of a multi-process job can read the answer.
+            mesh = jax.tree.leaves(params)[0].sharding.mesh
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._all_finite = jax.jit(precision.all_finite, out_shardings=replicated)
         return bool(self._all_finite(params))
 
     def respond(self, run: Any, anomaly: Anomaly) -> Response:
@@ -281,6 +284,7 @@ class Guard:
             f"diverged at step {anomaly.step} ({anomaly.reason}){because}; stopped without "
             f"saving (exit status {DIVERGED_EXIT}); {where}"
         )
+        _leave_together(anomaly.step)
         return Response("stop")
 
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
@@ -322,6 +326,17 @@ class Guard:
         )
         state = run.program.from_checkpoint(restored.state)._asdict()  # working params too
         return Response("rollback", state, restored.step)
+
+
+def _leave_together(step: int) -> None:
+    """Wait until every process has decided to stop: a process that exits first (non-zero
+    exits skip JAX's shutdown barrier) would cut off the others' last lines, process 0's own."""
+    import jax
+
+    if jax.process_count() > 1:
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes(f"spmd_diverged_stop_{step}")
 
 
 def newest_checkpoint(run: Any) -> int | None:
