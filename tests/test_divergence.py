@@ -144,7 +144,8 @@ def test_a_diverging_run_stops_with_status_3_and_leaves_only_finite_checkpoints(
             args=ocp.args.Composite(state=ocp.args.StandardRestore(program_state_target(program))),
         )["state"]
         assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state["params"])), step
-        assert np.isfinite(float(program.eval_step(state["params"], batch))), step
+        params = program.from_checkpoint(state).params
+        assert np.isfinite(float(program.eval_step(params, batch))), step
         assert np.isfinite(saved_data_state(directory, step)["loss"])
     manager.close()
 
@@ -243,7 +244,7 @@ def reference_losses(step_dir: Path, step_fn, corpus: Path, data_steps: range) -
     manager.close()
     windows = corpus_windows(corpus)
     losses = []
-    params, opt_state, loss_scale = state["params"], state["opt_state"], state["loss_scale"]
+    params, opt_state, loss_scale = program.from_checkpoint(state)
     for data_step in data_steps:
         ids = data.train_window_ids(0, data_step, 8, windows.n_train)
         batch = data.global_batch(windows, ids, program.layout.batch_sharding())
