@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib.resources
+import inspect
+import re
 import sys
 import tomllib
 import typing
@@ -73,6 +76,15 @@ class TrainConfig:
     checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
+    # What a diverging run does (a non-finite loss or gradient norm, or a loss spike): stop =
+    # save nothing more and exit with status 3, naming the newest finite checkpoint; rollback =
+    # restore that checkpoint, skip the data of the steps it undoes, go on; ignore = go on.
+    # Under every policy a state whose loss, gradient norm or params are not finite is never saved.
+    on_divergence: str = "stop"
+    spike_threshold: float = 0.0  # a loss above this x the median of recent ones diverges (0: off)
+    spike_window: int = 50  # how many recent finite losses (steps) the spike median is taken over
+    max_rollbacks: int = 3  # rollbacks over the whole run (resumes included); then as `stop`
+    rollback_lr_factor: float = 1.0  # each rollback multiplies the LR schedule by this, in (0, 1]
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
     init_from_hf: str = ""  # start from a Hugging Face Llama folder (its config.json: the model)
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
@@ -115,13 +127,38 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: its comment in the class source}: the comment on the field's line, else the
+    comment lines just above it. The comments document the defaults, so --help shows them."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (a frozen or generated class): flags without help
+        return {}
+    comments, above = {}, []
+    for line in (raw.strip() for raw in lines):
+        if line.startswith("#"):
+            above.append(line[1:].strip())
+            continue
+        field = re.match(r"(\w+)\s*:\s*\S", line)
+        if field:
+            trailing = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            if trailing or above:
+                comments[field.group(1)] = trailing or " ".join(above)
+        above = []
+    return comments
+
+
 def build_parser(prog: str, sections: dict[str, type], description: str = "") -> _Parser:
-    """A parser with --config plus one flag per field of every section (default: not given)."""
+    """A parser with --config plus one flag per field of every section (default: not given),
+    each with its field's comment as help."""
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", help="TOML run config with [model] and [train] tables")
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
+        comments = field_comments(cls)
         for name, kind in _field_types(cls).items():
+            text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
             if kind is bool:  # `--dry-run` alone means true; `--dry-run false` also works
                 group.add_argument(
                     flag_name(name),
@@ -131,6 +168,7 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
                     const=True,
                     default=argparse.SUPPRESS,
                     metavar="BOOL",
+                    help=text,
                 )
             else:
                 group.add_argument(
@@ -139,6 +177,7 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
                     type=kind,
                     default=argparse.SUPPRESS,
                     metavar=kind.__name__.upper(),
+                    help=text,
                 )
     return parser
 

@@ -9,6 +9,8 @@ line naming the bad value.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -54,13 +56,19 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
     if not 0 <= train.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
+    from spmd.engine.optim import check_hyperparameters, peak_lr
 
+    check_hyperparameters(train)
+    peak_lr(train)  # UsageError for --lr-scaling and --ref-batch
     precision.get(train.precision, train.grad_reduce)  # UsageError naming the valid values
     if model.remat not in llama.REMAT_POLICIES:
         raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
     if model.n_heads % model.n_kv_heads:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
     check_checkpoint_choices(train)
+    from spmd.engine import divergence
+
+    divergence.check_choices(train)
     check_observability(train)
     from spmd.engine.step import check_executor
 
@@ -104,11 +112,12 @@ def check_observability(train: TrainConfig) -> None:
     """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
     if train.profile:
         profile.parse_window(train.profile, train.steps)
-    if train.peak_tflops < 0:
+    # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
+    if not (0 <= train.peak_tflops < math.inf):
         raise UsageError(f"--peak-tflops {train.peak_tflops} must be 0 (the table) or positive")
     if not 0 < train.comm_warn <= 1:
         raise UsageError(f"--comm-warn {train.comm_warn} must be a fraction in (0, 1]")
-    if train.straggler_threshold < 0:
+    if not (0 <= train.straggler_threshold < math.inf):
         raise UsageError(f"--straggler-threshold {train.straggler_threshold} must be >= 0")
 
 
@@ -171,10 +180,16 @@ def run(argv: list[str] | None) -> int:
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
-    program, pipe_report = build_run_program(train, model_cfg, mesh)
+    program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh)
     manager, restored = None, None
     if checkpointing:
         manager, restored = open_checkpoints(train, program, sections, token_file.fingerprint)
+    from spmd.engine.divergence import Guard
+
+    guard = Guard(train, restored.data if restored is not None else None)
+    if guard.lr_factor != 1.0:  # earlier rollbacks lowered the LR: go on with it
+        say(f"LR x{guard.lr_factor:g} after {guard.rollbacks} rollback(s), as saved")
+        program = with_lr_factor(guard.lr_factor)
     compiled, facts = compile_step(train, model_cfg, program)
     if train.dry_run:
         from spmd.estimate import theory
@@ -189,8 +204,12 @@ def run(argv: list[str] | None) -> int:
     from spmd.engine.loop import Run, train_loop
     from spmd.io.preemption import StopSignals
 
+    def recompile(lr_factor: float) -> Any:
+        return with_lr_factor(lr_factor).compile_train_step(train.batch, train.seq_len)
+
     # Open until the last save is written: a stop signal during the final eval or save is noted
     # (and the run ends as planned) instead of killing the process mid-save.
+    code = 0
     with StopSignals() as stop:
         try:
             loop_run = Run(
@@ -204,15 +223,17 @@ def run(argv: list[str] | None) -> int:
                 manager,
                 stop,
                 facts["observer"],
+                guard,
+                recompile,
             )
             start = initial_state(loop_run, restored)
             if start is not None:
-                train_loop(loop_run, *start)
+                code = train_loop(loop_run, *start)
         finally:
             if manager is not None:
                 manager.close()  # waits for a save still being written
             log.close()
-    return 0
+    return code
 
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
@@ -253,8 +274,9 @@ def open_data(train: TrainConfig, model_cfg: llama.LlamaConfig) -> tuple[Any, An
 
 
 def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: Any) -> tuple:
-    """(the Program of this run on `mesh`, the pipeline schedule report or None), printing the
-    mesh, the batch arithmetic and the precision policy."""
+    """(the Program of this run on `mesh`, the pipeline schedule report or None, lr_factor ->
+    the same Program with its LR schedule x lr_factor), printing the mesh, the batch arithmetic
+    and the precision policy."""
     import jax
 
     from spmd import api
@@ -273,20 +295,25 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
     )
     say(precision.describe(policy))
     pipe, pipe_report = pipeline_of(train, model_cfg, layout)
-    program = api.build(
-        lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
-        llama.lm_loss,
-        lambda names: make_optimizer(train, names),
-        mesh,
-        zero_stage=train.zero,
-        executor=train.collectives,
-        precision_policy=train.precision,
-        grad_reduce=train.grad_reduce,
-        accum=train.accum,
-        seed=train.seed,
-        pipeline=pipe,
-    )
-    return program, pipe_report
+
+    def with_lr_factor(lr_factor: float) -> Any:
+        # Rollbacks lower the LR; the schedule is part of the compiled step, so it is rebuilt.
+        scaled = dataclasses.replace(train, lr=train.lr * lr_factor)
+        return api.build(
+            lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
+            llama.lm_loss,
+            lambda names: make_optimizer(scaled, names),
+            mesh,
+            zero_stage=train.zero,
+            executor=train.collectives,
+            precision_policy=train.precision,
+            grad_reduce=train.grad_reduce,
+            accum=train.accum,
+            seed=train.seed,
+            pipeline=pipe,
+        )
+
+    return with_lr_factor(1.0), pipe_report, with_lr_factor
 
 
 def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any) -> tuple:

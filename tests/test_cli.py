@@ -87,6 +87,10 @@ ERRORS = [
     (("--stepz", "3"), "did you mean --steps?"),
     (("--steps", "ten"), "invalid int value: 'ten'"),
     (("--vocab-size", "100"), "--vocab-size 100 is too small for the data"),
+    (("--lr", "nan"), "--lr nan must be a positive, finite learning rate"),
+    (("--lr", "-1"), "--lr -1 must be a positive, finite learning rate"),
+    (("--beta2", "1.5"), "--beta2 1.5 must be a decay rate in [0, 1)"),
+    (("--grad-clip", "-1"), "--grad-clip -1 must be a positive norm, or 0 (off)"),
 ]
 
 

@@ -4,5 +4,6 @@
 optimizer and layout under either executor; `accumulate` loops over micro-batches inside a
 step; `precision` holds the dtype policies (fp32 / bf16 / fp16 with dynamic loss scaling);
 `optim` is the optax chain (AdamW, clipping, warm-up + cosine, LR scaling); `loop` runs the
-optimizer steps with progress, eval and checkpoints.
+optimizer steps with progress, eval and checkpoints; `divergence` checks every step's loss and
+gradient norm and stops, rolls back or goes on when they diverge.
 """

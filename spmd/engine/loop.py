@@ -1,8 +1,10 @@
 """The optimizer-step loop of `python -m spmd.train`: steps, progress, eval, checkpoints.
 
-Metrics of a logged step are fetched only after the next step is dispatched, so the host never
-stalls the device; checkpoints are saved every --checkpoint-every steps, at the end, and when a
-stop signal or --stop-after ends the run early.
+Every step's metrics are fetched only after the next step is dispatched (or at once before an
+eval or a save, which wait for the step anyway), so the host never stalls the device; each is
+checked for divergence (spmd.engine.divergence), and logged steps are reported. Checkpoints are
+saved every --checkpoint-every steps, at the end, and when a stop signal or --stop-after ends
+the run early, unless the step diverged.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from spmd import config
 from spmd.config import TrainConfig
+from spmd.engine import divergence
 from spmd.io import data, tokens
 from spmd.io.resume import finish_stopped, run_data_state
 from spmd.observe.metrics import MetricsLog, progress_line, say
@@ -53,6 +56,9 @@ class Run:
     manager: Any  # orbax CheckpointManager, None without --checkpoint-dir
     stop: Any  # spmd.io.preemption.StopSignals
     observer: Any = None  # spmd.observe.observer.Observer
+    guard: Any = None  # spmd.engine.divergence.Guard (made from `train` when None)
+    # lr_factor -> the train step compiled with the LR schedule x lr_factor (for rollbacks)
+    recompile: Callable[[float], Any] | None = None
 
 
 def make_evaluator(run: Run) -> Callable[[Any, int], float]:
@@ -99,9 +105,7 @@ class Progress:
     last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the newest train record
 
     def __post_init__(self) -> None:
-        from spmd.engine.optim import lr_schedule
-
-        self.schedule = lr_schedule(self.run.train)
+        self.schedules: dict[float, Any] = {}  # by the LR factor of rollbacks
         self.tokens_per_step = self.run.train.batch * self.run.train.seq_len
         self.clock_step, self.clock = self.first_step - 1, time.perf_counter()
 
@@ -112,8 +116,24 @@ class Progress:
     def restart_clock(self) -> None:
         self.clock = time.perf_counter()
 
+    def rewind(self, step: int) -> None:
+        """Go on timing from `step`, where a rollback restarts."""
+        self.clock_step, self.clock = step, time.perf_counter()
+
+    def schedule(self, lr_factor: float) -> Any:
+        """The LR schedule that the train step runs, with the LR factor of rollbacks."""
+        from spmd.engine.optim import lr_schedule
+
+        if lr_factor not in self.schedules:
+            train = self.run.train
+            self.schedules[lr_factor] = lr_schedule(
+                dataclasses.replace(train, lr=train.lr * lr_factor)
+            )
+        return self.schedules[lr_factor]
+
     def report(self, step: int, metrics: dict) -> dict[str, Any]:
-        """Fetch a logged step's metrics, write its train record and progress line."""
+        """Write the train record and progress line of a step from its metrics (fetched here
+        if still on the device)."""
         import jax
 
         train, observer = self.run.train, self.run.observer
@@ -122,7 +142,8 @@ class Progress:
         step_time = (now - self.clock) / (step - self.clock_step)
         self.clock_step, self.clock = step, now
         self.step_times.append(step_time)
-        record = train_record(step, metrics, step_time, self.schedule, self.tokens_per_step)
+        schedule = self.schedule(self.run.guard.lr_factor)
+        record = train_record(step, metrics, step_time, schedule, self.tokens_per_step)
         if observer is not None:
             record.update(observer.step_fields(step_time))
         self.run.log.write("train", **record)
@@ -137,12 +158,19 @@ class Progress:
         return record
 
 
-def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> None:
-    """Save `state` at `step` with the data state and config (async; returns once queued)."""
+def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> bool:
+    """Save `state` at `step` with the data state and config (async; returns once queued), or
+    refuse (and report) when the step was not finite. Returns whether it saved."""
     from spmd.io import checkpoint
 
     train = run.train
+    refusal = run.guard.refusal(step)
+    if refusal is not None:
+        run.log.write("checkpoint_refused", step=step, reason=refusal)
+        say(f"checkpoint of step {step} not saved: {refusal}; the earlier ones are kept")
+        return False
     data_state = run_data_state(train, step, run.token_file.fingerprint)
+    data_state.update(run.guard.saved_fields(step))
     blocked = checkpoint.save(
         run.manager,
         step,
@@ -151,58 +179,93 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
         config.as_dict(run.sections),
     )
     run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
+    return True
 
 
-def train_loop(run: Run, state: dict[str, Any], first: int) -> None:
-    """Run optimizer steps `first`..--steps from `state` (params, opt_state, loss_scale).
-    Metrics of a logged step are fetched only after the next step is dispatched, so the host
-    never stalls the device. Checkpoints are saved every --checkpoint-every steps, at the end,
-    and when a stop signal or --stop-after ends the run early."""
+def settle(
+    run: Run, progress: Progress, due: list[tuple[int, Any]], params: Any, report_last: bool
+) -> divergence.Response:
+    """Fetch and check the metrics of the `due` steps, oldest first (`params`, when not None,
+    are the newest step's, about to be saved); write the train record of logged steps, of the
+    newest when `report_last`, and of a step that diverged. The first divergence the policy acts
+    on ends it with the guard's response."""
+    import jax
+
+    train, guard = run.train, run.guard
+    for step, metrics in due:
+        newest = step == due[-1][0]
+        metrics = jax.device_get(metrics)
+        anomaly = guard.check(step, metrics, params if newest else None)
+        acting = anomaly is not None and train.on_divergence != "ignore"
+        logged = step % train.log_every == 0 or step == train.steps or (newest and report_last)
+        if logged or acting:
+            progress.report(step, metrics)
+        if anomaly is not None:
+            response = guard.respond(run, anomaly)
+            if response.action != "continue":
+                return response
+    return divergence.Response("continue")
+
+
+def run_step(
+    run: Run, progress: Progress, state: dict[str, Any], step: int
+) -> tuple[dict[str, Any], Any]:
+    """Dispatch optimizer step `step` on its batch: (the new state, its metrics on the device)."""
     train, observer = run.train, run.observer
-    batch_sharding = run.program.layout.batch_sharding()
-    evaluate = make_evaluator(run)
-    progress = Progress(run, first)
-    eval_loss = None
-    pending = None
-    stop_reason = None
-    for step in range(first, (train.stop_after or train.steps) + 1):
-        ids = data.train_window_ids(train.seed, step - 1, train.batch, run.windows.n_train)
-        batch = data.global_batch(run.windows, ids, batch_sharding)
-        if observer is not None:  # starting and reading a --profile trace is not step time
-            progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
-        params, opt_state, loss_scale, metrics = run.compiled(
-            state["params"], state["opt_state"], state["loss_scale"], batch
-        )
-        state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
+    data_step = run.guard.data_step(step)
+    ids = data.train_window_ids(train.seed, data_step, train.batch, run.windows.n_train)
+    batch = data.global_batch(run.windows, ids, run.program.layout.batch_sharding())
+    if observer is not None:  # starting and reading a --profile trace is not step time
+        progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
+    params, opt_state, loss_scale, metrics = run.compiled(
+        state["params"], state["opt_state"], state["loss_scale"], batch
+    )
+    if observer is not None:
+        progress.pause(observer.after_step(step, metrics, run.log))
+    return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, metrics
+
+
+def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
+    """Run optimizer steps `first`..--steps from `state` (params, opt_state, loss_scale);
+    returns the exit status: 0, or divergence.DIVERGED_EXIT when a divergence stopped the run.
+    A rollback restores a checkpoint and goes on from the step after it."""
+    train = run.train
+    run.guard = run.guard or divergence.Guard(train)
+    evaluate, progress = make_evaluator(run), Progress(run, first)
+    eval_loss, pending, stop_reason, saved = None, None, None, False
+    step, last = first, train.stop_after or train.steps
+    while step <= last:
+        state, metrics = run_step(run, progress, state, step)
         stop_reason = run.stop.received or ("stop_after" if step == train.stop_after else None)
-        if observer is not None:
-            progress.pause(observer.after_step(step, metrics, run.log))
-        if pending is not None:
-            progress.report(*pending)
-            pending = None
-        if step % train.log_every == 0 or step == train.steps or stop_reason:
-            pending = (step, metrics)
-        if run.windows.n_eval and train.eval_every and step % train.eval_every == 0:
-            if pending is not None:
-                progress.report(*pending)
-                pending = None
-            eval_loss = evaluate(params, step)
-            progress.restart_clock()  # eval time is not step time
+        evaluating = bool(run.windows.n_eval and train.eval_every and step % train.eval_every == 0)
         periodic = train.checkpoint_every and step % train.checkpoint_every == 0
-        if run.manager is not None and (stop_reason or periodic or step == train.steps):
-            save_checkpoint(
-                run, step, state, stop_reason or ("end" if step == train.steps else "every")
-            )
+        saving = run.manager is not None and bool(stop_reason or periodic or step == train.steps)
+        due, pending = ([pending] if pending else []), (step, metrics)
+        if evaluating or saving or stop_reason or step == last:  # they wait for the step anyway
+            due, pending = [*due, pending], None
+        # What a save would write: the master weights (the working params under bf16 / fp16).
+        params = run.program.checkpoint_view(state)["params"] if saving else None
+        response = settle(run, progress, due, params, report_last=bool(stop_reason))
+        if response.action == "stop":
+            return divergence.DIVERGED_EXIT
+        if response.action == "rollback":
+            state, step, pending = response.state, response.step + 1, None
+            progress.rewind(response.step)
+            continue
+        if evaluating:
+            eval_loss = evaluate(state["params"], step)
+            progress.restart_clock()  # eval time is not step time
+        if saving:
+            reason = stop_reason or ("end" if step == train.steps else "every")
+            saved = save_checkpoint(run, step, state, reason)
         if stop_reason:
-            break
-    if pending is not None:
-        progress.report(*pending)
-    if stop_reason:
-        finish_stopped(train, run.manager, run.log, step, stop_reason)
-        return
+            finish_stopped(train, run.manager, run.log, step, stop_reason, saved)
+            return 0
+        step += 1
     if run.windows.n_eval and (not train.eval_every or train.steps % train.eval_every):
         eval_loss = evaluate(state["params"], train.steps)
     write_summary(run, progress, eval_loss)
+    return 0
 
 
 def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None:
@@ -218,6 +281,9 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
         eval_loss=eval_loss,
         median_step_time_s=median_step,
         tokens_per_s=tokens_per_step / median_step,
+        anomalies=run.guard.anomalies,  # diverged steps (in this process's part of the run)
+        rollbacks=run.guard.rollbacks,  # over the whole run, resumes included
+        skipped_data_steps=len(run.guard.skipped),
         **(observer.throughput(median_step) if observer is not None else {}),
     )
     say(

@@ -3,6 +3,7 @@ clipping, linear warm-up then cosine decay, and the linear LR scaling rule."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -14,6 +15,28 @@ from spmd.errors import UsageError
 from spmd.parallel.collectives import global_norm
 
 LR_SCALINGS = ("none", "linear")
+
+
+def check_number(flag: str, value: float, low: float, high: float, valid: str) -> None:
+    """UsageError unless `value` is a finite number in [low, high] (NaN and infinities fail
+    every comparison, so they are named here rather than slipping through one); `valid` says
+    what would be valid, for the message."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise UsageError(f"{flag} {value:g} must be {valid}")
+
+
+def check_hyperparameters(cfg: TrainConfig) -> None:
+    """UsageError for an optimizer number that cannot train: NaN, infinite, negative or out of
+    its range (a NaN LR would otherwise train to the end on NaN params)."""
+    check_number("--lr", cfg.lr, math.ulp(0.0), math.inf, "a positive, finite learning rate")
+    if cfg.warmup < 0:
+        raise UsageError(f"--warmup {cfg.warmup} must be 0 or a positive number of steps")
+    check_number("--min-lr-ratio", cfg.min_lr_ratio, 0.0, 1.0, "a fraction of --lr in [0, 1]")
+    check_number("--weight-decay", cfg.weight_decay, 0.0, math.inf, "0 or a positive number")
+    check_number("--grad-clip", cfg.grad_clip, 0.0, math.inf, "a positive norm, or 0 (off)")
+    for flag, beta in (("--beta1", cfg.beta1), ("--beta2", cfg.beta2)):
+        # beta = 1 would never forget the first moment, and its bias correction divides by 0.
+        check_number(flag, beta, 0.0, 1.0 - math.ulp(1.0), "a decay rate in [0, 1)")
 
 
 def peak_lr(cfg: TrainConfig) -> float:

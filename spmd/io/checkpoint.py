@@ -16,7 +16,10 @@ Saves are asynchronous: `save` returns once the arrays are copied to host memory
 are written by a background thread while training goes on. Orbax writes a step into
 `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash, even `kill -9`, in the
 middle of a save leaves the earlier checkpoints as they were and the partial folder is ignored.
-Only the newest `keep` checkpoints are kept, and a new one is complete before an old one goes.
+Only the newest `keep` checkpoints (at least 2) are kept, and a new one is complete before an old
+one goes. At least two, because the params of the newest checkpoint are only judged by the loss
+of the step after it: when that step diverges, the newest checkpoint is moved aside to
+`<step>.diverged` (spmd.engine.divergence) and the one before it must still be there.
 
 Restore reads into the ShapeDtypeStructs of the current program, which carry the current mesh's
 shardings: orbax reshards while reading, so any layout restores any checkpoint of the same
@@ -41,6 +44,8 @@ from spmd.errors import UsageError
 STATE, DATA, CONFIG = "state", "data", "config"
 PARTIAL_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step still being written
 DAMAGED_SUFFIX = ".damaged"
+DIVERGED_SUFFIX = ".diverged"  # a step whose params the next step's loss showed diverged
+MIN_KEEP = 2  # see the module docstring
 
 
 @dataclasses.dataclass
@@ -83,10 +88,11 @@ def check_directory(directory: str, resume: bool) -> None:
 
 
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
-    """An async CheckpointManager over `directory` that keeps the newest `keep` steps."""
+    """An async CheckpointManager over `directory` that keeps the newest max(keep, MIN_KEEP)
+    steps."""
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True,
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+        preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, MIN_KEEP)),
     )
     handlers = {
         STATE: ocp.StandardCheckpointHandler(),
@@ -249,15 +255,22 @@ def _set_aside(
     """Move a damaged step to <step>.damaged (kept for inspection, never reused); one line on
     what was wrong with it."""
     reason = f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    target = set_aside(manager, step, DAMAGED_SUFFIX)
+    say(f"checkpoint {reason} is damaged; moved it to {target} and trying an older one")
+    return reason
+
+
+def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
+    """Rename complete step `step` to <step><suffix> (or <step><suffix>2, ...): kept for
+    inspection, but no longer a step that a restore or --resume reads. Returns the new path."""
     source = Path(manager.directory) / str(step)
-    target = source.with_name(f"{step}{DAMAGED_SUFFIX}")
+    target = source.with_name(f"{step}{suffix}")
     n = 1
     while target.exists():
         n += 1
-        target = source.with_name(f"{step}{DAMAGED_SUFFIX}{n}")
+        target = source.with_name(f"{step}{suffix}{n}")
     if jax.process_index() == 0:
         source.rename(target)
-    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_{step}")
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_{target.name}")
     manager.reload()
-    say(f"checkpoint {reason} is damaged; moved it to {target} and trying an older one")
-    return reason
+    return target

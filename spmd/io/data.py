@@ -74,6 +74,19 @@ def train_window_ids(seed: int, step: int, global_batch: int, n_train: int) -> n
     return epoch_order(seed, epoch, n_train)[within * global_batch : (within + 1) * global_batch]
 
 
+def data_step(step: int, skipped: list[int]) -> int:
+    """The data step (0-based, the `step` of train_window_ids) that optimizer step `step`
+    (1-based) reads: step - 1, moved past every data step in `skipped` (ascending; the windows a
+    rollback skips, spmd.engine.divergence). The order stays a function of (seed, step, skipped),
+    and `skipped` is saved with every checkpoint, so a resume reads the same windows."""
+    position = step - 1
+    for skipped_step in skipped:
+        if skipped_step > position:
+            break
+        position += 1
+    return position
+
+
 def eval_window_ids(batch_index: int, global_batch: int, windows: TokenWindows) -> np.ndarray:
     """Eval windows of eval batch `batch_index`: consecutive held-out windows, wrapping."""
     offsets = (batch_index * global_batch + np.arange(global_batch)) % max(windows.n_eval, 1)

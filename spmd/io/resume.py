@@ -23,6 +23,11 @@ BOOKKEEPING_FIELDS = (
     "checkpoint_dir",
     "checkpoint_every",
     "keep_checkpoints",
+    "on_divergence",
+    "spike_threshold",
+    "spike_window",
+    "max_rollbacks",
+    "rollback_lr_factor",
     "metrics",
     "log_every",
     "data_cache",
@@ -80,16 +85,21 @@ def run_data_state(train: TrainConfig, step: int, fingerprint: str) -> dict[str,
 
 
 def finish_stopped(
-    train: TrainConfig, manager: Any, log: MetricsLog, step: int, reason: str
+    train: TrainConfig, manager: Any, log: MetricsLog, step: int, reason: str, saved: bool = True
 ) -> None:
-    """Wait for the stop's checkpoint to be written, then say how to continue."""
+    """Wait for the stop's checkpoint to be written, then say how to continue. `saved` is False
+    when the step's state was not finite, so its checkpoint was refused."""
     if manager is None:
         log.write("stopped", step=step, reason=reason, checkpoint=None)
         say(f"stopped after step {step} ({reason}); no --checkpoint-dir, so nothing was saved")
         return
     manager.wait_until_finished()
     log.write("stopped", step=step, reason=reason, checkpoint=train.checkpoint_dir)
+    what = (
+        f"checkpoint saved in {train.checkpoint_dir}"
+        if saved
+        else f"its state was not finite, so not saved: {train.checkpoint_dir} keeps older steps"
+    )
     say(
-        f"stopped after step {step} ({reason}); checkpoint saved in {train.checkpoint_dir}; "
-        f"continue with the same command plus --resume"
+        f"stopped after step {step} ({reason}); {what}; continue with the same command and --resume"
     )

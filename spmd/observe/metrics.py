@@ -108,3 +108,9 @@ def say(message: str) -> None:
     """A progress message for the person watching (stdout, flushed; process 0 only)."""
     if _PRIMARY["is_primary"]:
         print(message, file=sys.stdout, flush=True)
+
+
+def warn(message: str) -> None:
+    """A line for the person that ends or endangers the run (stderr, flushed; process 0 only)."""
+    if _PRIMARY["is_primary"]:
+        print(message, file=sys.stderr, flush=True)
