@@ -30,7 +30,6 @@ from typing import Any
 from models import llama
 from spmd import config
 from spmd.config import TrainConfig
-from spmd.engine.optim import peak_lr
 from spmd.errors import UsageError
 from spmd.estimate import cost, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, llama_shape
@@ -49,13 +48,14 @@ class PlanConfig:
     seq_len: int = 4096  # planning default of --seq-len
     tokens_per_step: int = 4 * 1024 * 1024  # without --batch: about this many tokens per step
     optimizer: str = "adamw"  # adamw | momentum | sgd
-    hbm: float = 80.0  # GB of memory per device
+    gpu: str = ""  # a key of search.GPUS: sets hbm, tflops, bandwidth, inter_bandwidth
+    hbm: float = search.GPUS["h100"].hbm  # GB of memory per device
     overhead: float = 3.0  # GB per device for the runtime, communication buffers, fragmentation
-    bandwidth: float = 400.0  # GB/s per device between devices of one node
-    inter_bandwidth: float = 50.0  # GB/s per device between nodes
+    bandwidth: float = search.GPUS["h100"].bandwidth  # GB/s per device inside a node
+    inter_bandwidth: float = search.GPUS["h100"].inter_bandwidth  # GB/s per device across nodes
     latency: float = 5e-6  # seconds per ring step
     devices_per_node: int = 8
-    tflops: float = 400.0  # sustained TFLOP/s per device
+    tflops: float = search.GPUS["h100"].tflops  # sustained TFLOP/s per device
     overlap: float = 0.0  # share of data-parallel communication hidden behind compute
     recommend: bool = False  # search mesh, ZeRO stage, micro-batch, accum, remat, schedule
     measure: bool = False  # compile the real step on simulated CPU devices and compare
@@ -98,6 +98,8 @@ HELP = {
     "tokens_per_step": "without --batch, the global batch is about this many tokens: "
     "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
     "optimizer": "adamw (8 B/param of moments), momentum (4) or sgd (0)",
+    "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth and "
+    "--inter-bandwidth to that GPU's (flags given beside it win); default: an H100 node",
     "hbm": "memory per device, GB (1e9 bytes)",
     "overhead": "GB per device reserved for the runtime, communication buffers, fragmentation",
     "bandwidth": "GB/s per device between devices of one node",
@@ -220,6 +222,7 @@ def run(argv: list[str]) -> int:
         argv, SECTIONS, "python -m spmd.plan", expand_train=lambda v: _expand(v, given)
     )
     train, model_cfg, plan = sections["train"], sections["model"], sections["plan"]
+    plan = _with_gpu(plan, argv)
     check_values(train, plan)
     shape, n_params, name, model_args = model_shape(argv, model_cfg, train, plan)
     sizes = parse_mesh(train.mesh)
@@ -259,8 +262,8 @@ def run(argv: list[str]) -> int:
     else:
         setup = _as_given(base, space, resolve_mesh(sizes, devices), train)
     out = summary.report(setup, cluster, name)
-    out["lr"] = _lr(dataclasses.replace(train, batch=setup.batch))
-    out["defaults"] = _defaults_used(given, setup, space)
+    out["lr"] = summary.lr_figures(dataclasses.replace(train, batch=setup.batch))
+    out["defaults"] = summary.defaults_used(setup, space, PLANNING_DEFAULTS, given)
     if chosen is not None:
         out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
@@ -270,6 +273,17 @@ def run(argv: list[str]) -> int:
         out["plot"] = plan.plot
     print(json.dumps(out, indent=1) if plan.json else summary.format_report(out))
     return 0
+
+
+def _with_gpu(plan: Any, argv: list[str]) -> Any:
+    """`plan` with --gpu's figures for the hardware flags not given on the command line."""
+    if not plan.gpu:
+        return plan
+    if plan.gpu not in search.GPUS:
+        raise UsageError(f"--gpu {plan.gpu!r} is not one of {', '.join(search.GPUS)}")
+    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
+    figures = dataclasses.asdict(search.GPUS[plan.gpu])
+    return dataclasses.replace(plan, **{k: v for k, v in figures.items() if k not in given})
 
 
 def _as_given(base: cost.Setup, space: search.Space, sizes: dict, train: TrainConfig) -> Any:
@@ -319,30 +333,6 @@ def _named_axes(mesh: str, given: set[str]) -> dict[str, int] | None:
     parts = (part.partition("=") for part in mesh.split(",") if part.strip())
     named = {AXIS_ALIASES[name.strip().lower()]: int(size) for name, _, size in parts}
     return {axis: size for axis, size in named.items() if size != -1}
-
-
-def _lr(train: TrainConfig) -> dict[str, Any]:
-    return {
-        "lr": train.lr,
-        "lr_scaling": train.lr_scaling,
-        "ref_batch": train.ref_batch,
-        "peak_lr": peak_lr(train),
-    }
-
-
-def _defaults_used(given: set[str], s: cost.Setup, space: search.Space) -> list[str]:
-    """Lines naming the planning defaults that stood in for flags not given."""
-    notes = [
-        f"--{name.replace('_', '-')} {getattr(s, name)} (the planning default)"
-        for name in PLANNING_DEFAULTS
-        if name not in given
-    ]
-    if "batch" not in given or not space.batch:
-        notes.append(
-            f"--batch {s.batch}: about --tokens-per-step {space.tokens} tokens, a multiple of "
-            f"the data-parallel size {s.data_parallel} x {s.micro_steps} micro-batches"
-        )
-    return [f"not given, so planned with {'; '.join(notes)}"] if notes else []
 
 
 def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:

@@ -239,6 +239,7 @@ def test_recommend_when_nothing_fits(capsys):
         (["--precision", "fp32", "--grad-reduce", "bf16"], "--grad-reduce 'bf16'"),
         (["--params", "7e9", "--devices", "8", "--recommend", "--accum", "4"], "--accum"),
         (["--overlap", "2"], "--overlap 2"),
+        (["--gpu", "tpu"], "--gpu 'tpu'"),
         (["--model", "tiny", "--mesh", "pp=2", "--pp-schedule", "zigzag"], "'zigzag'"),
     ],
 )
@@ -305,6 +306,10 @@ def test_zero_paper_table_1(zero):
     for role, value in expected.items():
         assert out[f"{role}_bytes_per_device"] == pytest.approx(value, rel=1e-6), role
     assert out["model_state_bytes_per_device"] == pytest.approx(TABLE_1[zero], rel=0.01)
+    # Any plan of that run shows the same four rows side by side.
+    row = planned("--params", "7.5e9", "--devices", "64")["zero_stages"][zero]
+    assert row["zero"] == zero and row["mesh_text"] == ("dp=64" if zero == 0 else "fsdp=64")
+    assert sum(row[role] for role in expected) == pytest.approx(TABLE_1[zero], rel=0.01)
 
 
 def test_gradient_dtype_sets_gradient_bytes_and_their_communication():
@@ -334,6 +339,15 @@ def test_a_planning_question_gets_a_pretraining_step():
         "--precision", "fp32",
     )  # fmt: skip
     assert given["defaults"] == [] and given["batch"]["global"] == 8
+
+
+def test_gpu_presets_set_the_hardware_and_flags_win():
+    a100 = planned("--params", "7e9", "--devices", "8", "--gpu", "a100-40gb")
+    assert (a100["hbm_bytes_per_device"], a100["tflops"]) == (40e9, 140.0)
+    assert a100["collectives"][0]["link_gb_s"] == 240.0
+    assert planned("--params", "7e9", "--devices", "8", "--gpu", "a100-40gb", "--hbm", "48")[
+        "hbm_bytes_per_device"
+    ] == pytest.approx(48e9)
 
 
 # --- the search and the lessons' decision rules --------------------------------------------

@@ -13,6 +13,7 @@ Units: bytes per device; GB = 1e9 bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from spmd.estimate import cost
@@ -97,4 +98,19 @@ def memory(s: cost.Setup, overhead: float, hbm: float) -> dict[str, Any]:
     out["overhead"] = overhead
     out["total"] = out["model_state"] + out["activations"] + overhead
     out.update(hbm=hbm, headroom=hbm - out["total"], fits=out["total"] <= hbm)
+    return out
+
+
+def zero_stages(s: cost.Setup) -> list[cost.Setup]:
+    """ZeRO 0, 1, 2 and 3 over all of s's devices (DDP on data, then fsdp), each running one
+    micro-batch of s's size with s's remat: the ZeRO paper's comparison for this run."""
+    out = []
+    for zero in range(4):
+        mesh = {**dict.fromkeys(s.mesh, 1), "data" if zero == 0 else "fsdp": s.devices}
+        batch = s.micro_batch * s.devices
+        out.append(
+            dataclasses.replace(
+                s, mesh=mesh, zero=zero, batch=batch, accum=1, microbatches=1, virtual=1
+            )
+        )
     return out

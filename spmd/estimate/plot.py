@@ -11,7 +11,6 @@ seconds.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +21,6 @@ from spmd.parallel.mesh import format_mesh
 ROLES = ("params", "grads", "optimizer", "activations", "overhead")
 ROLE_LABELS = ("params", "gradients", "master + optimizer", "activations", "overhead")
 ROLE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8c8c8c")
-
-
-def zero_variants(s: cost.Setup) -> list[tuple[str, cost.Setup]]:
-    """(label, setup) of ZeRO 0-3 over all of s's devices, one micro-batch of s's size each."""
-    n, out = s.devices, []
-    for zero in range(4):
-        axis = "data" if zero == 0 else "fsdp"
-        mesh = {**dict.fromkeys(s.mesh, 1), axis: n}
-        variant = dataclasses.replace(
-            s, mesh=mesh, zero=zero, batch=s.micro_batch * n, accum=1, microbatches=1, virtual=1
-        )
-        out.append((f"ZeRO-{zero}\n{format_mesh(mesh)}", variant))
-    return out
 
 
 def exposed_parts(s: cost.Setup, cluster: search.Cluster) -> dict[str, float]:
@@ -80,7 +66,8 @@ def draw(s: cost.Setup, cluster: search.Cluster, chosen: Any | None, out: str | 
 
 
 def _memory_panel(ax: Any, s: cost.Setup, cluster: search.Cluster) -> None:
-    bars = zero_variants(s) + [(f"planned\n{format_mesh(s.mesh)}\nZeRO-{s.zero}", s)]
+    stages = [(f"ZeRO-{v.zero}\n{format_mesh(v.mesh)}", v) for v in memory.zero_stages(s)]
+    bars = stages + [(f"planned\n{format_mesh(s.mesh)}\nZeRO-{s.zero}", s)]
     mems = [memory.memory(setup, cluster.overhead, cluster.hbm) for _, setup in bars]
     hbm = cluster.hbm / 1e9
     top = max(2.2 * hbm, 1.1 * min(max(m["total"] for m in mems) / 1e9, 3 * hbm))

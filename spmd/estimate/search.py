@@ -31,6 +31,27 @@ VIRTUAL = (2, 4)  # chunks per stage tried for the interleaved schedule
 
 
 @dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Per-device figures of a GPU in a node of 8 with one network port per GPU: HBM in GB,
+    sustained dense bf16 TFLOP/s (40-45% of the peaks in spmd.estimate.flops, what large
+    training runs report), and GB/s of collective bandwidth per device inside the node
+    (NVLink, as NCCL's all-reduce bus bandwidth) and between nodes (InfiniBand)."""
+
+    hbm: float
+    tflops: float
+    bandwidth: float
+    inter_bandwidth: float
+
+
+GPUS = {
+    "a100-40gb": Gpu(hbm=40.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),  # HDR 200
+    "a100-80gb": Gpu(hbm=80.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),
+    "h100": Gpu(hbm=80.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),  # NDR 400
+    "h200": Gpu(hbm=141.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Cluster:
     """What a device offers: the network, sustained FLOP/s, HBM and the bytes reserved for
     the runtime, and the share of data-parallel communication that hides behind compute."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from spmd.config import TrainConfig
+from spmd.engine.optim import peak_lr
 from spmd.estimate import cost, memory, search, timing
 from spmd.estimate.recommend import ms
 from spmd.parallel.mesh import format_mesh
@@ -90,6 +92,15 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         tokens_per_s=s.batch * s.seq_len / t["step"],
         batch=batch_figures(s),
     )
+    out["zero_stages"] = [
+        {"zero": v.zero, "mesh_text": format_mesh(v.mesh)}
+        | {
+            role: round(value)
+            for role, value in memory.memory(v, cluster.overhead, 0).items()
+            if role in (*MEMORY_ROLES, "total")
+        }
+        for v in memory.zero_stages(s)
+    ]
     if s.pipelined:
         out["pipeline"] = {
             "schedule": s.schedule,
@@ -101,6 +112,34 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
             "bubble_share": cost.bubble_share(s),
         }
     return out
+
+
+def lr_figures(train: TrainConfig) -> dict[str, Any]:
+    """The learning rate before and after --lr-scaling at the planned batch."""
+    return {
+        "lr": train.lr,
+        "lr_scaling": train.lr_scaling,
+        "ref_batch": train.ref_batch,
+        "peak_lr": peak_lr(train),
+    }
+
+
+def defaults_used(
+    s: cost.Setup, space: search.Space, planning_defaults: tuple[str, ...], given: set[str]
+) -> list[str]:
+    """One line naming the planning defaults that stood in for flags not `given` (the
+    `planning_defaults` fields of `s`, and the batch chosen from --tokens-per-step)."""
+    notes = [
+        f"--{name.replace('_', '-')} {getattr(s, name)} (the planning default)"
+        for name in planning_defaults
+        if name not in given
+    ]
+    if not space.batch:
+        notes.append(
+            f"--batch {s.batch}: about --tokens-per-step {space.tokens} tokens, a multiple of "
+            f"the data-parallel size {s.data_parallel} x {s.micro_steps} micro-batches"
+        )
+    return [f"not given, so planned with {'; '.join(notes)}"] if notes else []
 
 
 def batch_figures(s: cost.Setup) -> dict[str, Any]:
@@ -165,6 +204,23 @@ def _memory_lines(r: dict) -> list[str]:
     lines.append(
         f"  of {si(r['hbm_bytes_per_device'])} HBM: {verdict}, headroom {si(r['headroom_bytes'])}"
     )
+    if not r["fits"] and "recommendation" not in r:
+        lines.append(
+            f"  --recommend --mesh {r['mesh_text']} --zero {r['zero']} searches the micro-batch, "
+            f"accum and remat that fit this mesh"
+        )
+    lines += ["", f"by ZeRO stage over all {r['devices']} devices (the same micro-batch and remat)"]
+    lines.append(
+        f"  {'stage':<16}{'params':>11}{'gradients':>11}{'master+opt':>11}{'activations':>12}"
+        f"{'total':>11}"
+    )
+    for z in r["zero_stages"]:
+        roles = ("params", "grads", "optimizer", "activations", "total")
+        lines.append(
+            f"  {z['zero']} {z['mesh_text']:<14}"
+            + "".join(f"{si(z[k]):>11}" for k in roles[:3])
+            + f"{si(z['activations']):>12}{si(z['total']):>11}"
+        )
     return lines
 
 
