@@ -229,32 +229,13 @@ def run(argv: list[str]) -> int:
     devices = train.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
     )
-    cluster = search.Cluster(
-        cost.Network(
-            plan.bandwidth * 1e9, plan.inter_bandwidth * 1e9, plan.latency, plan.devices_per_node
-        ),
-        plan.tflops * 1e12,
-        plan.hbm * 1e9,
-        plan.overhead * 1e9,
-        plan.overlap,
+    cluster = _cluster(plan)
+    space = search.Space(
+        batch=train.batch,
+        tokens=plan.tokens_per_step,
+        interleave=train.collectives != "explicit",  # explicit runs gpipe and 1f1b only
     )
-    space = search.Space(batch=train.batch, tokens=plan.tokens_per_step)
-    base = cost.Setup(
-        shape=shape,
-        n_params=n_params,
-        mesh=dict.fromkeys(MESH_AXES, 1),
-        zero=train.zero,
-        precision=train.precision,
-        optimizer=plan.optimizer,
-        batch=train.batch or 1,
-        seq_len=train.seq_len,
-        accum=train.accum,
-        remat=model_cfg.remat,
-        grad_reduce=train.grad_reduce,
-        schedule=train.pp_schedule,
-        microbatches=1,
-        virtual=train.pp_virtual,
-    )
+    base = _base(shape, n_params, train, model_cfg, plan)
     chosen = None
     if plan.recommend:
         chosen = _recommend(base, space, cluster, devices, train.mesh, given, argv)
@@ -273,6 +254,36 @@ def run(argv: list[str]) -> int:
         out["plot"] = plan.plot
     print(json.dumps(out, indent=1) if plan.json else summary.format_report(out))
     return 0
+
+
+def _cluster(plan: Any) -> search.Cluster:
+    """The hardware of the plan section in bytes, seconds and FLOP/s."""
+    net = cost.Network(
+        plan.bandwidth * 1e9, plan.inter_bandwidth * 1e9, plan.latency, plan.devices_per_node
+    )
+    return search.Cluster(
+        net, plan.tflops * 1e12, plan.hbm * 1e9, plan.overhead * 1e9, plan.overlap
+    )
+
+
+def _base(shape: Any, n_params: float, train: TrainConfig, model_cfg: Any, plan: Any) -> Any:
+    """The run on one device, before a mesh and batch are chosen for it."""
+    return cost.Setup(
+        shape=shape,
+        n_params=n_params,
+        mesh=dict.fromkeys(MESH_AXES, 1),
+        zero=train.zero,
+        precision=train.precision,
+        optimizer=plan.optimizer,
+        batch=train.batch or 1,
+        seq_len=train.seq_len,
+        accum=train.accum,
+        remat=model_cfg.remat,
+        grad_reduce=train.grad_reduce,
+        schedule=train.pp_schedule,
+        microbatches=1,
+        virtual=train.pp_virtual,
+    )
 
 
 def _with_gpu(plan: Any, argv: list[str]) -> Any:

@@ -20,7 +20,7 @@ from models import llama
 from spmd import config, plan, train
 from spmd.config import TrainConfig
 from spmd.engine.step import sharded_bytes
-from spmd.estimate import cost, measure, memory, plot, search, shape
+from spmd.estimate import cost, measure, memory, plot, search, shape, timing
 from spmd.parallel import schedules
 from spmd.parallel.mesh import parse_mesh
 
@@ -111,6 +111,35 @@ def test_activation_formula_for_tiny():
     assert memory.activation_bytes(s) == 4 * (4 * block) + outside + 4 * layer
     remat = dataclasses.replace(s, remat="full")
     assert memory.activation_bytes(remat) == 4 * (4 * b * t * 64) + outside + 4 * block + 4 * layer
+
+
+def test_step_time_counts_recomputation_bubble_and_what_overlap_hides():
+    net = cost.Network(400e9, 50e9, 0.0, 8)
+    s = setup_2b(mesh={"data": 2, "pipeline": 1, "fsdp": 1, "tensor": 4}, zero=0)
+    f = timing.forward_flops_per_token(s)
+    tokens = s.batch * s.seq_len
+    assert timing.model_flops(s) == 3 * tokens * sum(f.values())
+    assert timing.executed_flops(s) == timing.model_flops(s)
+    full = dataclasses.replace(s, remat="full")  # every block's forward again
+    assert timing.executed_flops(full) - timing.model_flops(s) == tokens * (
+        f["blocks"] + f["attention"]
+    )
+    dots = dataclasses.replace(s, remat="dots_saveable")  # attention only
+    assert timing.executed_flops(dots) - timing.model_flops(s) == tokens * f["attention"]
+    t = timing.step_time(s, net, 400e12)
+    assert t["step"] == t["compute"] + t["comm"] and t["bubble"] == 0
+    comms = {c.purpose: cost.comm_time(s, c, net) for c in cost.collectives(s)}
+    hidden = timing.step_time(s, net, 400e12, overlap=1.0)  # behind compute, at most all of it
+    assert hidden["hidden"] == min(comms["gradients"], t["compute"]) == t["compute"]
+    big = dataclasses.replace(s, batch=512, seq_len=2048)
+    comms = {c.purpose: cost.comm_time(big, c, net) for c in cost.collectives(big)}
+    hidden = timing.step_time(big, net, 400e12, overlap=1.0)  # the gradients hide entirely
+    assert hidden["exposed"] == pytest.approx(comms["activations"])
+    piped = setup_2b(
+        mesh={"data": 1, "pipeline": 4, "fsdp": 1, "tensor": 1}, zero=0, microbatches=8
+    )
+    p = timing.step_time(piped, net, 400e12)  # bubble (p - 1) / (M + p - 1) of the step
+    assert p["bubble"] / (p["compute"] + p["bubble"]) == pytest.approx(3 / 11)
 
 
 def test_batch_arithmetic_and_linear_lr(capsys):
@@ -351,6 +380,17 @@ def test_gpu_presets_set_the_hardware_and_flags_win():
 
 
 # --- the search and the lessons' decision rules --------------------------------------------
+
+
+def test_the_search_offers_only_what_the_engine_runs():
+    base = setup_2b(mesh={"data": 16, "pipeline": 1, "fsdp": 1, "tensor": 1}, batch=64)
+    cluster = search.Cluster(cost.Network(400e9, 50e9, 5e-6, 8), 400e12, 80e9, 3e9)
+    every = list(search.candidates(base, search.Space(batch=64), cluster))
+    assert any(c.setup.virtual > 1 for c in every) and any(c.setup.pipelined for c in every)
+    explicit = search.candidates(base, search.Space(batch=64, interleave=False), cluster)
+    assert all(c.setup.virtual == 1 for c in explicit)  # explicit runs no interleaved schedule
+    fp16 = dataclasses.replace(base, precision="fp16")  # no loss scaling inside a pipeline
+    assert not any(c.setup.pipelined for c in search.candidates(fp16, search.Space(64), cluster))
 
 
 def test_state_that_fits_one_device_gets_ddp():

@@ -154,6 +154,11 @@ def check_setup(s: Setup) -> None:
     pipeline = s.mesh["pipeline"]
     if s.pipelined:
         schedules.check_settings(s.schedule, pipeline, s.microbatches, s.virtual)
+        if s.precision == "fp16":  # spmd.parallel.pipeline.check_composition refuses it too
+            raise UsageError(
+                "--precision fp16 needs loss scaling, which pipelines (pp > 1) do not apply "
+                "inside their schedule; use --precision bf16 or fp32"
+            )
     ways = s.data_parallel * s.micro_steps
     if s.batch < 1 or s.batch % ways:
         what = f"accum {s.accum}" + (f" x microbatches {s.microbatches}" if s.pipelined else "")

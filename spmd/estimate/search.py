@@ -75,6 +75,7 @@ class Space:
     remat: str | None = None
     schedule: str | None = None
     virtual: int | None = None
+    interleave: bool = True  # False: the executor runs no interleaved schedule (explicit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _cuts(s: cost.Setup, space: Space, per_replica: int) -> Iterator[dict]:
         for b in _divisors(per_replica):
             yield dict(accum=per_replica // b, microbatches=1, schedule="1f1b", virtual=1)
         return
-    plans = [("1f1b", 1)] + [("interleaved", v) for v in VIRTUAL]
+    plans = [("1f1b", 1)] + [("interleaved", v) for v in VIRTUAL if space.interleave]
     if space.schedule is not None:
         wanted = space.virtual or (2 if space.schedule == "interleaved" else 1)
         plans = [(space.schedule, wanted)]
