@@ -295,8 +295,8 @@ def format_report(r: dict) -> str:
     lines = _header(r) + _memory_lines(r) + _time_lines(r)
     if "measured" in r:
         lines += _measured_lines(r["measured"])
-    if "recommendation" in r:
-        lines += _recommendation_lines(r["recommendation"])
     if r.get("plot"):
         lines += ["", f"picture: {r['plot']}"]
+    if "recommendation" in r:  # last: it ends with the command that runs the choice
+        lines += _recommendation_lines(r["recommendation"])
     return "\n".join(lines)
