@@ -1,16 +1,20 @@
 """`python -m spmd.plan`: will a model fit, what will a step communicate, which layout to use.
 
-    python -m spmd.plan --model 1b --devices 8 --zero 3 [--hbm 80] [--json]
-    python -m spmd.plan --params 7e9 --devices 64 --recommend
-    python -m spmd.plan --model tiny --mesh dp=2,fsdp=2,tp=2 --measure
+    python -m spmd.plan --params 30e9 --devices 32 --hbm 80 --recommend --plot plan.png
+    python -m spmd.plan --model 1b --devices 8 --zero 3 --batch 64 --seq-len 2048 [--json]
+    python -m spmd.plan --model tiny --mesh dp=2,fsdp=2,tp=2 --batch 16 --seq-len 64 --measure
 
-Prints the analytic model of spmd.estimate.cost for one layout (or, with --recommend, for the layout
-spmd.estimate.recommend proposes): memory per device against the HBM, the collectives of one
-optimizer
-step with their ring times, compute time and the batch arithmetic. --measure compiles the real
-train step on simulated CPU devices and puts its figures beside the analytic ones. Every flag of
-`python -m spmd.train` is accepted, so a training command line can be planned as it is. Units:
-bytes, seconds; GB = 1e9 bytes, GB/s = 1e9 bytes/s, TFLOP/s = 1e12 FLOP/s.
+Prints the analytic model of spmd.estimate for one layout (or, with --recommend, for the
+fastest layout that fits, searched over mesh, ZeRO stage, micro-batch and accum, remat and
+pipeline schedule): memory per device by role against the HBM, the collectives of one
+optimizer step with their ring times, the step time (compute + exposed communication +
+bubble) and the batch arithmetic, then the runner-ups and the `python -m spmd.train` command
+that runs the choice. --plot draws memory and step time; --measure compiles the real train step
+on simulated CPU devices and puts its figures beside the analytic ones. Every flag of
+`python -m spmd.train` is accepted, so a training command line can be planned as it is; what
+it leaves out is planned as pretraining: bf16, sequences of 4096 tokens, about 4.2 M tokens
+(2^22) per step. Units: bytes, seconds; GB = 1e9 bytes, GB/s = 1e9 bytes/s, TFLOP/s = 1e12
+FLOP/s.
 """
 
 from __future__ import annotations
@@ -26,34 +30,46 @@ from typing import Any
 from models import llama
 from spmd import config
 from spmd.config import TrainConfig
-from spmd.engine.optim import peak_lr
 from spmd.errors import UsageError
-from spmd.estimate import cost, measure, recommend
-from spmd.parallel.mesh import MESH_AXES, format_mesh, parse_mesh, resolve_mesh
+from spmd.estimate import cost, measure, plot, recommend, search, summary
+from spmd.estimate.shape import FIELDS, llama_shape
+from spmd.parallel import schedules
+from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """The planner's own settings. Units in comments (GB = 1e9 bytes)."""
+    """The planner's own settings. Units in comments (GB = 1e9 bytes). `precision` and
+    `seq_len` are spmd.train's flags; these are their defaults when planning (a pretraining-
+    sized step), applied when the flag is not given."""
 
     params: float = 0.0  # plan for this many parameters, e.g. 7e9 (0: the --model preset)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (the engine's) | mixed (bf16 + fp32 master)
+    precision: str = "bf16"  # planning default of --precision
+    seq_len: int = 4096  # planning default of --seq-len
+    tokens_per_step: int = 4 * 1024 * 1024  # without --batch: about this many tokens per step
     optimizer: str = "adamw"  # adamw | momentum | sgd
-    hbm: float = 80.0  # GB of memory per device
+    gpu: str = ""  # a key of search.GPUS: sets hbm, tflops, bandwidth, inter_bandwidth
+    hbm: float = search.GPUS["h100"].hbm  # GB of memory per device
     overhead: float = 3.0  # GB per device for the runtime, communication buffers, fragmentation
-    bandwidth: float = 400.0  # GB/s per device between devices of one node
-    inter_bandwidth: float = 50.0  # GB/s per device between nodes
+    bandwidth: float = search.GPUS["h100"].bandwidth  # GB/s per device inside a node
+    inter_bandwidth: float = search.GPUS["h100"].inter_bandwidth  # GB/s per device across nodes
     latency: float = 5e-6  # seconds per ring step
     devices_per_node: int = 8
-    tflops: float = 400.0  # sustained TFLOP/s per device
-    recommend: bool = False  # choose the mesh and ZeRO stage (--mesh and --zero are ignored)
+    tflops: float = search.GPUS["h100"].tflops  # sustained TFLOP/s per device
+    overlap: float = 0.0  # share of data-parallel communication hidden behind compute
+    recommend: bool = False  # search mesh, ZeRO stage, micro-batch, accum, remat, schedule
     measure: bool = False  # compile the real step on simulated CPU devices and compare
+    plot: str = ""  # write a picture of memory and step time to this PNG
     json: bool = False  # print one JSON object instead of the table
 
 
+# spmd.train flags whose planning default PlanConfig holds.
+PLANNING_DEFAULTS = ("precision", "seq_len")
+
+
 def _own_fields(cls: type, taken: type) -> type:
-    """`cls` without the fields `taken` already defines: a flag has one owner (e.g. once
-    TrainConfig has `precision`, the train section's default is the one that counts)."""
+    """`cls` without the fields `taken` already defines: a flag has one owner (TrainConfig
+    owns --precision; PlanConfig's `precision` is only the planner's default for it)."""
     names = {f.name for f in dataclasses.fields(taken)}
     hints = typing.get_type_hints(cls)
     kept = [f for f in dataclasses.fields(cls) if f.name not in names]
@@ -67,13 +83,23 @@ PLAN_SECTION = _own_fields(PlanConfig, TrainConfig)
 SECTIONS = {"model": llama.LlamaConfig, "train": TrainConfig, "plan": PLAN_SECTION}
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
-TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "precision", "collectives")
+TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
+TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives")
+# Flags the search chooses itself; with --recommend they are refused rather than ignored.
+SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
     "params": "parameters to plan for, e.g. 7e9: a Llama-like shape of that size is used "
     "for activations (0: the --model preset)",
-    "precision": "fp32, bf16, fp16 (the engine's: fp32 params and Adam state, compute in "
-    "the dtype) or mixed (bf16 params and grads + fp32 master copy, the ZeRO paper's 16 B/param)",
-    "optimizer": "adamw (8 B/param of state), momentum (4) or sgd (0)",
+    "precision": "fp32 (4 + 4 + 8 B/param: params, grads, Adam) or bf16 / fp16 (the ZeRO "
+    "paper's mixed precision: 16-bit params and grads + fp32 master weights and Adam, "
+    "2 + 2 + 12 B/param)",
+    "grad_reduce": "dtype of gradients and their reduction: fp32, or the 16-bit compute dtype "
+    "(default: the compute dtype)",
+    "tokens_per_step": "without --batch, the global batch is about this many tokens: "
+    "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
+    "optimizer": "adamw (8 B/param of moments), momentum (4) or sgd (0)",
+    "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth and "
+    "--inter-bandwidth to that GPU's (flags given beside it win); default: an H100 node",
     "hbm": "memory per device, GB (1e9 bytes)",
     "overhead": "GB per device reserved for the runtime, communication buffers, fragmentation",
     "bandwidth": "GB/s per device between devices of one node",
@@ -81,8 +107,14 @@ HELP = {
     "latency": "seconds per ring step (5e-6 = 5 microseconds)",
     "devices_per_node": "devices per node: tp stays within one; wider groups use --inter-bandwidth",
     "tflops": "sustained TFLOP/s per device, for the compute time",
-    "recommend": "propose the mesh (dp, fsdp, tp, pp) and ZeRO stage, with reasons",
+    "overlap": "share (0-1) of the data-parallel collectives (gradient reductions, ZeRO "
+    "gathers) that runs behind compute; tensor and pipeline traffic never hides",
+    "recommend": "search mesh (dp, fsdp, tp, pp), ZeRO stage, micro-batch and accum, remat and "
+    "pipeline schedule for the fastest step that fits; --mesh axes, --zero, --remat and "
+    "--pp-schedule given alongside are held fixed",
     "measure": "compile the real train step on simulated CPU devices; show analytic vs compiled",
+    "plot": "write a PNG: memory per device by role for ZeRO 0-3 and the layout, and where "
+    "the step time goes",
     "json": "print one JSON object (bytes, seconds) instead of the table",
     "model": "model preset: configs/NAME.toml",
     "layout": "named layout from meshes/ (ddp, zero3, megatron, ...): sets --mesh and --zero",
@@ -90,13 +122,15 @@ HELP = {
     "data-parallel, on fsdp for --zero 1-3, on dp for --zero 0",
     "devices": "device count (default: what the mesh needs, else --devices-per-node)",
     "zero": "0 = plain DDP; 1, 2, 3 = ZeRO stage of the fsdp axis",
-    "batch": "global batch, sequences per optimizer step",
-    "accum": "micro-batches per optimizer step (pipeline micro-batches when pp > 1)",
+    "batch": "global batch, sequences per optimizer step (default: about --tokens-per-step "
+    "tokens, a multiple of the data-parallel size)",
+    "accum": "accumulation micro-steps per optimizer step",
+    "microbatches": "pipeline micro-batches per accumulation step (0: 2 x pp)",
     "seq_len": "tokens per sequence",
     "lr": "peak learning rate before the scaling rule",
     "lr_scaling": "none, or linear: lr x batch / ref-batch",
     "ref_batch": "the global batch at which --lr was tuned",
-    "remat": "none, full or dots_saveable: what the backward pass keeps",
+    "remat": "none, dots_saveable or full: what the backward pass keeps",
 }
 
 
@@ -121,9 +155,10 @@ def _help_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls)
         if f.default is not dataclasses.MISSING
     }
+    defaults |= {name: getattr(PlanConfig, name) for name in PLANNING_DEFAULTS}
     for action in parser._actions:
         action.help = HELP.get(action.dest, action.help)
-        if action.dest in defaults and action.dest not in ("mesh", "devices"):  # see HELP
+        if action.dest in defaults and action.dest not in ("mesh", "devices", "batch"):
             action.help = f"{action.help or ''} (default {defaults[action.dest]!r})".lstrip()
     return parser
 
@@ -136,20 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _expand(values: dict[str, Any]) -> dict[str, Any]:
-    """--layout fills --mesh and --zero; without a mesh every device is data-parallel, on
-    the fsdp axis that the ZeRO stage shards (or on dp for --zero 0)."""
+def _expand(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """Record which train flags were given (in `given`), then fill what a planning question
+    leaves open: --layout's mesh and stage; a mesh with every device data-parallel (on fsdp
+    for ZeRO 1-3, on dp for 0); PlanConfig's precision and sequence length; batch 0 (about
+    --tokens-per-step tokens)."""
     from spmd.train import expand_layout
 
     values = expand_layout(values)
+    given.update(values)
     if "mesh" not in values:
         values["mesh"] = "dp=-1" if values.get("zero", TrainConfig.zero) == 0 else "fsdp=-1"
+    for name in PLANNING_DEFAULTS:
+        values.setdefault(name, getattr(PlanConfig, name))
+    values.setdefault("batch", 0)
     return values
-
-
-def _value(sections: dict[str, Any], name: str) -> Any:
-    """A field of whichever section defines it."""
-    return next(getattr(v, name) for v in sections.values() if hasattr(v, name))
 
 
 def check_values(train: TrainConfig, plan: Any) -> None:
@@ -160,74 +196,182 @@ def check_values(train: TrainConfig, plan: Any) -> None:
     for name in ("overhead", "latency", "params"):
         if getattr(plan, name) < 0:
             raise UsageError(f"{config.flag_name(name)} {getattr(plan, name)} must be >= 0")
-    for name in ("accum", "batch", "seq_len", "devices"):
-        if getattr(train, name) < (0 if name == "devices" else 1):
-            raise UsageError(f"{config.flag_name(name)} {getattr(train, name)} is out of range")
+    if not 0 <= plan.overlap <= 1:
+        raise UsageError(f"--overlap {plan.overlap} must be a share between 0 and 1")
+    if plan.tokens_per_step < 1:
+        raise UsageError(f"--tokens-per-step {plan.tokens_per_step} must be positive")
+    lowest = {"accum": 1, "seq_len": 1, "batch": 0, "devices": 0, "microbatches": 0}
+    for name, low in (lowest | {"pp_virtual": 1}).items():
+        if getattr(train, name) < low:
+            raise UsageError(
+                f"{config.flag_name(name)} {getattr(train, name)} is out of range; use {low} "
+                f"or more"
+            )
+    if train.pp_schedule not in schedules.SCHEDULES:
+        raise UsageError(
+            f"--pp-schedule {train.pp_schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+        )
 
 
 def run(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         _help_parser().print_help()
         return 0
-    sections = config.resolve(argv, SECTIONS, "python -m spmd.plan", expand_train=_expand)
+    given: set[str] = set()
+    sections = config.resolve(
+        argv, SECTIONS, "python -m spmd.plan", expand_train=lambda v: _expand(v, given)
+    )
     train, model_cfg, plan = sections["train"], sections["model"], sections["plan"]
+    plan = _with_gpu(plan, argv)
     check_values(train, plan)
-    shape, n_params, name = model_shape(argv, model_cfg, train, plan)
+    shape, n_params, name, model_args = model_shape(argv, model_cfg, train, plan)
     sizes = parse_mesh(train.mesh)
     devices = train.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
     )
-    if plan.recommend:  # validated on one device first; the search picks mesh and stage
-        sizes, zero = dict.fromkeys(MESH_AXES, 1), 0
-    else:
-        sizes, zero = resolve_mesh(sizes, devices), train.zero
-    setup = cost.Setup(
-        shape=shape,
-        n_params=n_params,
-        mesh=sizes,
-        zero=zero,
-        precision=_value(sections, "precision"),
-        optimizer=plan.optimizer,
+    cluster = _cluster(plan)
+    space = search.Space(
         batch=train.batch,
-        seq_len=train.seq_len,
-        accum=train.accum,
+        tokens=plan.tokens_per_step,
+        interleave=train.collectives != "explicit",  # explicit runs gpipe and 1f1b only
     )
-    cost.check_setup(setup)
-    network = cost.Network(
-        plan.bandwidth * 1e9, plan.inter_bandwidth * 1e9, plan.latency, plan.devices_per_node
-    )
+    base = _base(shape, n_params, train, model_cfg, plan)
     chosen = None
     if plan.recommend:
-        setup = dataclasses.replace(setup, mesh={**sizes, "data": devices})
-        chosen = recommend.recommend(
-            setup, network, plan.tflops * 1e12, plan.overhead * 1e9, plan.hbm * 1e9
-        )
+        chosen = _recommend(base, space, cluster, devices, train.mesh, given, argv)
         setup = chosen.best.setup
-    out = report(setup, network, plan, train, name)
+    else:
+        setup = _as_given(base, space, resolve_mesh(sizes, devices), train)
+    out = summary.report(setup, cluster, name)
+    out["lr"] = summary.lr_figures(dataclasses.replace(train, batch=setup.batch))
+    out["defaults"] = summary.defaults_used(setup, space, PLANNING_DEFAULTS, given)
     if chosen is not None:
-        out["recommendation"] = {
-            "mesh_text": format_mesh(setup.mesh),
-            "zero": setup.zero,
-            "reasons": chosen.reasons,
-            "layouts_considered": chosen.considered,
-            "layouts_fitting": chosen.fitting,
-            "runner_up": chosen.runner_up.label() if chosen.runner_up else None,
-        }
+        out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
-        out["measured"] = measure.measure(
-            dataclasses.replace(setup, n_params=float(shape.n_params())),
-            lambda seed, dtype: llama.create(shape, seed, dtype),
-            llama.lm_loss,
-            train,
-        )
-    print(json.dumps(out, indent=1) if plan.json else format_report(out))
+        out["measured"] = _measure(setup, shape, train)
+    if plan.plot:
+        plot.draw(setup, cluster, chosen, plan.plot)
+        out["plot"] = plan.plot
+    print(json.dumps(out, indent=1) if plan.json else summary.format_report(out))
     return 0
 
 
+def _cluster(plan: Any) -> search.Cluster:
+    """The hardware of the plan section in bytes, seconds and FLOP/s."""
+    net = cost.Network(
+        plan.bandwidth * 1e9, plan.inter_bandwidth * 1e9, plan.latency, plan.devices_per_node
+    )
+    return search.Cluster(
+        net, plan.tflops * 1e12, plan.hbm * 1e9, plan.overhead * 1e9, plan.overlap
+    )
+
+
+def _base(shape: Any, n_params: float, train: TrainConfig, model_cfg: Any, plan: Any) -> Any:
+    """The run on one device, before a mesh and batch are chosen for it."""
+    return cost.Setup(
+        shape=shape,
+        n_params=n_params,
+        mesh=dict.fromkeys(MESH_AXES, 1),
+        zero=train.zero,
+        precision=train.precision,
+        optimizer=plan.optimizer,
+        batch=train.batch or 1,
+        seq_len=train.seq_len,
+        accum=train.accum,
+        remat=model_cfg.remat,
+        grad_reduce=train.grad_reduce,
+        schedule=train.pp_schedule,
+        microbatches=1,
+        virtual=train.pp_virtual,
+    )
+
+
+def _with_gpu(plan: Any, argv: list[str]) -> Any:
+    """`plan` with --gpu's figures for the hardware flags not given on the command line."""
+    if not plan.gpu:
+        return plan
+    if plan.gpu not in search.GPUS:
+        raise UsageError(f"--gpu {plan.gpu!r} is not one of {', '.join(search.GPUS)}")
+    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
+    figures = dataclasses.asdict(search.GPUS[plan.gpu])
+    return dataclasses.replace(plan, **{k: v for k, v in figures.items() if k not in given})
+
+
+def _as_given(base: cost.Setup, space: search.Space, sizes: dict, train: TrainConfig) -> Any:
+    """The layout the command line names, with its batch chosen when --batch is left out."""
+    setup = dataclasses.replace(base, mesh=sizes)
+    if setup.pipelined:
+        setup = dataclasses.replace(setup, microbatches=train.microbatches or 2 * sizes["pipeline"])
+    ways = setup.data_parallel * setup.micro_steps
+    setup = dataclasses.replace(setup, batch=search.batch_for(space, setup.seq_len, ways))
+    cost.check_setup(setup)
+    return setup
+
+
+def _recommend(
+    base: cost.Setup,
+    space: search.Space,
+    cluster: search.Cluster,
+    devices: int,
+    mesh: str,
+    given: set[str],
+    argv: list[str],
+) -> recommend.Recommendation:
+    """Search the layouts of `devices` devices, holding fixed what the command line fixes."""
+    clash = [name for name in SEARCHED_ONLY if name in given]
+    if clash:
+        raise UsageError(
+            f"{config.flag_name(clash[0])} is chosen by --recommend (it searches the micro-batch "
+            f"and accumulation); drop it, or drop --recommend to plan it as given"
+        )
+    cost.check_setup(dataclasses.replace(base, batch=search.batch_for(space, base.seq_len, 1)))
+    space = dataclasses.replace(
+        space,
+        mesh=_named_axes(mesh, given),
+        zero=base.zero if "zero" in given else None,
+        remat=base.remat if "--remat" in {a.split("=")[0] for a in argv} else None,
+        schedule=base.schedule if "pp_schedule" in given else None,
+        virtual=base.virtual if "pp_virtual" in given else None,
+    )
+    base = dataclasses.replace(base, mesh={**base.mesh, "data": devices})
+    return recommend.recommend(base, space, cluster)
+
+
+def _named_axes(mesh: str, given: set[str]) -> dict[str, int] | None:
+    """The axes a given --mesh (or --layout) names with a size, to hold fixed (-1 is free)."""
+    if "mesh" not in given:
+        return None
+    parts = (part.partition("=") for part in mesh.split(",") if part.strip())
+    named = {AXIS_ALIASES[name.strip().lower()]: int(size) for name, _, size in parts}
+    return {axis: size for axis, size in named.items() if size != -1}
+
+
+def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
+    """Compile the layout's real train step on simulated CPU devices (spmd.estimate.measure)."""
+    built = dataclasses.replace(shape, remat=s.remat)
+    build_kwargs = {}
+    if s.pipelined:
+        from spmd.parallel.pipeline import Pipeline
+
+        pipe = Pipeline(s.schedule, s.microbatches, s.virtual, llama.logits_loss)
+        build_kwargs["pipeline"] = pipe
+    return measure.measure(
+        dataclasses.replace(s, n_params=float(built.n_params())),
+        lambda seed, dtype: llama.create(built, seed, dtype),
+        llama.lm_loss,
+        train,
+        **build_kwargs,
+    )
+
+
 def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) -> tuple:
-    """(shape, parameter count, description) of the preset, or of --params' Llama shape."""
+    """(shape, parameter count, description, spmd.train model flags) of the preset, or of
+    --params' Llama shape."""
     if not plan.params:
-        return model_cfg, float(model_cfg.n_params()), f"{train.model} preset"
+        preset = config.build(llama.LlamaConfig, config.preset(train.model), "preset")
+        changed = [f for f in FIELDS if getattr(model_cfg, f) != getattr(preset, f)]
+        args = ["--model", train.model, *_shape_flags(model_cfg, changed)]
+        return model_cfg, float(model_cfg.n_params()), f"{train.model} preset", args
     arch = {f.name for f in dataclasses.fields(llama.LlamaConfig)} - {"remat"}
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     clash = sorted(given & (arch | {"model"}))
@@ -236,161 +380,24 @@ def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) 
             f"--params {plan.params:g} chooses its own shape; drop {config.flag_name(clash[0])}"
             f" (or drop --params to plan the model as given)"
         )
-    shape = llama.LlamaConfig(**cost.llama_shape(plan.params), remat=model_cfg.remat)
+    shape = llama.LlamaConfig(**llama_shape(plan.params), remat=model_cfg.remat)
     described = (
         f"--params {plan.params:.3g} as a Llama shape (embed {shape.embed_dim}, "
         f"{shape.n_layers} layers, {shape.n_heads} heads, mlp {shape.mlp_dim})"
     )
-    return shape, plan.params, described
+    return shape, plan.params, described, _shape_flags(shape, FIELDS)
 
 
-def report(s: cost.Setup, net: cost.Network, plan: Any, train: TrainConfig, name: str) -> dict:
-    """The plan as plain JSON values: bytes per device, bytes and seconds per step."""
-    mem = cost.memory(s, plan.overhead * 1e9, plan.hbm * 1e9)
-    comms = cost.collectives(s)
-    rows = [
-        {
-            "kind": c.kind,
-            "axes": "+".join(c.axes),
-            "purpose": c.purpose,
-            "group": c.group,
-            "count": c.count,
-            "bytes": round(c.bytes * c.count),
-            "wire_bytes": round(cost.wire_bytes(c) * c.count),
-            "link_gb_s": cost.link_bandwidth(s, c.axes, net) / 1e9,
-            "time_s": cost.comm_time(s, c, net),
-        }
-        for c in comms
-    ]
-
-    def per_kind(key: str) -> dict:
-        return {
-            k: sum(r[key] for r in rows if r["kind"] == k)
-            for k in dict.fromkeys(r["kind"] for r in rows)
-        }
-
-    compute = cost.compute_time(s, plan.tflops * 1e12)
-    comm = sum(r["time_s"] for r in rows)
-    shape_fields = ("vocab_size", "embed_dim", "mlp_dim", "n_layers", "n_heads", "n_kv_heads")
-    return {
-        "units": "bytes per device, seconds per optimizer step; GB = 1e9 bytes",
-        "model": name,
-        "n_params": s.n_params,
-        "shape": {k: getattr(s.shape, k) for k in (*shape_fields, "head_dim", "remat")},
-        "devices": s.devices,
-        "mesh": s.mesh,
-        "mesh_text": format_mesh(s.mesh),
-        "zero": s.zero,
-        "precision": s.precision,
-        "optimizer": s.optimizer,
-        "bytes_per_param": cost.bytes_per_param(s),
-        "params_bytes_per_device": round(mem["params"]),
-        "grads_bytes_per_device": round(mem["grads"]),
-        "optimizer_bytes_per_device": round(mem["optimizer"]),
-        "model_state_bytes_per_device": round(mem["model_state"]),
-        "activation_bytes_per_device": round(mem["activations"]),
-        "overhead_bytes_per_device": round(mem["overhead"]),
-        "total_bytes_per_device": round(mem["total"]),
-        "hbm_bytes_per_device": round(mem["hbm"]),
-        "headroom_bytes": round(mem["headroom"]),
-        "fits": mem["fits"],
-        "comm_bytes_per_step": per_kind("bytes"),
-        "comm_wire_bytes_per_step": per_kind("wire_bytes"),
-        "comm_time_s_per_step": per_kind("time_s"),
-        "collectives": rows,
-        "flops_per_step": cost.flops_per_step(s),
-        "tflops": plan.tflops,
-        "compute_time_s": compute,
-        "comm_time_s": comm,
-        "comm_compute_ratio": comm / compute,
-        "batch": {
-            "micro_batch_per_device": s.micro_batch,
-            "data_parallel": s.data_parallel,
-            "accum": s.accum,
-            "global": cost.global_batch(s.micro_batch, s.data_parallel, s.accum),
-            "seq_len": s.seq_len,
-            "lr": train.lr,
-            "lr_scaling": train.lr_scaling,
-            "ref_batch": train.ref_batch,
-            "peak_lr": peak_lr(train),
-        },
-    }
-
-
-def _si(n: float, unit: str = "B") -> str:
-    """A decimal-prefixed quantity: 1 kB = 1e3 B, 1 GB = 1e9 B."""
-    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}"
-
-
-def format_report(r: dict) -> str:
-    """The plan as a table (decimal units: 1 GB = 1e9 bytes, not GiB)."""
-    batch, per_param, mesh = r["batch"], r["bytes_per_param"], r["mesh_text"]
-    fsdp = r["mesh"]["fsdp"]
-    zero = f"ZeRO-{r['zero']} over fsdp={fsdp}" if r["zero"] and fsdp > 1 else "no ZeRO sharding"
-    lines = [
-        f"plan: {r['model']}, {r['n_params'] / 1e6:,.2f} M params | {r['devices']} devices, "
-        f"mesh {mesh}, {zero} | {r['precision']}, {r['optimizer']}",
-        f"batch: micro-batch {batch['micro_batch_per_device']} per device x data-parallel "
-        f"{batch['data_parallel']} x accum {batch['accum']} = global batch {batch['global']} "
-        f"of {batch['seq_len']} tokens | lr {batch['lr']:g} -> {batch['peak_lr']:g} "
-        f"({batch['lr_scaling']} scaling, reference batch {batch['ref_batch']})",
-    ]
-    if "recommendation" in r:
-        rec = r["recommendation"]
-        lines.append(f"recommended: --mesh {rec['mesh_text']} --zero {rec['zero']}")
-        lines += [f"  - {line}" for line in rec["reasons"]]
-    total_pp = sum(per_param.values())
-    lines += [
-        "",
-        f"memory per device (1 GB = 1e9 bytes)       {per_param['params']} + "
-        f"{per_param['grads']} + {per_param['optimizer']} = {total_pp} B/param unsharded",
-    ]
-    labels = {"params": "params", "grads": "gradients", "optimizer": "optimizer state"}
-    labels |= {"model_state": "model state (sum)"}
-    labels |= {"activation": f"activations (remat {r['shape']['remat']})"}
-    labels |= {"overhead": "overhead (runtime, buffers)", "total": "total"}
-    for key, label in labels.items():
-        lines.append(f"  {label:<32}{_si(r[f'{key}_bytes_per_device']):>12}")
-    verdict = "fits" if r["fits"] else "does NOT fit"
-    lines.append(
-        f"  of {_si(r['hbm_bytes_per_device'])} HBM: {verdict}, headroom {_si(r['headroom_bytes'])}"
-    )
-    lines += [
-        "",
-        f"collectives per step     {'axes':<11}{'N':>4}{'count':>7}"
-        f"{'bytes/step':>13}{'wire/step':>13}{'link':>11}{'time':>11}",
-    ]
-    for c in r["collectives"]:
-        lines.append(
-            f"  {c['kind']:<22} {c['axes']:<11}{c['group']:>4}{c['count']:>7}"
-            f"{_si(c['bytes']):>13}{_si(c['wire_bytes']):>13}{c['link_gb_s']:>7g} GB/s"
-            f"{recommend.ms(c['time_s']):>11}  ({c['purpose']})"
-        )
-    if not r["collectives"]:
-        lines.append("  none (one device)")
-    lines.append(
-        f"time per step: compute {recommend.ms(r['compute_time_s'])} at {r['tflops']:g} "
-        f"TFLOP/s per device, communication {recommend.ms(r['comm_time_s'])} if not "
-        f"overlapped: comm/compute {r['comm_compute_ratio']:.3g}"
-    )
-    if "measured" in r:
-        m = r["measured"]
-        lines += [
-            "",
-            f"analytic vs compiled ({m['device']}, {m['executor']} executor, "
-            f"{m['n_params']:,} params, compiled in {m['compile_s']:.1f} s)",
-            f"  {'bytes per device':<34}{'analytic':>12}{'compiled':>12}",
+def _shape_flags(shape: Any, fields: Any) -> list[str]:
+    """spmd.train flags that set these shape fields, e.g. ["--embed-dim", "4096"]."""
+    out = []
+    for field in fields:
+        value = getattr(shape, field)
+        out += [
+            config.flag_name(field),
+            str(value).lower() if isinstance(value, bool) else str(value),
         ]
-        for label, row in m["rows"].items():
-            ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
-            lines.append(
-                f"  {label:<34}{_si(row['analytic']):>12}{_si(row['compiled']):>12}  ratio {ratio}"
-            )
-        lines += [f"  note: {note}" for note in m["notes"]]
-    return "\n".join(lines)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,68 +1,59 @@
-"""Analytic cost model of one training step: memory per device, communication, compute.
+"""Analytic cost model of one training step: the layout, what it communicates, how long it takes.
 
-Pure arithmetic on a model shape and a layout (no JAX); `python -m spmd.plan` prints it and
-checks it against the compiled step. Units everywhere: sizes in bytes, times in seconds,
+Pure arithmetic on a model shape and a layout (no JAX). spmd.estimate.memory adds the bytes per
+device, spmd.estimate.search ranks layouts with both, `python -m spmd.plan` prints them and
+checks them against the compiled step. Units everywhere: sizes in bytes, times in seconds,
 bandwidths in bytes per second, compute in FLOP/s. GB means 1e9 bytes.
 
 A layout is a mesh {data, pipeline, fsdp, tensor} -> size plus the ZeRO stage of the fsdp axis
-(spmd.parallel.rules): stage 1 shards optimizer state over fsdp, 2 also gradients, 3 also params;
-the
-data axis always replicates. Stage 0 is plain DDP: the fsdp devices then replicate too.
+(spmd.parallel.rules): stage 1 shards the optimizer state (fp32 master + moments) over fsdp, 2
+also the gradients, 3 also the params; the data axis always replicates. Stage 0 is plain DDP:
+the fsdp devices then replicate too. How a step is cut is part of the layout: `accum`
+micro-batches, and with pp > 1 `microbatches` pipeline micro-batches per accumulation step,
+all run by one schedule (spmd.parallel.pipeline.with_accumulation); the remat policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
-from typing import Any, Protocol
+from typing import Any
 
 from spmd.errors import UsageError
+from spmd.estimate.shape import param_groups, shape_params
+from spmd.parallel import schedules
 
-
-class ModelShape(Protocol):
-    """The Llama architecture fields the model needs (models.llama.LlamaConfig has them)."""
-
-    vocab_size: int
-    embed_dim: int
-    mlp_dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    tie_embeddings: bool
-    remat: str
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter or activation element of a dtype policy."""
+    """Dtypes of a --precision policy: the working params (what the step reads, what ZeRO-3
+    gathers), whether an fp32 master copy lives with the optimizer state, and the compute
+    dtype (activations; also the default gradient dtype, as in the ZeRO paper)."""
 
-    weights: int  # the params the step reads
-    grads: int
-    master: int  # an extra fp32 copy of the params kept with the optimizer state (0: none)
-    compute: int  # activations
+    weights: str
+    master: bool
+    compute: str
 
 
-# fp32/bf16/fp16 are the engine's policies (params and optimizer state stay fp32; bf16/fp16
-# only change the compute dtype). "mixed" is the textbook mixed-precision recipe of the ZeRO
-# paper: bf16 params and grads, an fp32 master copy with the optimizer state.
+# bf16 / fp16 are the ZeRO paper's mixed precision: 16-bit params and grads, fp32 master
+# weights with the Adam moments (2 + 2 + 12 = 16 bytes per param). fp32 keeps one copy.
 PRECISIONS = {
-    "fp32": Precision(weights=4, grads=4, master=0, compute=4),
-    "bf16": Precision(weights=4, grads=4, master=0, compute=2),
-    "fp16": Precision(weights=4, grads=4, master=0, compute=2),
-    "mixed": Precision(weights=2, grads=2, master=4, compute=2),
+    "fp32": Precision(weights="fp32", master=False, compute="fp32"),
+    "bf16": Precision(weights="bf16", master=True, compute="bf16"),
+    "fp16": Precision(weights="fp16", master=True, compute="fp16"),
 }
 # Optimizer state bytes per parameter besides any master copy (fp32 moments).
 OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
-REMATS = ("none", "full", "dots_saveable")
+REMATS = ("none", "dots_saveable", "full")  # cheapest compute first
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """One planned run: model, layout, dtype policy and batch."""
+    """One planned run: model, layout, dtype policy, batch and how the step is cut."""
 
-    shape: Any  # a ModelShape
+    shape: Any  # a spmd.estimate.shape.ModelShape
     n_params: float  # parameters (scalars); may differ from the shape's count (--params)
     mesh: dict[str, int]  # data, pipeline, fsdp, tensor -> devices along the axis
     zero: int  # 0 (DDP), 1, 2 or 3
@@ -70,7 +61,12 @@ class Setup:
     optimizer: str  # a key of OPTIMIZERS
     batch: int  # global batch, sequences per optimizer step
     seq_len: int  # tokens per sequence
-    accum: int  # micro-batches per optimizer step
+    accum: int = 1  # accumulation micro-steps per optimizer step
+    remat: str = "none"  # what the backward pass keeps: a key of REMATS
+    grad_reduce: str = ""  # gradient dtype ("" = the compute dtype)
+    schedule: str = "1f1b"  # pipeline schedule (pp > 1)
+    microbatches: int = 1  # pipeline micro-batches per accumulation micro-step (pp > 1)
+    virtual: int = 1  # chunks per stage (interleaved)
 
     @property
     def devices(self) -> int:
@@ -87,9 +83,28 @@ class Setup:
         return self.mesh["data"] * self.mesh["fsdp"]
 
     @property
+    def pipelined(self) -> bool:
+        return self.mesh["pipeline"] > 1
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches each device runs per optimizer step (accum, times the pipeline's)."""
+        return self.accum * (self.microbatches if self.pipelined else 1)
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per device per micro-batch."""
-        return self.batch // (self.data_parallel * self.accum)
+        return self.batch // (self.data_parallel * self.micro_steps)
+
+    @property
+    def grad_dtype(self) -> str:
+        return self.grad_reduce or PRECISIONS[self.precision].compute
+
+    def bytes_of(self, role: str) -> int:
+        """Bytes per element of "weights", "grads" or "compute" (activations)."""
+        p = PRECISIONS[self.precision]
+        dtype = {"weights": p.weights, "grads": self.grad_dtype, "compute": p.compute}[role]
+        return DTYPE_BYTES[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +122,9 @@ class Network:
 class Comm:
     """One kind of collective a step runs. `bytes` is the op's result on one device for one
     execution (all-reduce: the buffer S; all-gather: the gathered array; reduce-scatter: the
-    1/N shard; permute: the message), the convention of spmd.estimate.hlo."""
+    1/N shard; permute: the message), the convention of spmd.estimate.hlo. `hideable`: a
+    data-parallel collective (gradient reduction, ZeRO gather) that can run behind compute;
+    tensor-parallel and pipeline traffic sits on the critical path."""
 
     kind: str
     axes: tuple[str, ...]
@@ -115,57 +132,49 @@ class Comm:
     bytes: float
     count: int  # executions per optimizer step
     purpose: str
+    hideable: bool = False
 
 
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
-    if s.precision not in PRECISIONS:
-        raise UsageError(f"--precision {s.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if s.optimizer not in OPTIMIZERS:
-        raise UsageError(f"--optimizer {s.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "remat": REMATS}
+    for name, valid in choices.items():
+        if getattr(s, name) not in valid:
+            flag = f"--{name} {getattr(s, name)!r}"
+            hint = "; bf16 is the ZeRO paper's mixed precision" if name == "precision" else ""
+            raise UsageError(f"{flag} is not one of {', '.join(valid)}{hint}")
+    compute = PRECISIONS[s.precision].compute
+    if s.grad_reduce not in ("", "fp32", compute):
+        raise UsageError(
+            f"--grad-reduce {s.grad_reduce!r} does not go with --precision {s.precision}; use "
+            f"fp32 or {compute} (or leave it out for {compute})"
+        )
     if s.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {s.zero} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3")
-    if s.shape.remat not in REMATS:
-        raise UsageError(f"--remat {s.shape.remat!r} is not one of {', '.join(REMATS)}")
-    ways = s.data_parallel * s.accum
+    pipeline = s.mesh["pipeline"]
+    if s.pipelined:
+        schedules.check_settings(s.schedule, pipeline, s.microbatches, s.virtual)
+        if s.precision == "fp16":  # spmd.parallel.pipeline.check_composition refuses it too
+            raise UsageError(
+                "--precision fp16 needs loss scaling, which pipelines (pp > 1) do not apply "
+                "inside their schedule; use --precision bf16 or fp32"
+            )
+    ways = s.data_parallel * s.micro_steps
     if s.batch < 1 or s.batch % ways:
+        what = f"accum {s.accum}" + (f" x microbatches {s.microbatches}" if s.pipelined else "")
         raise UsageError(
             f"--batch {s.batch} is not divisible by data-parallel size {s.data_parallel} x "
-            f"accum {s.accum} = {ways}; use a multiple of {ways}"
+            f"{what} = {ways}; use a multiple of {ways}"
         )
-    tensor, pipeline, fsdp = s.mesh["tensor"], s.mesh["pipeline"], s.sharded_fsdp
+    tensor, fsdp = s.mesh["tensor"], s.sharded_fsdp
     splits = [(tensor, "tp", "n_heads"), (tensor, "tp", "n_kv_heads"), (tensor, "tp", "mlp_dim")]
-    splits += [(tensor, "tp", "vocab_size"), (pipeline, "pp", "n_layers")]
+    splits += [(tensor, "tp", "vocab_size"), (pipeline * s.virtual, "pp", "n_layers")]
     splits += [(fsdp, "fsdp", "embed_dim")]
     for ways, axis, field in splits:
         size = getattr(s.shape, field)
         if size % ways:
             good = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
             raise UsageError(f"--mesh {axis}={ways} does not divide {field}={size}; use {good}")
-
-
-# --- memory -------------------------------------------------------------------------------
-
-
-def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
-    """(parameter count, mesh axes other than fsdp that split it) for each kind of param,
-    following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline. Every
-    param
-    has an `embed` dim, which ZeRO shards over fsdp. The counts add up to n_params()."""
-    e, layers = shape.embed_dim, shape.n_layers
-    attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
-    tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
-    return [
-        (layers * (attention + 3 * e * shape.mlp_dim), ("tensor", "pipeline")),
-        (layers * 2 * e, ("pipeline",)),  # the two RMSNorm scales of each block
-        (tables, ("tensor",)),  # embedding and output head: vocab over tensor
-        (e, ()),  # final norm
-    ]
-
-
-def shape_params(shape: ModelShape) -> int:
-    """Parameter count of a shape (scalars)."""
-    return sum(count for count, _ in param_groups(shape))
 
 
 def params_per_device(s: Setup, fsdp_shards: bool, layers: bool | None = None) -> float:
@@ -180,65 +189,33 @@ def params_per_device(s: Setup, fsdp_shards: bool, layers: bool | None = None) -
     )
 
 
-def bytes_per_param(s: Setup) -> dict[str, int]:
-    """Unsharded bytes per parameter: weights, grads, optimizer (master copy + moments)."""
-    p = PRECISIONS[s.precision]
-    return {"params": p.weights, "grads": p.grads, "optimizer": p.master + OPTIMIZERS[s.optimizer]}
+# --- the pipeline schedule ----------------------------------------------------------------
 
 
-def model_state_bytes(s: Setup) -> dict[str, float]:
-    """Bytes per device of params, grads and optimizer state and their sum ("model_state")."""
-    per_param = bytes_per_param(s)
-    out = {
-        role: per_param[role] * params_per_device(s, s.zero >= stage)
-        for role, stage in (("params", 3), ("grads", 2), ("optimizer", 1))
-    }
-    out["model_state"] = sum(out.values())
-    return out
+def pipeline_ticks(s: Setup) -> int:
+    """Ticks of the schedule's table (spmd.parallel.schedules) for the step's M micro-batches
+    on p stages: gpipe 2(M + p - 1) - 1; 1f1b and interleaved v M + (v + 1) p - 2. 0 if pp = 1."""
+    p, m, v = s.mesh["pipeline"], s.micro_steps, s.virtual
+    if p == 1:
+        return 0
+    return 2 * (m + p - 1) - 1 if s.schedule == "gpipe" else v * m + (v + 1) * p - 2
 
 
-def activation_bytes(s: Setup) -> float:
-    """Peak bytes of activations kept for the backward pass on one device.
-
-    Per layer and micro-batch of b sequences of length t (per device: heads h, kv heads k,
-    mlp width m divided by tensor; embed e and head_dim d whole), in elements:
-      no remat: b*t*(4e + (h + 2k)*d + h*d + 4m) + b*h*t*t
-        (block input, its two norms' inputs/outputs; q, k, v; attention output; gate, up,
-        silu(gate), their product; the softmax probabilities of every head)
-      remat "full": b*t*e (the block input only), plus one block's no-remat set while it is
-        recomputed in the backward pass;
-      remat "dots_saveable": b*t*(3e + (h + 2k)*d + 2m) (the matmul outputs), plus the same.
-    Times the compute dtype's bytes, for the n_layers/pp layers of a stage. Outside the blocks:
-    the embedding output and final norm (2*b*t*e in the compute dtype) and the fp32 logits and
-    their softmax (2*b*t*vocab/tp*4 bytes). With pp > 1 a stage holds all `accum`
-    micro-batches at once (GPipe); otherwise one micro-batch is live at a time.
-    """
-    shape, tensor = s.shape, s.mesh["tensor"]
-    b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
-    h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
-    full = b * t * (4 * e + (h + 2 * k) * d + h * d + 4 * m) + b * h * t * t
-    kept = {
-        "none": full,
-        "full": b * t * e,
-        "dots_saveable": b * t * (3 * e + (h + 2 * k) * d + 2 * m),
-    }
-    recompute = 0 if shape.remat == "none" else full
-    c = PRECISIONS[s.precision].compute
-    stage_layers = shape.n_layers // s.mesh["pipeline"]
-    outside = 2 * b * t * e * c + 2 * b * t * shape.vocab_size / tensor * 4
-    in_flight = s.accum if s.mesh["pipeline"] > 1 else 1
-    return in_flight * (stage_layers * kept[shape.remat] * c + outside) + recompute * c
+def stashed_inputs(s: Setup) -> int:
+    """Chunk inputs plus output gradients a stage holds at most (the table's stash and inbox
+    slots): gpipe M + M; 1f1b min(M, 2p - 1) + 1; interleaved min(v M, (v + 1) p - 1) + 1."""
+    p, m, v = s.mesh["pipeline"], s.micro_steps, s.virtual
+    if p == 1:
+        return 0
+    if s.schedule == "gpipe":
+        return 2 * m
+    return min(v * m, (v + 1) * p - 1) + 1
 
 
-def memory(s: Setup, overhead: float, hbm: float) -> dict[str, Any]:
-    """Per-device bytes: params, grads, optimizer, model_state (their sum), activations,
-    overhead, total, hbm, headroom (hbm - total) and fits (total <= hbm)."""
-    out: dict[str, Any] = model_state_bytes(s)
-    out["activations"] = activation_bytes(s)
-    out["overhead"] = overhead
-    out["total"] = out["model_state"] + out["activations"] + overhead
-    out.update(hbm=hbm, headroom=hbm - out["total"], fits=out["total"] <= hbm)
-    return out
+def bubble_share(s: Setup) -> float:
+    """Textbook idle share of a pipelined step, (p - 1) / (M + p - 1) / v (0 without one)."""
+    p = s.mesh["pipeline"]
+    return schedules.bubble_fraction(p, s.micro_steps, s.virtual) if p > 1 else 0.0
 
 
 # --- communication ------------------------------------------------------------------------
@@ -247,52 +224,65 @@ def memory(s: Setup, overhead: float, hbm: float) -> dict[str, Any]:
 def collectives(s: Setup) -> list[Comm]:
     """The collectives of one optimizer step in the textbook form of each layout.
 
-    With P the bytes of the params one device holds after the tp/pp split and F the fsdp size:
-    DDP all-reduces the grads (P) every micro-batch; ZeRO-1 too, then all-gathers the updated
-    params; ZeRO-2 reduce-scatters the grads (P/F per device) every micro-batch and all-gathers
-    the params after the update; ZeRO-3 all-gathers each block's params before its forward
-    and again before its backward in every micro-batch (the embedding, head and final norm,
-    used outside the scanned blocks, are gathered once per step and kept) and reduce-scatters
-    the grads. With a data axis beside fsdp, the grad shards are then all-reduced over data.
-    Megatron tp all-reduces the [b, t, embed] activations A twice per block in the forward and
-    twice in the backward (twice more when remat replays the forward), plus two for the
-    vocab-parallel embedding and head; pipeline stages send A forward and its gradient back
-    per micro-batch.
+    With P the bytes of the gradients one device holds after the tp/pp split (in the
+    gradient dtype), W the same in the working-param dtype, F the fsdp size and n the
+    micro-batches per step: DDP and ZeRO-1 accumulate and all-reduce the gradients once per
+    step (spmd.engine.accumulate); ZeRO-2 and -3 reduce-scatter them (P/F per device) every
+    micro-batch, so no whole gradient is ever held; with a data axis beside fsdp the shards
+    are then all-reduced over data once. ZeRO-1 and -2 all-gather the updated params (W) once;
+    ZeRO-3 all-gathers each block's params before its forward and again for its backward
+    (and once more for the pipeline's recomputation), the embedding, head and final norm once.
+    Megatron tp all-reduces the [b, t, embed] activations A twice per block forward and twice
+    backward, once more when remat replays a block and twice more when the pipeline recomputes
+    it, plus two for the vocab-parallel embedding and head. Pipelines send A forward and its
+    gradient back every tick, all-reduce the embedding and head gradients (kept on every
+    stage) over pipeline once, and interleaved ones move v > 1 chunks of block params to their
+    stages and their gradients back each step.
     """
-    mesh, p, n = s.mesh, PRECISIONS[s.precision], s.accum
-    data, fsdp, tensor, pipeline = mesh["data"], s.sharded_fsdp, mesh["tensor"], mesh["pipeline"]
+    mesh, n, pipeline = s.mesh, s.micro_steps, s.mesh["pipeline"]
+    data, fsdp, tensor = mesh["data"], s.sharded_fsdp, mesh["tensor"]
     local = params_per_device(s, fsdp_shards=False)
-    grads, weights = local * p.grads, local * p.weights
+    blocks = params_per_device(s, fsdp_shards=False, layers=True)
+    grads, weights = local * s.bytes_of("grads"), local * s.bytes_of("weights")
     out = []
     if fsdp == 1:
-        batch_axes = tuple(a for a in ("data", "fsdp") if mesh[a] > 1)
-        dp = s.data_parallel
-        if dp > 1:
-            out.append(Comm("all-reduce", batch_axes, dp, grads, n, "gradients"))
+        axes = tuple(a for a in ("data", "fsdp") if mesh[a] > 1)
+        if s.data_parallel > 1:
+            out.append(Comm("all-reduce", axes, s.data_parallel, grads, 1, "gradients", True))
     else:
         if s.zero == 1:
             axes = ("data", "fsdp") if data > 1 else ("fsdp",)
-            out.append(Comm("all-reduce", axes, data * fsdp, grads, n, "gradients"))
+            out.append(Comm("all-reduce", axes, data * fsdp, grads, 1, "gradients", True))
         else:
-            out.append(Comm("reduce-scatter", ("fsdp",), fsdp, grads / fsdp, n, "gradients"))
+            out.append(Comm("reduce-scatter", ("fsdp",), fsdp, grads / fsdp, n, "gradients", True))
             if data > 1:
-                out.append(Comm("all-reduce", ("data",), data, grads / fsdp, n, "grad shards"))
+                out.append(
+                    Comm("all-reduce", ("data",), data, grads / fsdp, 1, "grad shards", True)
+                )
         if s.zero == 3:
-            blocks = params_per_device(s, fsdp_shards=False, layers=True) * p.weights
-            out.append(Comm("all-gather", ("fsdp",), fsdp, blocks, 2 * n, "block params fwd+bwd"))
-            out.append(Comm("all-gather", ("fsdp",), fsdp, weights - blocks, 1, "embed, head"))
+            uses = n * (2 + s.pipelined)
+            gathered = blocks * s.bytes_of("weights")
+            out.append(Comm("all-gather", ("fsdp",), fsdp, gathered, uses, "block params", True))
+            out.append(
+                Comm("all-gather", ("fsdp",), fsdp, weights - gathered, 1, "embed, head", True)
+            )
         else:
-            out.append(Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params"))
-    activation = s.micro_batch * s.seq_len * s.shape.embed_dim * p.compute
+            out.append(Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params", True))
+    activation = s.micro_batch * s.seq_len * s.shape.embed_dim * s.bytes_of("compute")
     stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
-        per_block = 6 if s.shape.remat == "full" else 4
+        per_block = 4 + (s.remat != "none") + 2 * s.pipelined
         count = n * (per_block * stage_layers + 2)
         out.append(Comm("all-reduce", ("tensor",), tensor, activation, count, "activations"))
-    if pipeline > 1:
-        out.append(
-            Comm("collective-permute", ("pipeline",), 2, activation, 2 * n, "stage boundary")
-        )
+    if s.pipelined:
+        sends = 2 * pipeline_ticks(s)
+        out.append(Comm("collective-permute", ("pipeline",), 2, activation, sends, "stage sends"))
+        tables = (local - blocks) * s.bytes_of("grads") / (fsdp if s.zero >= 2 else 1)
+        out.append(Comm("all-reduce", ("pipeline",), pipeline, tables, 1, "embed, head grads"))
+        if s.virtual > 1:
+            moved = blocks * (pipeline - 1) / pipeline / (fsdp if s.zero == 3 else 1)
+            per_param = s.bytes_of("weights") + s.bytes_of("grads")
+            out.append(Comm("collective-permute", ("pipeline",), 2, moved * per_param, 1, "chunks"))
     return out
 
 
@@ -338,59 +328,7 @@ def comm_time(s: Setup, c: Comm, net: Network) -> float:
     return c.count * ring_time(c.kind, full, c.group, bandwidth, net.latency)
 
 
-# --- compute and batch --------------------------------------------------------------------
-
-
-def flops_per_step(s: Setup) -> float:
-    """Training FLOPs of one optimizer step over all devices: per token 2 x (matmul params) +
-    4 x layers x seq_len x heads x head_dim (attention scores and values) in the forward,
-    times 3 for forward + backward, 4 with full remat (the forward runs twice)."""
-    shape = s.shape
-    block_matrices = param_groups(shape)[0][0]
-    matmul = (
-        (block_matrices + shape.vocab_size * shape.embed_dim) * s.n_params / shape_params(shape)
-    )
-    attention = 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim
-    passes = 4 if shape.remat == "full" else 3
-    return passes * s.batch * s.seq_len * (2 * matmul + attention)
-
-
-def compute_time(s: Setup, flops_per_device: float) -> float:
-    """Seconds of compute per optimizer step at `flops_per_device` FLOP/s each, work split
-    evenly over devices; a pipeline adds its bubble: x (M + pp - 1) / M with M = accum."""
-    pipeline = s.mesh["pipeline"]
-    bubble = (s.accum + pipeline - 1) / s.accum
-    return flops_per_step(s) / s.devices / flops_per_device * bubble
-
-
-def global_batch(micro_batch: int, data_parallel: int, accum: int) -> int:
-    """Sequences per optimizer step: per-device micro-batch x data-parallel size x accum."""
-    return micro_batch * data_parallel * accum
-
-
-def llama_shape(n_params: float) -> dict[str, Any]:
-    """A Llama-like shape of about `n_params` parameters, for planning a raw size: vocab
-    32000, head_dim 128, embed_dim 256, 512, 768 or a multiple of 1024, n_layers = n_heads =
-    n_kv_heads = embed_dim / 128 (about Llama 2's aspect ratio), mlp_dim = 8/3 x embed_dim
-    rounded to a multiple of 256. The embed_dim whose count is nearest is chosen."""
-
-    def shape(width: int) -> dict[str, Any]:
-        heads = width // 128
-        mlp = max(256, round(8 * width / 3 / 256) * 256)
-        return dict(
-            vocab_size=32000,
-            embed_dim=width,
-            mlp_dim=mlp,
-            n_layers=heads,
-            n_heads=heads,
-            n_kv_heads=heads,
-            head_dim=128,
-            tie_embeddings=False,
-        )
-
-    def count(width: int) -> float:
-        return shape_params(types.SimpleNamespace(**shape(width)))
-
-    widths = [256, 512, 768, *range(1024, 65537, 1024)]  # heads divisible by 8 from 1024 on
-    best = min(widths, key=lambda w: abs(math.log(count(w) / n_params)))
-    return shape(best)
+def global_batch(micro_batch: int, data_parallel: int, micro_steps: int) -> int:
+    """Sequences per optimizer step: per-device micro-batch x data-parallel size x the
+    micro-batches per step."""
+    return micro_batch * data_parallel * micro_steps

@@ -1,13 +1,11 @@
 """Check the analytic plan against the compiled step (`python -m spmd.plan --measure`).
 
-Builds and compiles the real train step (spmd.engine.step, AOT: nothing runs) for a planned layout
-on
-simulated CPU devices and puts the figures of spmd.estimate.cost beside the compiled ones: bytes of
-params
-+ optimizer state per device (from the shardings the step takes its state in), the compiled
+Builds and compiles the real train step (spmd.engine.step, AOT: nothing runs) for a planned
+layout on simulated CPU devices and puts the figures of spmd.estimate.memory and .cost beside
+the compiled ones: bytes of params and of master + optimizer state per device (from the
+shardings the step takes its state in, spmd.engine.step.state_bytes_per_device), the compiled
 peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo). All
-figures
-are bytes per device.
+figures are bytes per device.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any
 
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
-from spmd.estimate import cost
+from spmd.estimate import cost, memory
 from spmd.parallel.mesh import format_mesh
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
@@ -86,6 +84,7 @@ def build(
     `train`. The engine has no stage 0: plain DDP is the fsdp devices folded into `data`."""
     import jax.numpy as jnp
 
+    from spmd.engine import precision
     from spmd.engine.optim import make_optimizer
     from spmd.engine.step import Layout, build_program
     from spmd.parallel import mesh as mesh_lib
@@ -103,6 +102,7 @@ def build(
         Layout(mesh, zero),
         seed=train.seed,
         accum=s.accum,
+        policy=precision.get(s.precision),  # the dtypes `python -m spmd.train` would use
         **build_kwargs,
     )
     return program, mesh
@@ -136,18 +136,16 @@ def measure(
     compiled = program.compile_train_step(s.batch, s.seq_len)
     compile_s = time.perf_counter() - started
 
-    state = cost.model_state_bytes(s)
+    state = memory.model_state_bytes(s)
     held = state_bytes_per_device(compiled, program)
     rows = {
-        "params + optimizer state": (
-            state["params"] + state["optimizer"],
-            held["params"] + held["opt_state"],
-        )
+        "params": (state["params"], held["params"]),
+        "master + optimizer state": (state["optimizer"], held["opt_state"]),
     }
-    memory = hlo.memory(compiled)
-    if "peak_estimate" in memory:
-        analytic_peak = state["model_state"] + cost.activation_bytes(s)
-        rows["model state + activations"] = (analytic_peak, memory["peak_estimate"])
+    compiled_memory = hlo.memory(compiled)
+    if "peak_estimate" in compiled_memory:
+        analytic_peak = state["model_state"] + memory.activation_bytes(s)
+        rows["model state + activations"] = (analytic_peak, compiled_memory["peak_estimate"])
     cpu_auto = executor == "auto" and devices[0].platform == "cpu"
     predicted = predicted_collectives(s, reduce_scatter_as_all_reduce=cpu_auto)
     compiled_comm = hlo.collective_summary(hlo.collectives(compiled, mesh))
@@ -168,7 +166,7 @@ def measure(
         "mesh_text": format_mesh(dict(mesh.shape)),
         "n_params": int(s.n_params),
         "compile_s": compile_s,
-        "compiled_memory": memory,
+        "compiled_memory": compiled_memory,
         "rows": {
             what: {"analytic": round(a), "compiled": int(b), "ratio": b / a if a else None}
             for what, (a, b) in rows.items()

@@ -1,0 +1,116 @@
+"""Memory per device of a planned step, by role: params, gradients, master + optimizer state,
+activations, overhead.
+
+Model state follows the ZeRO paper (Rajbhandari et al. 2020, section 3 and Table 1). With
+Psi parameters, N the fsdp size and mixed precision (--precision bf16 or fp16): 2 Psi bytes of
+16-bit params, 2 Psi of gradients (4 Psi with --grad-reduce fp32) and K Psi = 12 Psi of fp32
+master weights and Adam moments. Stage 0 holds (2 + 2 + K) Psi on every device, stage 1
+(2 + 2) Psi + K Psi / N, stage 2 2 Psi + (2 + K) Psi / N, stage 3 (2 + 2 + K) Psi / N; for 7.5 B
+params on 64 devices 120, 31.4, 16.6 and 1.88 GB. Under fp32 there is no separate master copy:
+4 + 4 + 8 bytes. Tensor and pipeline axes divide what they split first (spmd.estimate.cost).
+Units: bytes per device; GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from spmd.estimate import cost
+
+ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
+SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
+
+
+def bytes_per_param(s: cost.Setup) -> dict[str, int]:
+    """Unsharded bytes per parameter: working params, gradients, master copy + moments."""
+    master = 4 if cost.PRECISIONS[s.precision].master else 0
+    return {
+        "params": s.bytes_of("weights"),
+        "grads": s.bytes_of("grads"),
+        "optimizer": master + cost.OPTIMIZERS[s.optimizer],
+    }
+
+
+def model_state_bytes(s: cost.Setup) -> dict[str, float]:
+    """Bytes per device of params, grads and master + optimizer state, and their sum
+    ("model_state")."""
+    per_param = bytes_per_param(s)
+    out = {
+        role: per_param[role] * cost.params_per_device(s, s.zero >= SHARDED_FROM[role])
+        for role in ROLES
+    }
+    out["model_state"] = sum(out.values())
+    return out
+
+
+def _layer_elements(s: cost.Setup) -> dict[str, float]:
+    """Elements one layer keeps for the backward pass on one device, per remat policy, for a
+    micro-batch of b sequences of length t (heads h, kv heads k, mlp width m divided by
+    tensor; embed e and head_dim d whole):
+      none: b*t*(4e + (h + 2k)*d + h*d + 4m) + b*h*t*t (block input, its two norms' inputs
+        and outputs; q, k, v; attention output; gate, up, silu(gate), their product; the
+        softmax probabilities of every head);
+      dots_saveable: b*t*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
+      full: b*t*e (the block input only)."""
+    shape, tensor = s.shape, s.mesh["tensor"]
+    b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
+    h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
+    return {
+        "none": b * t * (4 * e + (h + 2 * k) * d + h * d + 4 * m) + b * h * t * t,
+        "dots_saveable": b * t * (3 * e + (h + 2 * k) * d + 2 * m),
+        "full": b * t * e,
+    }
+
+
+def activation_bytes(s: cost.Setup) -> float:
+    """Peak bytes of activations and working buffers on one device.
+
+    The layers that run at once keep _layer_elements each: all n_layers / pp of a stage
+    without a pipeline; with one, a single chunk of n_layers / (pp v) while its backward slot
+    recomputes it, plus the schedule's stashed chunk inputs and output gradients (each one
+    micro-batch's [b, t, embed]: gpipe 2M, 1f1b at most 2p, spmd.estimate.cost.stashed_inputs).
+    With remat, one layer's no-remat set is live while it is replayed. Outside the blocks: the
+    embedding output and final norm (2*b*t*e) and the fp32 logits and their softmax
+    (2*b*t*vocab/tp*4 bytes). Under ZeRO-3 one layer's params gathered whole over fsdp.
+    Activations are in the compute dtype.
+    """
+    shape, c = s.shape, s.bytes_of("compute")
+    b, t, e = s.micro_batch, s.seq_len, shape.embed_dim
+    per_layer = _layer_elements(s)
+    live_layers = shape.n_layers // (s.mesh["pipeline"] * s.virtual)
+    replay = per_layer["none"] if s.remat != "none" else 0
+    stash = cost.stashed_inputs(s) * b * t * e
+    outside = 2 * b * t * e * c + 2 * b * t * shape.vocab_size / s.mesh["tensor"] * 4
+    gathered = 0.0
+    if s.zero == 3 and s.sharded_fsdp > 1:
+        stage_layers = shape.n_layers // s.mesh["pipeline"]
+        blocks = cost.params_per_device(s, fsdp_shards=False, layers=True)
+        gathered = blocks / stage_layers * s.bytes_of("weights")
+    return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + gathered
+
+
+def memory(s: cost.Setup, overhead: float, hbm: float) -> dict[str, Any]:
+    """Per-device bytes: params, grads, optimizer (master + moments), model_state (their sum),
+    activations, overhead, total, hbm, headroom (hbm - total) and fits (total <= hbm)."""
+    out: dict[str, Any] = model_state_bytes(s)
+    out["activations"] = activation_bytes(s)
+    out["overhead"] = overhead
+    out["total"] = out["model_state"] + out["activations"] + overhead
+    out.update(hbm=hbm, headroom=hbm - out["total"], fits=out["total"] <= hbm)
+    return out
+
+
+def zero_stages(s: cost.Setup) -> list[cost.Setup]:
+    """ZeRO 0, 1, 2 and 3 over all of s's devices (DDP on data, then fsdp), each running one
+    micro-batch of s's size with s's remat: the ZeRO paper's comparison for this run."""
+    out = []
+    for zero in range(4):
+        mesh = {**dict.fromkeys(s.mesh, 1), "data" if zero == 0 else "fsdp": s.devices}
+        batch = s.micro_batch * s.devices
+        out.append(
+            dataclasses.replace(
+                s, mesh=mesh, zero=zero, batch=batch, accum=1, microbatches=1, virtual=1
+            )
+        )
+    return out

@@ -1,0 +1,261 @@
+"""Search every knob of a layout for the fastest one that fits.
+
+The knobs: the mesh (dp, fsdp, tp, pp), the ZeRO stage, the per-device micro-batch (hence
+--accum, or the pipeline's --microbatches), --remat, and with pp > 1 the schedule (1f1b, or
+interleaved with 2 or 4 chunks per stage). The order of concerns is an engineer's:
+
+1. constraints: tp inside a node and dividing the heads, mlp and vocabulary; pp dividing the
+   layers; the batch splitting evenly; the step fitting in the HBM with the overhead reserved;
+2. the least estimated time per sequence (spmd.estimate.timing: compute at the sustained
+   FLOP rate + exposed communication + pipeline bubble), which is the step time when every
+   candidate runs the same batch;
+3. ties (equal to 3 significant digits) to the simpler layout: no pipeline, then no tp, then
+   the lower ZeRO stage, fewer chunks, less recomputation, fewer mesh axes, the larger
+   micro-batch, the least memory.
+
+Without --batch every mesh gets the batch nearest --tokens-per-step / --seq-len that its
+data-parallel size divides. gpipe is not searched: 1f1b has its bubble with a stash of at
+most 2p - 1 inputs instead of all M. Units: bytes, seconds, FLOP/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from spmd.errors import UsageError
+from spmd.estimate import cost, memory, timing
+from spmd.parallel.mesh import format_mesh
+
+VIRTUAL = (2, 4)  # chunks per stage tried for the interleaved schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Per-device figures of a GPU in a node of 8 with one network port per GPU: HBM in GB,
+    sustained dense bf16 TFLOP/s (40-45% of the peaks in spmd.estimate.flops, what large
+    training runs report), and GB/s of collective bandwidth per device inside the node
+    (NVLink, as NCCL's all-reduce bus bandwidth) and between nodes (InfiniBand)."""
+
+    hbm: float
+    tflops: float
+    bandwidth: float
+    inter_bandwidth: float
+
+
+GPUS = {
+    "a100-40gb": Gpu(hbm=40.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),  # HDR 200
+    "a100-80gb": Gpu(hbm=80.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),
+    "h100": Gpu(hbm=80.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),  # NDR 400
+    "h200": Gpu(hbm=141.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """What a device offers: the network, sustained FLOP/s, HBM and the bytes reserved for
+    the runtime, and the share of data-parallel communication that hides behind compute."""
+
+    net: cost.Network
+    flops: float
+    hbm: float
+    overhead: float
+    overlap: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What the search may vary; a field that is not None is held fixed. `mesh` fixes the
+    axes it names; `batch` 0 chooses one near `tokens` tokens per step for each mesh."""
+
+    batch: int = 0
+    tokens: int = 4 * 1024 * 1024
+    mesh: dict[str, int] | None = None
+    zero: int | None = None
+    remat: str | None = None
+    schedule: str | None = None
+    virtual: int | None = None
+    interleave: bool = True  # False: the executor runs no interleaved schedule (explicit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A candidate and what it costs: memory (spmd.estimate.memory.memory) and time
+    (spmd.estimate.timing.step_time), per device and optimizer step."""
+
+    setup: cost.Setup
+    memory: dict
+    time: dict
+
+    @property
+    def step_s(self) -> float:
+        return self.time["step"]
+
+    @property
+    def overhead_ratio(self) -> float:
+        """(exposed communication + bubble) / compute."""
+        return (self.time["exposed"] + self.time["bubble"]) / self.time["compute"]
+
+    def layout(self) -> str:
+        """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1"."""
+        return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}"
+
+    def label(self) -> str:
+        """The layout and how its step is cut."""
+        s = self.setup
+        if s.pipelined:
+            chunks = f" v={s.virtual}" if s.virtual > 1 else ""
+            cut = f"{s.schedule}{chunks} M={s.micro_steps}"
+        else:
+            cut = f"accum {s.accum}"
+        return f"{self.layout()}, micro-batch {s.micro_batch}, {cut}, remat {s.remat}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Fitting candidates fastest first; `considered` valid candidates in all; `smallest` the
+    one needing the least memory (what to show when nothing fits)."""
+
+    ranked: list[Scored]
+    considered: int
+    smallest: Scored
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(base: cost.Setup, devices: int, per_node: int, fixed: dict | None) -> Iterator[dict]:
+    """Meshes of `devices` devices with tp inside a node and pp dividing the layers, holding
+    the axes `fixed` names at their sizes."""
+    fixed = fixed or {}
+    for tensor in _divisors(devices):
+        if tensor > per_node or per_node % tensor or fixed.get("tensor", tensor) != tensor:
+            continue
+        for pipeline in _divisors(devices // tensor):
+            if base.shape.n_layers % pipeline or fixed.get("pipeline", pipeline) != pipeline:
+                continue
+            for fsdp in _divisors(devices // (tensor * pipeline)):
+                data = devices // (tensor * pipeline * fsdp)
+                mesh = {"data": data, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
+                if all(mesh[a] == size for a, size in fixed.items()):
+                    yield mesh
+
+
+def batch_for(space: Space, seq_len: int, data_parallel: int) -> int:
+    """The global batch of a mesh: --batch, or the multiple of the data-parallel size
+    nearest --tokens-per-step / --seq-len (at least one sequence per replica)."""
+    if space.batch:
+        return space.batch
+    target = max(1, round(space.tokens / seq_len))
+    return max(1, round(target / data_parallel)) * data_parallel
+
+
+def _cuts(s: cost.Setup, space: Space, per_replica: int) -> Iterator[dict]:
+    """Ways to cut a replica's sequences into micro-batches, ascending in micro-batch size
+    within each schedule: accum for pp = 1, else the schedule's M micro-batches."""
+    pipeline = s.mesh["pipeline"]
+    if pipeline == 1:
+        for b in _divisors(per_replica):
+            yield dict(accum=per_replica // b, microbatches=1, schedule="1f1b", virtual=1)
+        return
+    plans = [("1f1b", 1)] + [("interleaved", v) for v in VIRTUAL if space.interleave]
+    if space.schedule is not None:
+        wanted = space.virtual or (2 if space.schedule == "interleaved" else 1)
+        plans = [(space.schedule, wanted)]
+    for schedule, virtual in plans:
+        for b in _divisors(per_replica):
+            yield dict(accum=1, microbatches=per_replica // b, schedule=schedule, virtual=virtual)
+
+
+def candidates(base: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Scored]:
+    """Every valid candidate with its memory; time only for those that fit. Within one
+    (mesh, stage, remat, schedule), a micro-batch larger than one that does not fit is
+    skipped (activations never shrink as the micro-batch grows)."""
+    devices, per_node = base.devices, cluster.net.devices_per_node
+    for mesh in meshes(base, devices, per_node, space.mesh):
+        fsdp = mesh["fsdp"]
+        for zero in (1, 2, 3) if fsdp > 1 else (0,):
+            if space.zero is not None and zero != (space.zero if fsdp > 1 else 0):
+                continue
+            data_parallel = mesh["data"] * fsdp
+            batch = batch_for(space, base.seq_len, data_parallel)
+            if batch % data_parallel:
+                continue
+            for remat in (space.remat,) if space.remat else cost.REMATS:
+                yield from _cut_candidates(
+                    dataclasses.replace(base, mesh=mesh, zero=zero, batch=batch, remat=remat),
+                    space,
+                    cluster,
+                )
+
+
+def _cut_candidates(s: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Scored]:
+    too_big: set[tuple] = set()
+    for cut in _cuts(s, space, s.batch // s.data_parallel):
+        key = (cut["schedule"], cut["virtual"])
+        if key in too_big:
+            continue
+        setup = dataclasses.replace(s, **cut)
+        try:
+            cost.check_setup(setup)
+        except UsageError:
+            continue
+        mem = memory.memory(setup, cluster.overhead, cluster.hbm)
+        if not mem["fits"]:
+            too_big.add(key)
+            yield Scored(setup, mem, {})
+            continue
+        time = timing.step_time(setup, cluster.net, cluster.flops, cluster.overlap)
+        yield Scored(setup, mem, time)
+
+
+def simplicity(c: Scored) -> tuple:
+    """Sort key among equally fast candidates: simpler first."""
+    s = c.setup
+    return (
+        s.mesh["pipeline"],
+        s.mesh["tensor"],
+        s.zero,
+        s.virtual,
+        cost.REMATS.index(s.remat),
+        sum(size > 1 for size in s.mesh.values()),
+        -s.micro_batch,
+        c.memory["total"],
+    )
+
+
+def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
+    """Rank every fitting candidate of base.devices devices for base's model. UsageError when
+    no candidate is valid at all (e.g. a --batch that no data-parallel size divides)."""
+    fitting, considered, smallest = [], 0, None
+    for c in candidates(base, space, cluster):
+        considered += 1
+        if c.memory["fits"]:
+            fitting.append(c)
+        elif smallest is None or c.memory["total"] < smallest.memory["total"]:
+            smallest = c
+    if not considered:
+        raise UsageError(
+            f"--recommend found no valid layout of {base.devices} devices for --batch "
+            f"{space.batch}; use a batch that more data-parallel sizes divide (or leave it out)"
+        )
+    fitting.sort(key=lambda c: (float(f"{c.step_s / c.setup.batch:.3g}"), simplicity(c)))
+    if fitting:
+        smallest = min(fitting, key=lambda c: c.memory["total"])
+    return Result(fitting, considered, smallest)
+
+
+def distinct_layouts(ranked: list[Scored], count: int) -> list[Scored]:
+    """The best candidate of each of the first `count` distinct structures: tp and pp sizes
+    and ZeRO stage (how dp and fsdp split the rest is a detail of each)."""
+    seen, out = set(), []
+    for c in ranked:
+        s = c.setup
+        key = (s.mesh["tensor"], s.mesh["pipeline"], s.zero)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == count:
+            break
+    return out

@@ -1,0 +1,87 @@
+"""The model as the planner sees it: a Llama-like shape, where its parameters live, and a shape
+for a bare parameter count (`--params 7e9`).
+
+Pure arithmetic, no JAX. Counts are parameters (scalars).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any, Protocol
+
+
+class ModelShape(Protocol):
+    """The Llama architecture fields the planner needs (models.llama.LlamaConfig has them)."""
+
+    vocab_size: int
+    embed_dim: int
+    mlp_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tie_embeddings: bool
+
+
+# The fields that define a shape, in the order a `python -m spmd.train` command line gives them.
+FIELDS = (
+    "vocab_size",
+    "embed_dim",
+    "mlp_dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "tie_embeddings",
+)
+
+
+def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
+    """(parameter count, mesh axes other than fsdp that split it) for each kind of param,
+    following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline.
+    Every param has an `embed` dim, which ZeRO shards over fsdp. The embedding and head stay
+    whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The counts add up
+    to n_params()."""
+    e, layers = shape.embed_dim, shape.n_layers
+    attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
+    tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
+    return [
+        (layers * (attention + 3 * e * shape.mlp_dim), ("tensor", "pipeline")),
+        (layers * 2 * e, ("pipeline",)),  # the two RMSNorm scales of each block
+        (tables, ("tensor",)),  # embedding and output head: vocab over tensor
+        (e, ()),  # final norm
+    ]
+
+
+def shape_params(shape: ModelShape) -> int:
+    """Parameter count of a shape (scalars)."""
+    return sum(count for count, _ in param_groups(shape))
+
+
+def llama_shape(n_params: float) -> dict[str, Any]:
+    """A Llama-like shape of about `n_params` parameters, for planning a raw size: vocab
+    32000, head_dim 128, embed_dim 256, 512, 768 or a multiple of 1024, n_layers = n_heads =
+    n_kv_heads = embed_dim / 128 (about Llama 2's aspect ratio), mlp_dim = 8/3 x embed_dim
+    rounded to a multiple of 256. The embed_dim whose count is nearest is chosen."""
+
+    def shape(width: int) -> dict[str, Any]:
+        heads = width // 128
+        mlp = max(256, round(8 * width / 3 / 256) * 256)
+        return dict(
+            vocab_size=32000,
+            embed_dim=width,
+            mlp_dim=mlp,
+            n_layers=heads,
+            n_heads=heads,
+            n_kv_heads=heads,
+            head_dim=128,
+            tie_embeddings=False,
+        )
+
+    def count(width: int) -> float:
+        return shape_params(types.SimpleNamespace(**shape(width)))
+
+    widths = [256, 512, 768, *range(1024, 65537, 1024)]  # heads divisible by 8 from 1024 on
+    best = min(widths, key=lambda w: abs(math.log(count(w) / n_params)))
+    return shape(best)

@@ -1,0 +1,67 @@
+"""How long a planned step takes: compute at a sustained FLOP rate, the pipeline bubble and the
+communication that compute does not hide.
+
+FLOPs follow spmd.estimate.flops (Kaplan et al.; PaLM appendix B): per token, 2 FLOPs per
+matmul parameter and 4 * layers * seq_len * heads * head_dim for attention in the forward,
+three times that for forward + backward ("model FLOPs"). What the devices execute adds the
+recomputation: remat "full" replays each block's forward, "dots_saveable" replays attention
+only (the weight matmuls' outputs are kept), and a pipeline stage re-runs its chunk's forward
+inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only). Units: FLOPs,
+seconds, FLOP/s.
+"""
+
+from __future__ import annotations
+
+from spmd.estimate import cost
+from spmd.estimate.shape import param_groups, shape_params
+
+
+def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
+    """Forward FLOPs of one token: "blocks" (the layers' matmuls), "attention" (scores and
+    values, causal counted in full) and "head" (the output projection)."""
+    shape = s.shape
+    scale = s.n_params / shape_params(shape)
+    return {
+        "blocks": 2 * param_groups(shape)[0][0] * scale,
+        "attention": 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim,
+        "head": 2 * shape.vocab_size * shape.embed_dim * scale,
+    }
+
+
+def model_flops(s: cost.Setup) -> float:
+    """Model FLOPs of one optimizer step over all devices (recomputation not counted)."""
+    return 3 * s.batch * s.seq_len * sum(forward_flops_per_token(s).values())
+
+
+def executed_flops(s: cost.Setup) -> float:
+    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards."""
+    f = forward_flops_per_token(s)
+    layer = f["blocks"] + f["attention"]
+    replays = layer * (s.pipelined + (s.remat == "full"))
+    replays += f["attention"] * (s.remat == "dots_saveable")
+    return model_flops(s) + s.batch * s.seq_len * replays
+
+
+def step_time(
+    s: cost.Setup, net: cost.Network, flops_per_device: float, overlap: float = 0.0
+) -> dict[str, float]:
+    """Seconds of one optimizer step and its parts, with the work split evenly over devices:
+    "compute" (executed FLOPs at `flops_per_device`), "bubble" (the pipeline's idle time,
+    compute x f / (1 - f) for the bubble share f), "comm" (every collective, run alone),
+    "hidden" (the share `overlap` of the data-parallel collectives, at most the compute, that
+    runs behind compute), "exposed" (comm - hidden) and "step" (compute + bubble + exposed)."""
+    compute = executed_flops(s) / s.devices / flops_per_device
+    share = cost.bubble_share(s)
+    bubble = compute * share / (1 - share)
+    times = [(c, cost.comm_time(s, c, net)) for c in cost.collectives(s)]
+    comm = sum(t for _, t in times)
+    hidden = min(overlap * sum(t for c, t in times if c.hideable), compute)
+    exposed = comm - hidden
+    return {
+        "compute": compute,
+        "bubble": bubble,
+        "comm": comm,
+        "hidden": hidden,
+        "exposed": exposed,
+        "step": compute + bubble + exposed,
+    }
