@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from models import llama
-from spmd import config, train
+from spmd import checks, config, train
 from spmd.errors import UsageError, run_command
 from spmd.io import data, tokens
 from spmd.observe.metrics import say
@@ -70,7 +70,7 @@ def run(argv: list[str] | None) -> int:
     cfg, model_cfg, rounds = sections["train"], sections["model"], sections["bench"].rounds
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
-    train.check_choices(cfg, model_cfg)
+    checks.check_choices(cfg, model_cfg)
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(cfg.mesh, cfg.devices)

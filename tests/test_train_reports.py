@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from spmd import train
+from spmd import checks, train
 from spmd.config import TrainConfig
 
 # The runs differ only in --remat, so the temp memory difference is the policy's.
@@ -38,11 +38,11 @@ def test_dry_run_shows_remat_temp_memory_and_the_batch_self_check(capsys):
 
 def test_batch_arithmetic_with_the_linear_scaling_rule():
     cfg = TrainConfig(batch=256, accum=4, seq_len=128, lr=1e-3, lr_scaling="linear", ref_batch=64)
-    check = train.batch_arithmetic(cfg, data_parallel=8)
+    check = checks.batch_arithmetic(cfg, data_parallel=8)
     assert check["micro_batch_per_device"] * check["accum"] * check["data_parallel"] == 256
     assert check["micro_batch_per_device"] == 8 and check["tokens_per_step"] == 256 * 128
     assert check["peak_lr"] == 4e-3
-    assert "base lr 0.001 x 256/64 (linear scaling) -> 0.004" in train.format_batch_arithmetic(
+    assert "base lr 0.001 x 256/64 (linear scaling) -> 0.004" in checks.format_batch_arithmetic(
         check
     )
 

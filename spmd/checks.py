@@ -1,0 +1,124 @@
+"""What a training run's flags must satisfy before any device work (each bad value is a
+UsageError, exit 2, naming the value and what would be valid), and the batch self-check the
+run prints: micro-batch x accum x data-parallel = global batch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from models import llama
+from spmd import config
+from spmd.config import TrainConfig
+from spmd.errors import UsageError
+from spmd.observe import profile
+
+
+def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
+    """UsageError for values outside their valid range (before any device work)."""
+    positive = {
+        "steps": train.steps,
+        "batch": train.batch,
+        "seq_len": train.seq_len,
+        "log_every": train.log_every,
+        "eval_batches": train.eval_batches,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{config.flag_name(name)} {value} must be a positive integer")
+    if train.devices < 0:
+        raise UsageError(f"--devices {train.devices} must be 0 (as needed) or a device count")
+    if not 0 <= train.eval_fraction < 1:
+        raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
+    from spmd.engine import precision
+    from spmd.engine.optim import check_hyperparameters, peak_lr
+
+    check_hyperparameters(train)
+    peak_lr(train)  # UsageError for --lr-scaling and --ref-batch
+    precision.get(train.precision, train.grad_reduce)  # UsageError naming the valid values
+    if model.remat not in llama.REMAT_POLICIES:
+        raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
+    if model.n_heads % model.n_kv_heads:
+        raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
+    check_checkpoint_choices(train)
+    from spmd.engine import divergence
+
+    divergence.check_choices(train)
+    check_observability(train)
+    from spmd.engine.step import check_executor
+
+    check_executor(train.collectives)
+
+
+def check_checkpoint_choices(train: TrainConfig) -> None:
+    """UsageError for checkpoint flags that cannot work together."""
+    if train.checkpoint_every < 0:
+        raise UsageError(
+            f"--checkpoint-every {train.checkpoint_every} must be a step count, or 0 (at the end)"
+        )
+    if train.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints {train.keep_checkpoints} must be at least 1")
+    if not 0 <= train.stop_after <= train.steps:
+        raise UsageError(
+            f"--stop-after {train.stop_after} must be a step in 1..--steps {train.steps} (0: off)"
+        )
+    for flag, given in (("--resume", train.resume), ("--stop-after", train.stop_after)):
+        if given and not train.checkpoint_dir:
+            raise UsageError(f"{flag} needs --checkpoint-dir, the folder of the run's checkpoints")
+
+
+def check_observability(train: TrainConfig) -> None:
+    """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
+    if train.profile:
+        profile.parse_window(train.profile, train.steps)
+    # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
+    if not (0 <= train.peak_tflops < math.inf):
+        raise UsageError(f"--peak-tflops {train.peak_tflops} must be 0 (the table) or positive")
+    if not 0 < train.comm_warn <= 1:
+        raise UsageError(f"--comm-warn {train.comm_warn} must be a fraction in (0, 1]")
+    if not (0 <= train.straggler_threshold < math.inf):
+        raise UsageError(f"--straggler-threshold {train.straggler_threshold} must be >= 0")
+
+
+def check_checkpoint_dir(train: TrainConfig) -> None:
+    """UsageError for a --checkpoint-dir that a fresh run would overwrite or that --resume
+    cannot continue (a params-only conversion)."""
+    from spmd.io import checkpoint
+
+    checkpoint.check_directory(train.checkpoint_dir, train.resume)
+    if train.resume:
+        from spmd.io.params_io import refuse_resume
+
+        refuse_resume(train.checkpoint_dir)
+
+
+def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:
+    """The textbook self-check of a run: per-device micro-batch x accum x data-parallel size =
+    global batch (sequences), tokens per optimizer step, and the LR before and after scaling."""
+    from spmd.engine.optim import peak_lr
+
+    return {
+        "micro_batch_per_device": train.batch // (data_parallel * train.accum),
+        "accum": train.accum,
+        "data_parallel": data_parallel,
+        "global_batch": train.batch,
+        "tokens_per_step": train.batch * train.seq_len,
+        "lr": train.lr,
+        "lr_scaling": train.lr_scaling,
+        "ref_batch": train.ref_batch,
+        "peak_lr": peak_lr(train),
+    }
+
+
+def format_batch_arithmetic(check: dict[str, Any]) -> str:
+    rule = (
+        f"x {check['global_batch']}/{check['ref_batch']} (linear scaling)"
+        if check["lr_scaling"] == "linear"
+        else "(no scaling)"
+    )
+    return (
+        f"per-device micro-batch {check['micro_batch_per_device']} x accum {check['accum']} x "
+        f"data-parallel {check['data_parallel']} = global batch {check['global_batch']} "
+        f"sequences ({check['tokens_per_step']:,} tokens/step) | base lr {check['lr']:g} "
+        f"{rule} -> {check['peak_lr']:g}"
+    )
