@@ -130,9 +130,11 @@ def run(argv: list[str] | None) -> int:
         program = with_lr_factor(guard.lr_factor)
     compiled, facts = compile_step(train, model_cfg, program)
     if train.dry_run:
-        from spmd.estimate import theory
+        from spmd.estimate import measure, theory
         from spmd.observe.observer import dry_run_report
 
+        held = facts["state_bytes"]
+        say(measure.state_against_formula(train, model_cfg, dict(mesh.shape), held))
         shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
         say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
         say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))

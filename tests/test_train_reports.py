@@ -30,6 +30,8 @@ def test_dry_run_shows_remat_temp_memory_and_the_batch_self_check(capsys):
         "per-device micro-batch 1 x accum 2 x data-parallel 8 = global batch 16 sequences "
         "(1,024 tokens/step) | base lr 0.003 (no scaling) -> 0.003" in out
     )
+    formula = re.search(r"state per device against the ZeRO formula \(2 \+ 2 \+ 12 B/param.*", out)
+    assert formula and formula.group(0).count("(x1.000)") == 2, out  # params; master + Adam
     assert (
         "precision fp16: params fp16 (master fp32 in the optimizer state), compute fp16, "
         "grad reduce fp16" in out

@@ -174,3 +174,40 @@ def measure(
         "notes": notes,
         "jax": jax.__version__,
     }
+
+
+def state_against_formula(
+    train: TrainConfig, model_cfg: Any, mesh_sizes: dict[str, int], held: dict[str, int]
+) -> str:
+    """Dry-run line: the per-device bytes of params and of master + optimizer state that the
+    compiled step takes (`held`, from spmd.engine.step.state_bytes_per_device) beside the ZeRO
+    paper's formula for the same layout (spmd.estimate.memory), with compiled/formula ratios.
+    `model_cfg` is the run's model config (a Llama-shaped config with n_params())."""
+    s = cost.Setup(
+        shape=model_cfg,
+        n_params=model_cfg.n_params(),
+        mesh=dict(mesh_sizes),
+        zero=train.zero,
+        precision=train.precision,
+        optimizer="adamw",  # the engine's optimizer (spmd.engine.optim)
+        batch=train.batch,
+        seq_len=train.seq_len,
+        accum=train.accum,
+        grad_reduce=train.grad_reduce,
+    )
+    state = memory.model_state_bytes(s)
+    parts = []
+    for name, formula, compiled in (
+        ("params", state["params"], held["params"]),
+        ("master + optimizer", state["optimizer"], held["opt_state"]),
+    ):
+        parts.append(
+            f"{name} {compiled / 2**20:.2f} MiB compiled vs {formula / 2**20:.2f} MiB formula "
+            f"(x{compiled / formula:.3f})"
+        )
+    per_param = memory.bytes_per_param(s)
+    return (
+        f"state per device against the ZeRO formula ({per_param['params']} + "
+        f"{per_param['grads']} + {per_param['optimizer']} B/param, stage {train.zero}): "
+        + "; ".join(parts)
+    )
