@@ -33,18 +33,29 @@ class BenchConfig:
 
 
 def bare_step_fn(program: Any, tx: Any) -> Any:
-    """The reference: value_and_grad + optax update under plain jax.jit, nothing else."""
+    """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
+    16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
+    working params, the update applied to the fp32 master weights, the result cast back."""
     import jax
     import optax
     from flax import nnx
+
+    from spmd.engine.precision import cast
+
+    policy = program.policy
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple:
         def loss(p: Any) -> jax.Array:
             return llama.lm_loss(nnx.merge(program.graphdef, p), batch)
 
         value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        if not policy.has_master:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+        master, inner = opt_state["master"], opt_state["inner"]
+        updates, inner = tx.update(cast(grads, policy.master_dtype), inner, master)
+        master = optax.apply_updates(master, updates)
+        return cast(master, policy.param_dtype), {"master": master, "inner": inner}, value
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -77,12 +88,19 @@ def run(argv: list[str] | None) -> int:
 
     import jax
 
+    from spmd.engine import precision
     from spmd.engine.optim import make_optimizer
     from spmd.engine.step import Layout, build_program, check_batch
     from spmd.parallel.mesh import format_mesh
 
     layout = Layout(mesh, cfg.zero)
     check_batch(cfg.batch, layout, cfg.accum)
+    if cfg.precision == "fp16":
+        raise UsageError(
+            "--precision fp16 is not benchmarked: its loss scaling has no bare counterpart; "
+            "use fp32 or bf16"
+        )
+    policy = precision.get(cfg.precision, cfg.grad_reduce)
     txs: list = []
 
     def make_tx(names: Any) -> Any:
@@ -90,12 +108,14 @@ def run(argv: list[str] | None) -> int:
         return txs[-1]
 
     program = build_program(
-        lambda seed: llama.create(model_cfg, seed),
+        lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
         llama.lm_loss,
         make_tx,
         layout,
         seed=cfg.seed,
         accum=cfg.accum,
+        policy=policy,
+        executor=cfg.collectives,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.batch, cfg.seq_len)
@@ -143,7 +163,8 @@ def run(argv: list[str] | None) -> int:
     spmd_s, bare_s = statistics.median(times["spmd"]), statistics.median(times["bare"])
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
-        f"zero {cfg.zero}, model {cfg.model} ({model_cfg.n_params() / 1e6:.2f} M params), "
+        f"zero {cfg.zero}, {cfg.precision}, --collectives {cfg.collectives}, model "
+        f"{cfg.model} ({model_cfg.n_params() / 1e6:.2f} M params), "
         f"batch {cfg.batch} x {cfg.seq_len} tokens, {rounds} rounds x {per_round} steps"
     )
     say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'compile':>10}")
