@@ -182,14 +182,15 @@ def run_stage(
 ) -> tuple:
     """Scan this stage's column of the tick table: (loss and outer grads summed over stages,
     this stage's chunked grads)."""
-    # Params enter varying over `pipeline`: each stage differentiates its own copy, so no
-    # per-tick psum appears; the one sum over stages is at the end.
+    # Params enter varying over `pipeline` and over the manual batch axes the inputs vary
+    # over: each stage and batch shard differentiates its own copy, so no per-tick psum
+    # appears; the sums over stages (here) and over batch shards (the caller) are at the end.
     st = Stage(
         sched,
         merge,
         logits_loss,
-        [_vary(x[:, 0]) for x in chunked],
-        [_vary(x) for x in outer],
+        [_vary(x[:, 0], inputs) for x in chunked],
+        [_vary(x, inputs) for x in outer],
         inputs,
         targets,
         pin_chunk_grads,
@@ -234,6 +235,7 @@ def stage_step(
         targets: jax.Array,
         zero: int,
         manual: bool = False,
+        batch_axes: tuple[str, ...] = (),
     ):
         if manual:  # every mesh axis is manual (explicit executor): local arrays, no pins
             with hooks.no_activation_layout():
@@ -254,8 +256,9 @@ def stage_step(
             ]
 
         chunk_names = [(None, None, *n[1:]) for n in stacked_names]  # [v, L/C, ...] locally
-        with hooks.activation_layout(mesh, zero):
-            return run(
+        # `batch_axes` are manual too (their rows are local): one mean over them per step.
+        with hooks.activation_layout(mesh, zero, exclude=batch_axes):
+            loss, g_chunks, g_outer = run(
                 chunked,
                 outer,
                 inputs,
@@ -263,5 +266,16 @@ def stage_step(
                 lambda g: pin_grads(g, chunk_names),
                 lambda g: pin_grads(g, outer_names),
             )
+        if not batch_axes:
+            return loss, g_chunks, g_outer
+        # One all-reduce per leaf, in fp32: XLA:CPU (jaxlib 0.10.2) aborts compiling a 16-bit
+        # all-reduce here ("Invalid binary instruction opcode copy" in CloneAllReduce), so under
+        # --grad-reduce bf16 this mean moves 4 bytes per param, as the per-tick sums did before.
+        share = 1.0 / jax.lax.psum(1, batch_axes)
+
+        def mean(x: jax.Array) -> jax.Array:
+            return (jax.lax.psum(x.astype(jnp.float32), batch_axes) * share).astype(x.dtype)
+
+        return mean(loss), [mean(g) for g in g_chunks], [mean(g) for g in g_outer]
 
     return step
