@@ -30,11 +30,20 @@ from spmd.errors import UsageError
 
 @dataclasses.dataclass
 class TokenWindows:
-    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval."""
+    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval.
+
+    With `document_ends` (int64 end offset of every document) and `document_mask`, each window
+    also carries segment ids (which document each input position belongs to, 0 for the first
+    in the window): the model's attention then stays within a document and its positions
+    restart at each. With a `loss_mask` (uint8 per token, prompt/response data), each window
+    carries loss weights for its targets (see `loss_weights`)."""
 
     tokens: np.ndarray
     seq_len: int
     eval_fraction: float
+    document_ends: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         self.n_windows = (len(self.tokens) - 1) // self.seq_len
@@ -45,11 +54,44 @@ class TokenWindows:
                 f"the corpus has {len(self.tokens)} tokens, too few for one window of "
                 f"--seq-len {self.seq_len}; use a larger corpus or a shorter --seq-len"
             )
+        if self.document_mask and self.document_ends is None:
+            raise UsageError(
+                "--document-mask on needs a corpus read record by record (JSONL, Parquet, "
+                "Arrow), whose document boundaries are known; use --document-mask off"
+            )
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The keys of this corpus's batches."""
+        return (
+            ("inputs", "targets")
+            + (("segments",) if self.document_mask else ())
+            + (("weights",) if self.loss_mask is not None else ())
+        )
 
     def rows(self, window_ids: np.ndarray) -> np.ndarray:
         """Windows [n, seq_len + 1] int32 for the given window ids."""
+        return self.tokens[self._positions(window_ids)].astype(np.int32)
+
+    def _positions(self, window_ids: np.ndarray) -> np.ndarray:
         starts = np.asarray(window_ids, dtype=np.int64)[:, None] * self.seq_len
-        return self.tokens[starts + np.arange(self.seq_len + 1)].astype(np.int32)
+        return starts + np.arange(self.seq_len + 1)
+
+    def segments(self, window_ids: np.ndarray) -> np.ndarray:
+        """int32 [n, seq_len]: the document of each input position, counted from the window's
+        first (0). A document's end-of-text token belongs to the document it ends."""
+        positions = self._positions(window_ids)[:, :-1]
+        documents = np.searchsorted(self.document_ends, positions, side="right")
+        return (documents - documents[:, :1]).astype(np.int32)
+
+    def loss_weights(self, window_ids: np.ndarray) -> np.ndarray:
+        """float32 [n, seq_len]: the loss mask of the targets scaled so that the mean of
+        weight x token loss over these windows is the mean loss of the counted tokens: mask x
+        (n x seq_len) / (counted tokens). Being a plain mean, it splits exactly over devices
+        and accumulation micro-batches. All zero when no target counts."""
+        mask = self.loss_mask[self._positions(window_ids)[:, 1:]].astype(np.float32)
+        counted = mask.sum()
+        return mask * (mask.size / counted) if counted else mask
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,17 +151,25 @@ def process_row_ranges(
 def global_batch(
     windows: TokenWindows, window_ids: np.ndarray, sharding: jax.sharding.Sharding
 ) -> dict[str, jax.Array]:
-    """{"inputs", "targets"}: [len(window_ids), seq_len] int32 global arrays with `sharding`.
+    """{"inputs", "targets"} and, as the corpus has them, "segments" (int32) and "weights"
+    (float32): [len(window_ids), seq_len] global arrays with `sharding`.
 
-    This process reads only the windows of the rows its devices hold."""
+    This process reads only the windows of the rows its devices hold (the loss weights'
+    normalization reads the mask of every row: one byte per token)."""
     shape = (len(window_ids), windows.seq_len)
-    local_ids = np.concatenate(
-        [window_ids[start:stop] for start, stop in process_row_ranges(sharding, shape)]
+    local_rows = np.concatenate(
+        [np.arange(start, stop) for start, stop in process_row_ranges(sharding, shape)]
     )
+    local_ids = np.asarray(window_ids)[local_rows]
     rows = windows.rows(local_ids)
+    local = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    if "segments" in windows.fields:
+        local["segments"] = windows.segments(local_ids)
+    if "weights" in windows.fields:
+        local["weights"] = windows.loss_weights(window_ids)[local_rows]
     return {
-        "inputs": jax.make_array_from_process_local_data(sharding, rows[:, :-1].copy(), shape),
-        "targets": jax.make_array_from_process_local_data(sharding, rows[:, 1:].copy(), shape),
+        key: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(value), shape)
+        for key, value in local.items()
     }
 
 
