@@ -116,6 +116,7 @@ def run(argv: list[str] | None) -> int:
     if checkpointing:
         check_checkpoint_dir(train)
     token_file, windows = run_data.open_run_data(train, model_cfg.vocab_size)
+    eval_sets = run_data.open_eval_sets(train, model_cfg.vocab_size, windows)
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
@@ -165,6 +166,7 @@ def run(argv: list[str] | None) -> int:
                 facts["observer"],
                 guard,
                 recompile,
+                eval_sets,
             )
             start = initial_state(loop_run, restored)
             if start is not None:

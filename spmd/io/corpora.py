@@ -80,8 +80,6 @@ def is_record_corpus(data: str) -> bool:
     rather than text files or a token .bin."""
     if not data:
         return False
-    if "," in data and "=" in data:
-        return False  # a mixture: spmd.io.mixture reads each source
     if glob.has_magic(data):
         return any(has_record_suffix(p) for p in glob.glob(data, recursive=True))
     root = Path(data)

@@ -30,7 +30,8 @@ from spmd.errors import UsageError
 
 @dataclasses.dataclass
 class TokenWindows:
-    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval.
+    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval
+    (eval_fraction 1: an eval set, all held out).
 
     With `document_ends` (int64 end offset of every document) and `document_mask`, each window
     also carries segment ids (which document each input position belongs to, 0 for the first
@@ -49,7 +50,7 @@ class TokenWindows:
         self.n_windows = (len(self.tokens) - 1) // self.seq_len
         self.n_eval = int(self.n_windows * self.eval_fraction)
         self.n_train = self.n_windows - self.n_eval
-        if self.n_train < 1:
+        if self.n_train < 1 and not (self.eval_fraction == 1.0 and self.n_eval):
             raise UsageError(
                 f"the corpus has {len(self.tokens)} tokens, too few for one window of "
                 f"--seq-len {self.seq_len}; use a larger corpus or a shorter --seq-len"
@@ -84,14 +85,41 @@ class TokenWindows:
         documents = np.searchsorted(self.document_ends, positions, side="right")
         return (documents - documents[:, :1]).astype(np.int32)
 
+    def target_mask(self, window_ids: np.ndarray) -> np.ndarray:
+        """float32 [n, seq_len]: 1 where the loss counts the target (all ones without a mask)."""
+        if self.loss_mask is None:
+            return np.ones((len(window_ids), self.seq_len), np.float32)
+        return self.loss_mask[self._positions(window_ids)[:, 1:]].astype(np.float32)
+
     def loss_weights(self, window_ids: np.ndarray) -> np.ndarray:
         """float32 [n, seq_len]: the loss mask of the targets scaled so that the mean of
-        weight x token loss over these windows is the mean loss of the counted tokens: mask x
-        (n x seq_len) / (counted tokens). Being a plain mean, it splits exactly over devices
-        and accumulation micro-batches. All zero when no target counts."""
-        mask = self.loss_mask[self._positions(window_ids)[:, 1:]].astype(np.float32)
-        counted = mask.sum()
-        return mask * (mask.size / counted) if counted else mask
+        weight x token loss over these windows is the mean loss of the counted tokens (see
+        `normalized`)."""
+        return normalized(self.target_mask(window_ids))
+
+    def batch_rows(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The per-row batch arrays of these windows except "weights" (which are normalized
+        over the whole global batch): inputs, targets and, with a document mask, segments."""
+        rows = self.rows(window_ids)
+        local = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+        if self.document_mask:
+            local["segments"] = self.segments(window_ids)
+        return local
+
+    def batch_at(
+        self, seed: int, step: int, global_batch_size: int, sharding: jax.sharding.Sharding
+    ) -> dict[str, jax.Array]:
+        """The global train batch of data step `step` (0-based)."""
+        ids = train_window_ids(seed, step, global_batch_size, self.n_train)
+        return global_batch(self, ids, sharding)
+
+
+def normalized(mask: np.ndarray) -> np.ndarray:
+    """mask x (mask.size / mask.sum()): the mean of weight x token loss is then the mean loss
+    over the counted tokens, and, being a plain mean, it splits exactly over devices and
+    accumulation micro-batches. All zero when nothing counts."""
+    counted = mask.sum()
+    return mask * (mask.size / counted) if counted else mask
 
 
 @functools.lru_cache(maxsize=2)
@@ -157,16 +185,23 @@ def global_batch(
     This process reads only the windows of the rows its devices hold (the loss weights'
     normalization reads the mask of every row: one byte per token)."""
     shape = (len(window_ids), windows.seq_len)
-    local_rows = np.concatenate(
-        [np.arange(start, stop) for start, stop in process_row_ranges(sharding, shape)]
-    )
-    local_ids = np.asarray(window_ids)[local_rows]
-    rows = windows.rows(local_ids)
-    local = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
-    if "segments" in windows.fields:
-        local["segments"] = windows.segments(local_ids)
+    rows = local_rows(sharding, shape)
+    local = windows.batch_rows(np.asarray(window_ids)[rows])
     if "weights" in windows.fields:
-        local["weights"] = windows.loss_weights(window_ids)[local_rows]
+        local["weights"] = windows.loss_weights(window_ids)[rows]
+    return put_local(local, sharding, shape)
+
+
+def local_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> np.ndarray:
+    """The global row indices this process's devices hold, ascending."""
+    ranges = process_row_ranges(sharding, shape)
+    return np.concatenate([np.arange(start, stop) for start, stop in ranges])
+
+
+def put_local(
+    local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[str, jax.Array]:
+    """Global arrays of `shape` from this process's rows (`local_rows` order)."""
     return {
         key: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(value), shape)
         for key, value in local.items()

@@ -4,11 +4,13 @@ or record shards (spmd.io.corpora, tokenized by spmd.io.shards), cut into window
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.io import corpora, data, shards, tokens
+from spmd.io import corpora, data, mixture, shards, tokens
 from spmd.observe.metrics import say
 
 DOCUMENT_MASK = ("auto", "on", "off")
@@ -78,9 +80,59 @@ def check_pipeline(windows: data.TokenWindows, pipeline_stages: int) -> None:
         )
 
 
-def open_run_data(train: Any, vocab_size: int) -> tuple[tokens.TokenFile, data.TokenWindows]:
-    """(token file, train/eval windows) of --data, tokenized once and cached."""
-    token_file = open_token_file(train, train.data)
+@dataclasses.dataclass(frozen=True)
+class MixtureData:
+    """What a checkpoint's data state records of a mixture (as of a TokenFile: .fingerprint)."""
+
+    fingerprint: str
+    source: str
+
+
+def open_run_data(train: Any, vocab_size: int) -> tuple[Any, Any]:
+    """(token file, train/eval windows) of --data, tokenized once and cached; for a mixture
+    (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
+    if not (mixture.is_mixture(train.data) and not Path(train.data).exists()):
+        return open_source(train, train.data, vocab_size, "data")
+    names, files, sources, weights = [], [], [], []
+    for name, path, weight in mixture.parse_sources(train.data):
+        token_file, windows = open_source(train, path, vocab_size, f"data {name}")
+        names.append(name)
+        files.append(token_file)
+        sources.append(windows)
+        weights.append(weight)
+    mix = mixture.Mixture(names, sources, weights, train.batch)
+    say(f"mixture: {mix.describe()}")
+    fingerprint = mixture.fingerprint(names, weights, [f.fingerprint for f in files])
+    return MixtureData(fingerprint, train.data), mix
+
+
+def open_eval_sets(train: Any, vocab_size: int, windows: Any) -> dict[str, data.TokenWindows]:
+    """The named eval sets: --eval-data (a path, named "eval", or name=path,...; all their
+    windows are eval windows) and, for a mixture, each source's held-out windows."""
+    sets = dict(windows.eval_sets()) if hasattr(windows, "eval_sets") else {}
+    if not train.eval_data:
+        return sets
+    named = [("eval", train.eval_data, 1.0)]
+    if mixture.is_mixture(train.eval_data) and not Path(train.eval_data).exists():
+        named = mixture.parse_sources(train.eval_data, "--eval-data", weighted=False)
+    for name, path, _ in named:
+        token_file = open_token_file(train, path)
+        tokens.check_vocab(token_file, vocab_size)
+        if name in sets:
+            raise UsageError(f"--eval-data: the eval set name {name!r} is taken; rename it")
+        sets[name] = windows_of(train, token_file, 1.0)
+        if sets[name].fields != windows.fields:
+            raise UsageError(
+                f"--eval-data {path} gives batches of {'/'.join(sets[name].fields)}, the training "
+                f"data {'/'.join(windows.fields)}; evaluate on data of the same kind"
+            )
+        say(f"eval set {name}: {token_file.source}, {sets[name].n_eval} windows")
+    return sets
+
+
+def open_source(train: Any, path: str, vocab_size: int, label: str) -> tuple[Any, Any]:
+    """(token file, windows) of one source."""
+    token_file = open_token_file(train, path)
     tokens.check_vocab(token_file, vocab_size)
     windows = windows_of(train, token_file, train.eval_fraction)
     extras = [
@@ -92,7 +144,7 @@ def open_run_data(train: Any, vocab_size: int) -> tuple[tokens.TokenFile, data.T
         if on
     ]
     say(
-        f"data: {token_file.source}, {token_file.n_tokens / 1e6:.2f} M tokens "
+        f"{label}: {token_file.source}, {token_file.n_tokens / 1e6:.2f} M tokens "
         f"({token_file.path}), {windows.n_train} train / {windows.n_eval} eval windows of "
         f"{train.seq_len + 1}" + (f" | {', '.join(extras)}" if extras else "")
     )
