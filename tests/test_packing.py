@@ -99,3 +99,22 @@ def test_masked_loss_and_documents_in_both_executors_with_accumulation():
     for metrics in results:
         np.testing.assert_allclose(metrics["loss"], loss, rtol=2e-6)
         np.testing.assert_allclose(metrics["grad_norm"], expected_norm, rtol=1e-4)
+
+
+def test_document_mask_choices_and_what_pipelines_refuse():
+    import pytest
+
+    from spmd.config import TrainConfig
+    from spmd.errors import UsageError
+    from spmd.io import run_data
+
+    with pytest.raises(UsageError, match="--document-mask 'yes' is not one of auto, on, off"):
+        run_data.check_choices(TrainConfig(document_mask="yes"))
+    with pytest.raises(UsageError, match="give both"):
+        run_data.check_choices(TrainConfig(prompt_field="q"))
+    plain = np.arange(10 * SEQ_LEN + 1)
+    with pytest.raises(UsageError, match="--document-mask on needs a corpus read record by"):
+        data.TokenWindows(plain, SEQ_LEN, 0.0, document_mask=True)
+    run_data.check_pipeline(data.TokenWindows(plain, SEQ_LEN, 0.0), pipeline_stages=2)
+    with pytest.raises(UsageError, match=r"pipelines \(pp=2\) pass only inputs and targets"):
+        run_data.check_pipeline(packed_windows(), pipeline_stages=2)
