@@ -168,3 +168,23 @@ def test_cli_mixture_of_parquet_and_jsonl_with_named_eval_sets(tmp_path):
     (evaluation,) = [r for r in lines if r["kind"] == "eval"]
     assert set(evaluation["losses"]) == {"web", "code", "arrow"}
     assert all(0 < loss < 7 for loss in evaluation["losses"].values())
+
+
+def test_hugging_face_tokenizer_on_records(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = write_shards(tmp_path / "corpus")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
+    )
+    path = tmp_path / "tokenizer.json"
+    bpe.save(str(path))
+    token_file = shards.open_records(
+        str(tmp_path / "corpus"), str(path), str(tmp_path / "cache"), workers=2, say=print
+    )
+    end = bpe.token_to_id("<|endoftext|>")
+    expected = [i for t in texts for i in [*bpe.encode(t).ids, end]]
+    np.testing.assert_array_equal(token_file.load(), expected)
+    assert token_file.document_ends()[-1] == len(expected)

@@ -189,22 +189,22 @@ def _separator(encoder) -> int | None:
 def _encode(records: list[tuple], encoder, separator: int | None, sft: bool, dtype: str):
     """(token ids, loss mask) of each record: its text (or prompt then response) and the end
     token. The mask is 1 on the response and the end token (the model learns to stop)."""
-    end = [] if separator is None else [separator]
+    end = np.asarray([] if separator is None else [separator], dtype)
     columns = list(zip(*records, strict=True))
-    if encoder is None:
-        encoded = [[list(text.encode("utf-8")) for text in column] for column in columns]
+    if encoder is None:  # bytes: numpy views of the UTF-8 encoding, no per-token Python work
+        encoded = [[np.frombuffer(t.encode("utf-8"), np.uint8) for t in c] for c in columns]
     else:
-        encoded = [[e.ids for e in encoder.encode_batch(list(column))] for column in columns]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets: ~2x faster here
+        encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
+        encoded = [[e.ids for e in encode(list(c))] for c in columns]
     for parts in zip(*encoded, strict=True):
+        ids = np.concatenate([np.asarray(part, dtype) for part in parts] + [end])
+        mask = None
         if sft:
-            prompt, response = parts
-            ids = prompt + response + end
             mask = np.zeros(len(ids), np.uint8)
-            mask[len(prompt) :] = 1
-        else:
-            ids, mask = parts[0] + end, None
-        if ids:
-            yield np.asarray(ids, dtype=dtype), mask
+            mask[len(parts[0]) :] = 1
+        if len(ids):
+            yield ids, mask
 
 
 def _read_shard(prefix: Path) -> dict | None:
