@@ -122,6 +122,12 @@ def test_bad_records_exit_naming_file_and_line_or_are_counted(tmp_path):
     damaged.write_bytes(b"PAR1 not really parquet")
     with pytest.raises(UsageError, match=rf"--data {damaged}: cannot read it as parquet"):
         shards.open_records(str(damaged), cache_dir=cache, skip_bad=True, say=print)
+    pair = tmp_path / "pair"  # in a pool, the bad shard's error reaches the user
+    pair.mkdir()
+    pq.write_table(pa.table({"text": ["fine"]}), pair / "a.parquet")
+    damaged.rename(pair / "b.parquet")
+    with pytest.raises(UsageError, match=rf"--data {pair / 'b.parquet'}: cannot read it as parq"):
+        shards.open_records(str(pair), cache_dir=cache, workers=2, say=print)
     with pytest.raises(UsageError, match="no record shards"):
         shards.open_records(str(tmp_path / "*.csv"), cache_dir=cache)
 

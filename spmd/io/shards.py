@@ -122,10 +122,13 @@ def _run_pool(jobs: list[tuple], workers: int, sizes: list[int], say) -> list[di
     else:
         # spawn, not fork: the parent may already run JAX's threads, which fork does not copy.
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+        try:
             futures = {pool.submit(tokenize_shard, *jobs[i]): i for i in todo}
             for future in concurrent.futures.as_completed(futures):
                 progress(futures[future], future.result())
+        finally:  # a bad shard or an interrupt: report it now, not after every queued shard
+            pool.shutdown(wait=True, cancel_futures=True)
     return [infos[i] for i in range(len(jobs))]
 
 
