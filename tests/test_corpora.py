@@ -135,10 +135,10 @@ def test_bad_records_exit_naming_file_and_line_or_are_counted(tmp_path):
 def test_cli_mixture_of_parquet_and_jsonl_with_named_eval_sets(tmp_path):
     from tests.cli import records, run
 
-    texts = write_shards(tmp_path / "web")
+    write_shards(tmp_path / "web")
     code = tmp_path / "code.jsonl"
     code.write_text(
-        "".join(json.dumps({"body": f"def f{i}(): return {i}\n"}) + "\n" for i in range(300))
+        "".join(json.dumps({"text": f"def f{i}(): return {i}\n"}) + "\n" for i in range(300))
     )
     metrics = tmp_path / "m.jsonl"
     common = ("--model", "tiny", "--seq-len", "16", "--batch", "8", "--mesh", "dp=2")
@@ -146,23 +146,7 @@ def test_cli_mixture_of_parquet_and_jsonl_with_named_eval_sets(tmp_path):
         "spmd.train",
         *common,
         *("--data", f"web={tmp_path / 'web'}/*.parquet:0.7,code={code}:0.3"),
-        *("--text-field", "body", "--steps", "2", "--eval-every", "0", "--eval-batches", "1"),
-        *("--eval-data", f"arrow={tmp_path / 'web'}/*.arrow", "--metrics", str(metrics)),
-    )
-    assert result.returncode == 2 and f"{tmp_path / 'web' / 'c.parquet'} has no column 'body'" in (
-        result.stderr
-    )
-    (tmp_path / "web" / "c.parquet").unlink()
-    pq.write_table(pa.table({"body": texts[20:30]}), tmp_path / "web" / "c.parquet")
-    for arrow in ("d.arrow", "e.arrow"):
-        table = pa.table({"body": texts[30:]})
-        with pa.ipc.new_file(str(tmp_path / "web" / arrow), table.schema) as writer:
-            writer.write_table(table)
-    result = run(
-        "spmd.train",
-        *common,
-        *("--data", f"web={tmp_path / 'web'}/*.parquet:0.7,code={code}:0.3"),
-        *("--text-field", "body", "--steps", "2", "--eval-every", "0", "--eval-batches", "1"),
+        *("--steps", "2", "--eval-every", "0", "--eval-batches", "1"),
         *("--eval-data", f"arrow={tmp_path / 'web'}/*.arrow", "--metrics", str(metrics)),
         *("--eval-fraction", "0.1", "--tokenize-workers", "1"),
     )
