@@ -178,3 +178,32 @@ def test_hugging_face_tokenizer_on_records(tmp_path):
     expected = [i for t in texts for i in [*bpe.encode(t).ids, end]]
     np.testing.assert_array_equal(token_file.load(), expected)
     assert token_file.document_ends()[-1] == len(expected)
+
+
+def test_processes_sharing_a_cache_tokenize_concurrently(tmp_path):
+    """The processes of a job that share a cache folder may all tokenize at once: each ends
+    with the same entry (atomic renames; one may remove the pieces under another)."""
+    import subprocess
+    import sys
+
+    from tests.cli import ROOT
+
+    texts = write_shards(tmp_path / "corpus")
+    code = (
+        "import sys; from spmd.io import shards; "
+        f"f = shards.open_records({str(tmp_path / 'corpus')!r}, cache_dir={str(tmp_path / 'c')!r}, "
+        "workers=1, say=lambda s: None); print(f.fingerprint)"
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(set(outputs)) == 1
+    token_file = shards.open_records(str(tmp_path / "corpus"), cache_dir=str(tmp_path / "c"))
+    np.testing.assert_array_equal(token_file.load(), byte_tokens(texts))
+    assert not list((tmp_path / "c").glob("shards-*")) and not list(
+        (tmp_path / "c").glob("*partial*")
+    )

@@ -74,8 +74,19 @@ def open_records(
         (str(s), str(folder / f"{i:05d}"), fields, tokenizer, dtype, skip_bad)
         for i, s in enumerate(shards)
     ]
-    infos = _run_pool(jobs, workers or os.cpu_count() or 1, [s.stat().st_size for s in shards], say)
-    entry = _join(cache, key, folder, infos, dtype, what, fields.sft)
+    try:
+        infos = _run_pool(
+            jobs, workers or os.cpu_count() or 1, [s.stat().st_size for s in shards], say
+        )
+        entry = _join(cache, key, [job[1] for job in jobs], infos, dtype, what, fields.sft)
+    except OSError:
+        # Another process of the job (same cache) finished the entry and removed the pieces
+        # under this one: use its entry.
+        entry = tokens._read_entry(cache / f"tokens-{key}.json", what)
+        if entry is None:
+            raise
+        shutil.rmtree(folder, ignore_errors=True)  # what this process left there
+        return entry
     bad = sum(info["bad_records"] for info in infos)
     if bad:
         examples = [e for info in infos for e in info["bad_examples"]][:3]
@@ -224,26 +235,40 @@ def _read_shard(prefix: Path) -> dict | None:
 
 
 def _join(
-    cache: Path, key: str, folder: Path, infos: list[dict], dtype: str, what: str, sft: bool
+    cache: Path, key: str, prefixes: list[str], infos: list[dict], dtype: str, what: str, sft: bool
 ) -> tokens.TokenFile:
-    """Concatenate the shards into the cache entry (documents file and mask first, the token
-    file and its JSON last, so an entry that looks complete is)."""
+    """Concatenate the shards (every one of `prefixes`, in order) into the cache entry
+    (documents file and mask first, the token file and its JSON last, so an entry that looks
+    complete is). A piece that is missing or short is an OSError, never a shorter entry."""
     if not any(info["n_tokens"] for info in infos):
         raise UsageError(f"--data ({what}) holds no text to train on")
-    prefixes = sorted(p.with_suffix("") for p in folder.glob("*.json"))
+    expected = sum(info["n_tokens"] for info in infos)
+    # Open every piece before writing anything: an open file stays readable if another
+    # process of the job removes it, and a piece already gone fails here, writing nothing.
+    pieces = [
+        np.memmap(f"{p}.tokens", dtype, "r")
+        for p, i in zip(prefixes, infos, strict=True)
+        if i["n_tokens"]
+    ]
+    masks = [open(f"{p}.mask", "rb") for p in prefixes] if sft else []  # noqa: SIM115
     lengths = np.concatenate([np.fromfile(f"{p}.lengths", np.int64) for p in prefixes])
-    np.cumsum(lengths).tofile(cache / f"tokens-{key}.docs")
+    if sum(len(x) for x in pieces) != expected or lengths.sum() != expected:
+        raise OSError(f"the tokenized shards of {what} are incomplete")
+    pid = os.getpid()  # partial names per process, then atomic renames: readers see whole files
+    docs = cache / f"tokens-{key}.docs.partial-{pid}"
+    np.cumsum(lengths).tofile(docs)
+    os.replace(docs, cache / f"tokens-{key}.docs")
     if sft:
-        with (cache / f"tokens-{key}.mask").open("wb") as out:
-            for p in prefixes:
-                with open(f"{p}.mask", "rb") as f:
+        mask = cache / f"tokens-{key}.mask.partial-{pid}"
+        with mask.open("wb") as out:
+            for f in masks:
+                with f:
                     shutil.copyfileobj(f, out)
+        os.replace(mask, cache / f"tokens-{key}.mask")
 
     def chunks():
-        for p in prefixes:
-            if os.path.getsize(f"{p}.tokens"):
-                ids = np.memmap(f"{p}.tokens", dtype=dtype, mode="r")
-                for start in range(0, len(ids), tokens.TEXT_CHUNK_BYTES):
-                    yield np.asarray(ids[start : start + tokens.TEXT_CHUNK_BYTES])
+        for ids in pieces:
+            for start in range(0, len(ids), tokens.TEXT_CHUNK_BYTES):
+                yield np.asarray(ids[start : start + tokens.TEXT_CHUNK_BYTES])
 
     return tokens._write_entry(cache, key, chunks(), dtype, what)
