@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 *("--prompt-field", "prompt", "--response-field", "response"),
                 *("--tokenizer", str(tokenizer), "--data-cache", str(folder / "cache")),
                 *("--seq-len", "32", "--batch", "8", "--steps", str(args.steps)),
-                *("--lr", "1e-2", "--warmup", "5", "--log-every", "5", "--eval-every", "0"),
+                *("--lr", "1e-2", "--warmup", "5", "--log-every", "1", "--eval-every", "0"),
                 *("--mesh", "dp=2", "--devices", "2", "--metrics", str(metrics)),
             ]
         )
