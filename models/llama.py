@@ -94,24 +94,47 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+) -> jax.Array:
     """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
-    length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32.
+    length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
+    `segments` [batch, length] (document ids), a position attends only within its document.
 
     jax.nn.dot_product_attention, except for fp16 inputs: for those it requests the fp32-logit
     dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to compile, so fp16 takes
     `grouped_causal_attention`, the same math with the default dot algorithm."""
     if q.dtype == jnp.float16:
-        return grouped_causal_attention(q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return grouped_causal_attention(q, k, v, segments)
+    mask = None if segments is None else same_document(segments)[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
-def grouped_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def same_document(segments: jax.Array) -> jax.Array:
+    """bool [batch, length, length]: whether query position t and key position s hold the
+    same document."""
+    return segments[:, :, None] == segments[:, None, :]
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """Rotary positions [batch, length] that restart at 0 where each document starts."""
+    index = jnp.arange(segments.shape[1])
+    starts = jnp.concatenate(
+        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def grouped_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+) -> jax.Array:
     """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype."""
     b, t, h, d = q.shape
     groups = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
     logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
     causal = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
+    if segments is not None:
+        causal = causal & same_document(segments)[:, None, None]
     logits = jnp.where(causal, logits * d**-0.5, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
@@ -137,7 +160,9 @@ class Attention(nnx.Module):
         first = tp_rank("heads") * local_heads // self.group
         return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=1) for w in (wk, wv))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+    ) -> jax.Array:
         dtype = x.dtype
         x = tp_enter(x, "heads")  # column-parallel q, k, v: this device's heads
         wq = gather(self.wq)
@@ -148,7 +173,7 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, self.rope_theta), ("batch", "length", "heads", None))
         k = constrain(rotary(k, positions, self.rope_theta), ("batch", "length", "kv_heads", None))
         v = constrain(v, ("batch", "length", "kv_heads", None))
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v, segments)
         out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(dtype))
         return tp_reduce(out, "heads")  # row-parallel: sum the heads' partial outputs
 
@@ -177,8 +202,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+    ) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segments)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed"))
 
@@ -200,8 +227,10 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.head_logits(self.apply_blocks(self.embed_tokens(tokens)))
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """Logits; with `segments` [batch, length] (document ids of packed windows) attention
+        stays within each document and positions restart at each."""
+        return self.head_logits(self.apply_blocks(self.embed_tokens(tokens), segments))
 
     # The three pieces below are what a pipeline runs on separate stages: the embedding on the
     # first, the stacked blocks split in chunks, the head on the last. `apply_blocks` runs
@@ -216,13 +245,16 @@ class Llama(nnx.Module):
         x = lookup_embeddings(table, tokens, self.cfg.vocab_size).astype(self.dtype)
         return constrain(x, ("batch", "length", "embed"))
 
-    def apply_blocks(self, x: jax.Array) -> jax.Array:
+    def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """Run every block in `self.blocks` in order (a scan over the stacked `layers` dim)."""
-        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        if segments is None:
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        else:
+            positions = segment_positions(segments)
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(block_def, state)(x, positions), None
+            return nnx.merge(block_def, state)(x, positions, segments), None
 
         policy = layer_remat(REMAT_POLICIES[self.cfg.remat])
         if policy is not None:
@@ -276,8 +308,14 @@ def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
 
 
 def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy (nats per token, fp32) of batch["inputs"] -> ["targets"]."""
-    return jnp.mean(cross_entropy(model(batch["inputs"]), batch["targets"]))
+    """Mean next-token cross-entropy (nats per token, fp32) of batch["inputs"] -> ["targets"].
+    Optional keys: "segments" (document ids: attention within documents) and "weights"
+    (per-target loss weights, e.g. a prompt/response loss mask scaled by the data pipeline so
+    that this mean is the mean over the counted tokens)."""
+    losses = cross_entropy(model(batch["inputs"], batch.get("segments")), batch["targets"])
+    if "weights" in batch:
+        losses = losses * batch["weights"]
+    return jnp.mean(losses)
 
 
 def logits_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

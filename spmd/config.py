@@ -58,10 +58,21 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global L2 norm; 0 disables
-    data: str = ""  # text file, folder of text files, or token .bin; empty: the stdlib sources
+    # text file, folder of text files, token .bin, JSONL / Parquet / Arrow shards (a file, folder
+    # or glob), or a mixture "web=a/*.parquet:0.7,code=b:0.3"; empty: the stdlib sources
+    data: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer.json for text (empty: bytes, vocabulary 256)
     data_cache: str = ""  # folder of tokenized corpora (empty: $XDG_CACHE_HOME or ~/.cache/spmd)
+    text_field: str = "text"  # the text column of JSONL / Parquet / Arrow records
+    prompt_field: str = ""  # SFT: the prompt column (not counted in the loss); + response_field
+    response_field: str = ""  # SFT: the response column (the loss counts only its tokens)
+    skip_bad_records: bool = False  # count and report unusable records instead of exit 2
+    tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
+    # on: attention stays within each packed document, positions restart; off: as plain text;
+    # auto: on for record corpora (JSONL / Parquet / Arrow), off for text files and token .bin
+    document_mask: str = "auto"
     eval_fraction: float = 0.02  # share of the corpus's windows held out for eval
+    eval_data: str = ""  # eval sets beside the held-out split: a path, or "name=path,name=path"
     eval_every: int = 100  # steps between eval losses (0: only at the end)
     eval_batches: int = 4  # batches of `batch` sequences per eval
     seed: int = 0  # model init and data order

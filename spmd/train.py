@@ -26,7 +26,7 @@ from spmd.checks import (
 )
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
-from spmd.io import data, tokens
+from spmd.io import run_data
 from spmd.io.resume import open_checkpoints
 from spmd.observe.metrics import MetricsLog, say
 
@@ -109,16 +109,19 @@ def run(argv: list[str] | None) -> int:
     sections = resolve_sections(argv)
     train, model_cfg = sections["train"], sections["model"]
     check_choices(train, model_cfg)
+    run_data.check_choices(train)
     n_processes = start_processes(train)
     say(config.format_config(sections))
     checkpointing = bool(train.checkpoint_dir) and not train.dry_run
     if checkpointing:
         check_checkpoint_dir(train)
-    token_file, windows = open_data(train, model_cfg)
+    token_file, windows = run_data.open_run_data(train, model_cfg.vocab_size)
+    eval_sets = run_data.open_eval_sets(train, model_cfg.vocab_size, windows)
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
-    program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh)
+    run_data.check_pipeline(windows, mesh.shape["pipeline"])
+    program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh, windows)
     manager, restored = None, None
     if checkpointing:
         manager, restored = open_checkpoints(train, program, sections, token_file.fingerprint)
@@ -165,6 +168,7 @@ def run(argv: list[str] | None) -> int:
                 facts["observer"],
                 guard,
                 recompile,
+                eval_sets,
             )
             start = initial_state(loop_run, restored)
             if start is not None:
@@ -188,20 +192,9 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     return sections
 
 
-def open_data(train: TrainConfig, model_cfg: llama.LlamaConfig) -> tuple[Any, Any]:
-    """(token file, train/eval windows) of --data, tokenized once and cached."""
-    token_file = tokens.open_tokens(train.data, train.tokenizer, train.data_cache)
-    tokens.check_vocab(token_file, model_cfg.vocab_size)
-    windows = data.TokenWindows(token_file.load(), train.seq_len, train.eval_fraction)
-    say(
-        f"data: {token_file.source}, {token_file.n_tokens / 1e6:.2f} M tokens "
-        f"({token_file.path}), {windows.n_train} train / {windows.n_eval} eval windows of "
-        f"{train.seq_len + 1}"
-    )
-    return token_file, windows
-
-
-def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: Any) -> tuple:
+def build_run_program(
+    train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: Any, windows: Any
+) -> tuple:
     """(the Program of this run on `mesh`, the pipeline schedule report or None, lr_factor ->
     the same Program with its LR schedule x lr_factor), printing the mesh, the batch arithmetic
     and the precision policy."""
@@ -227,7 +220,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
     def with_lr_factor(lr_factor: float) -> Any:
         # Rollbacks lower the LR; the schedule is part of the compiled step, so it is rebuilt.
         scaled = dataclasses.replace(train, lr=train.lr * lr_factor)
-        return api.build(
+        program = api.build(
             lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
             llama.lm_loss,
             lambda names: make_optimizer(scaled, names),
@@ -240,6 +233,8 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
             seed=train.seed,
             pipeline=pipe,
         )
+        program.batch_fields = windows.fields  # segment ids, loss weights: as the data has
+        return program
 
     return with_lr_factor(1.0), pipe_report, with_lr_factor
 

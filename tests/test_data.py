@@ -153,3 +153,69 @@ def test_bad_data_inputs_are_usage_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UsageError, match="not a tokenizers JSON"):
         tokens.open_tokens(str(corpus(tmp_path)), str(tmp_path / "bad.json"), str(tmp_path))
+
+
+def mixture_of(sizes: dict[str, int], weights: list[float], batch: int = BATCH):
+    """A mixture of numbered sources; source i's tokens are offset by 10_000 x i, so a row's
+    first input token names its source and window."""
+    from spmd.io import mixture
+
+    sources = [
+        data.TokenWindows(np.arange(n * SEQ_LEN + 1) + 10_000 * i, SEQ_LEN, eval_fraction=0.0)
+        for i, n in enumerate(sizes.values())
+    ]
+    return mixture.Mixture(list(sizes), sources, weights, batch)
+
+
+def test_mixture_rows_follow_the_weights_and_each_source_epoch_is_exactly_once():
+    from spmd.io import mixture
+
+    mix = mixture_of({"web": 30, "code": 14}, [0.7, 0.3])
+    assert mix.rows == [6, 2] and mix.describe().startswith("web 6/8 rows (weight 0.7)")
+    assert mixture.rows_per_step([0.5, 0.3, 0.2], 10, ["a", "b", "c"]) == [5, 3, 2]
+    with pytest.raises(UsageError, match="--batch 4 leaves no row for source c"):
+        mixture.rows_per_step([0.7, 0.25, 0.05], 4, ["a", "b", "c"])
+    draws = {0: [], 1: []}
+    for step in range(35):  # 7 epochs of web (6 x 35 = 7 x 30), 5 of code (2 x 35 = 5 x 14)
+        sources, ids = mix.step_rows(seed=4, step=step)
+        assert np.bincount(sources, minlength=2).tolist() == [6, 2]
+        for source in (0, 1):
+            draws[source].extend(ids[sources == source])
+        if step + 1 == 5:  # web's first epoch is complete: each of its windows exactly once
+            assert sorted(draws[0]) == list(range(30))
+        if step + 1 == 7:
+            assert sorted(draws[1]) == list(range(14))
+    assert np.bincount(draws[0]).tolist() == [7] * 30
+    assert np.bincount(draws[1]).tolist() == [5] * 14
+    assert mix.source_tokens(35) == {"web": 35 * 6 * SEQ_LEN, "code": 35 * 2 * SEQ_LEN}
+    again = mixture_of({"web": 30, "code": 14}, [0.7, 0.3])
+    np.testing.assert_array_equal(again.step_rows(4, 9)[1], mix.step_rows(4, 9)[1])
+
+
+def test_mixture_step_batch_is_the_same_on_every_mesh():
+    mix = mixture_of({"web": 30, "code": 14}, [0.7, 0.3])
+    sources, ids = mix.step_rows(seed=2, step=11)
+    expected = ids * SEQ_LEN + 10_000 * sources
+    for spec in ("dp=1", "dp=8", "dp=2,tp=4", "fsdp=8"):
+        devices = 1 if spec == "dp=1" else 8
+        built = mesh.build_mesh(mesh.parse_mesh(spec), jax.devices()[:devices])
+        axes = tuple(a for a in mesh.BATCH_AXES if built.shape[a] > 1)
+        sharding = NamedSharding(built, PartitionSpec(axes or None, None))
+        batch = mix.batch_at(2, 11, BATCH, sharding)
+        np.testing.assert_array_equal(np.asarray(batch["inputs"])[:, 0], expected)
+        np.testing.assert_array_equal(np.asarray(batch["targets"])[:, 0], expected + 1)
+
+
+def test_mixture_flag_parsing():
+    from spmd.io import mixture
+
+    text = "web=data/a/*.parquet:0.7,code=data/b:0.3"
+    assert mixture.is_mixture(text) and not mixture.is_mixture("data/a.jsonl")
+    assert mixture.parse_sources(text) == [
+        ("web", "data/a/*.parquet", pytest.approx(0.7)),
+        ("code", "data/b", pytest.approx(0.3)),
+    ]
+    with pytest.raises(UsageError, match="give a positive weight"):
+        mixture.parse_sources("web=a.jsonl,code=b.jsonl:1")
+    with pytest.raises(UsageError, match="repeat"):
+        mixture.parse_sources("web=a.jsonl:1,web=b.jsonl:1")

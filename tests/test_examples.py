@@ -15,6 +15,7 @@ EXAMPLES = {
     "memory_fit.py": ("match the formula", "ZeRO-3"),
     "sequence_classifier.py": ("same test accuracy on 1 and 4 devices under dp and fsdp",),
     "custom_loop.py": ("restored onto another mesh gives the same eval loss",),
+    "finetune.py": ("the loss counts only the response tokens", "fine-tuned from the Hugging"),
 }
 
 

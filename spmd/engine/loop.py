@@ -18,7 +18,7 @@ from typing import Any
 from spmd import config
 from spmd.config import TrainConfig
 from spmd.engine import divergence
-from spmd.io import data, tokens
+from spmd.io import data
 from spmd.io.resume import finish_stopped, run_data_state
 from spmd.observe.metrics import MetricsLog, progress_line, say
 
@@ -51,19 +51,27 @@ class Run:
     program: Any  # spmd.engine.step.Program
     compiled: Any  # the compiled train step
     log: MetricsLog
-    windows: data.TokenWindows
-    token_file: tokens.TokenFile
+    windows: Any  # spmd.io.data.TokenWindows, or a spmd.io.mixture.Mixture of several
+    token_file: Any  # what the data state records: a spmd.io.tokens.TokenFile's .fingerprint
     manager: Any  # orbax CheckpointManager, None without --checkpoint-dir
     stop: Any  # spmd.io.preemption.StopSignals
     observer: Any = None  # spmd.observe.observer.Observer
     guard: Any = None  # spmd.engine.divergence.Guard (made from `train` when None)
     # lr_factor -> the train step compiled with the LR schedule x lr_factor (for rollbacks)
     recompile: Callable[[float], Any] | None = None
+    # named eval sets (--eval-data, a mixture's sources' held-out windows): name -> windows
+    eval_sets: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.windows.n_eval or self.eval_sets)
 
 
 def make_evaluator(run: Run) -> Callable[[Any, int], float]:
     """evaluate(params, step): the mean loss over --eval-batches held-out batches, logged and
-    printed. The eval step is compiled on first use: runs without an eval split skip it."""
+    printed, and that of each named eval set (their record's `losses`; `loss` is the held-out
+    split's, else the first set's). The eval step is compiled on first use: runs without an
+    eval split skip it."""
     import jax
     import numpy as np
 
@@ -77,18 +85,23 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
                 program.eval_step.lower(program.abstract_params, abstract_batch).compile()
             )
         sharding = program.layout.batch_sharding()
-        losses = [
-            compiled_eval[0](
-                params,
-                data.global_batch(
-                    run.windows, data.eval_window_ids(i, train.batch, run.windows), sharding
-                ),
+        sets = {"held-out": run.windows} if run.windows.n_eval else {}
+        losses = {}
+        for name, windows in {**sets, **run.eval_sets}.items():
+            batches = [
+                data.global_batch(windows, data.eval_window_ids(i, train.batch, windows), sharding)
+                for i in range(train.eval_batches)
+            ]
+            losses[name] = float(
+                np.mean(jax.device_get([compiled_eval[0](params, b) for b in batches]))
             )
-            for i in range(train.eval_batches)
-        ]
-        loss = float(np.mean(jax.device_get(losses)))
-        run.log.write("eval", step=step, loss=loss)
-        say(f"eval at step {step}: loss {loss:.4f}")
+        loss = next(iter(losses.values()))
+        if run.eval_sets:
+            run.log.write("eval", step=step, loss=loss, losses=losses)
+            say(f"eval at step {step}: " + " | ".join(f"{n} {v:.4f}" for n, v in losses.items()))
+        else:
+            run.log.write("eval", step=step, loss=loss)
+            say(f"eval at step {step}: loss {loss:.4f}")
         return loss
 
     return evaluate
@@ -146,6 +159,8 @@ class Progress:
         record = train_record(step, metrics, step_time, schedule, self.tokens_per_step)
         if observer is not None:
             record.update(observer.step_fields(step_time))
+        if hasattr(self.run.windows, "source_tokens"):  # a mixture: tokens of each source
+            record["source_tokens"] = self.run.windows.source_tokens(step)
         self.run.log.write("train", **record)
         loss, grad_norm, rate = record["loss"], record["grad_norm"], record["tokens_per_s"]
         line = progress_line(step, train.steps, loss, grad_norm, step_time, rate)
@@ -213,8 +228,8 @@ def run_step(
     """Dispatch optimizer step `step` on its batch: (the new state, its metrics on the device)."""
     train, observer = run.train, run.observer
     data_step = run.guard.data_step(step)
-    ids = data.train_window_ids(train.seed, data_step, train.batch, run.windows.n_train)
-    batch = data.global_batch(run.windows, ids, run.program.layout.batch_sharding())
+    sharding = run.program.layout.batch_sharding()
+    batch = run.windows.batch_at(train.seed, data_step, train.batch, sharding)
     if observer is not None:  # starting and reading a --profile trace is not step time
         progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
     params, opt_state, loss_scale, metrics = run.compiled(
@@ -237,7 +252,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     while step <= last:
         state, metrics = run_step(run, progress, state, step)
         stop_reason = run.stop.received or ("stop_after" if step == train.stop_after else None)
-        evaluating = bool(run.windows.n_eval and train.eval_every and step % train.eval_every == 0)
+        evaluating = bool(run.evaluates and train.eval_every and step % train.eval_every == 0)
         periodic = train.checkpoint_every and step % train.checkpoint_every == 0
         saving = run.manager is not None and bool(stop_reason or periodic or step == train.steps)
         due, pending = ([pending] if pending else []), (step, metrics)
@@ -262,7 +277,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             finish_stopped(train, run.manager, run.log, step, stop_reason, saved)
             return 0
         step += 1
-    if run.windows.n_eval and (not train.eval_every or train.steps % train.eval_every):
+    if run.evaluates and (not train.eval_every or train.steps % train.eval_every):
         eval_loss = evaluate(state["params"], train.steps)
     write_summary(run, progress, eval_loss)
     return 0

@@ -85,6 +85,9 @@ class Program:
     eval_step: Callable  # (params, batch) -> mean loss
     accum: int
     policy: precision.Policy
+    # the keys of a batch: inputs, targets, and where the data has them "segments" (int32
+    # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
+    batch_fields: tuple[str, ...] = ("inputs", "targets")
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -112,8 +115,14 @@ class Program:
 
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         sharding = self.layout.batch_sharding()
-        spec = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding)
-        return {"inputs": spec, "targets": spec}
+        return {
+            key: jax.ShapeDtypeStruct(
+                (global_batch, seq_len),
+                jnp.float32 if key == "weights" else jnp.int32,
+                sharding=sharding,
+            )
+            for key in self.batch_fields
+        }
 
     def compile_train_step(self, global_batch: int, seq_len: int) -> Any:
         """Lower and compile the train step for a batch shape (AOT; nothing runs)."""

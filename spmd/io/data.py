@@ -30,26 +30,96 @@ from spmd.errors import UsageError
 
 @dataclasses.dataclass
 class TokenWindows:
-    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval."""
+    """Windows of seq_len + 1 consecutive tokens over a token array, split train / eval
+    (eval_fraction 1: an eval set, all held out).
+
+    With `document_ends` (int64 end offset of every document) and `document_mask`, each window
+    also carries segment ids (which document each input position belongs to, 0 for the first
+    in the window): the model's attention then stays within a document and its positions
+    restart at each. With a `loss_mask` (uint8 per token, prompt/response data), each window
+    carries loss weights for its targets (see `loss_weights`)."""
 
     tokens: np.ndarray
     seq_len: int
     eval_fraction: float
+    document_ends: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         self.n_windows = (len(self.tokens) - 1) // self.seq_len
         self.n_eval = int(self.n_windows * self.eval_fraction)
         self.n_train = self.n_windows - self.n_eval
-        if self.n_train < 1:
+        if self.n_train < 1 and not (self.eval_fraction == 1.0 and self.n_eval):
             raise UsageError(
                 f"the corpus has {len(self.tokens)} tokens, too few for one window of "
                 f"--seq-len {self.seq_len}; use a larger corpus or a shorter --seq-len"
             )
+        if self.document_mask and self.document_ends is None:
+            raise UsageError(
+                "--document-mask on needs a corpus read record by record (JSONL, Parquet, "
+                "Arrow), whose document boundaries are known; use --document-mask off"
+            )
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The keys of this corpus's batches."""
+        return (
+            ("inputs", "targets")
+            + (("segments",) if self.document_mask else ())
+            + (("weights",) if self.loss_mask is not None else ())
+        )
 
     def rows(self, window_ids: np.ndarray) -> np.ndarray:
         """Windows [n, seq_len + 1] int32 for the given window ids."""
+        return self.tokens[self._positions(window_ids)].astype(np.int32)
+
+    def _positions(self, window_ids: np.ndarray) -> np.ndarray:
         starts = np.asarray(window_ids, dtype=np.int64)[:, None] * self.seq_len
-        return self.tokens[starts + np.arange(self.seq_len + 1)].astype(np.int32)
+        return starts + np.arange(self.seq_len + 1)
+
+    def segments(self, window_ids: np.ndarray) -> np.ndarray:
+        """int32 [n, seq_len]: the document of each input position, counted from the window's
+        first (0). A document's end-of-text token belongs to the document it ends."""
+        positions = self._positions(window_ids)[:, :-1]
+        documents = np.searchsorted(self.document_ends, positions, side="right")
+        return (documents - documents[:, :1]).astype(np.int32)
+
+    def target_mask(self, window_ids: np.ndarray) -> np.ndarray:
+        """float32 [n, seq_len]: 1 where the loss counts the target (all ones without a mask)."""
+        if self.loss_mask is None:
+            return np.ones((len(window_ids), self.seq_len), np.float32)
+        return self.loss_mask[self._positions(window_ids)[:, 1:]].astype(np.float32)
+
+    def loss_weights(self, window_ids: np.ndarray) -> np.ndarray:
+        """float32 [n, seq_len]: the loss mask of the targets scaled so that the mean of
+        weight x token loss over these windows is the mean loss of the counted tokens (see
+        `normalized`)."""
+        return normalized(self.target_mask(window_ids))
+
+    def batch_rows(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The per-row batch arrays of these windows except "weights" (which are normalized
+        over the whole global batch): inputs, targets and, with a document mask, segments."""
+        rows = self.rows(window_ids)
+        local = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+        if self.document_mask:
+            local["segments"] = self.segments(window_ids)
+        return local
+
+    def batch_at(
+        self, seed: int, step: int, global_batch_size: int, sharding: jax.sharding.Sharding
+    ) -> dict[str, jax.Array]:
+        """The global train batch of data step `step` (0-based)."""
+        ids = train_window_ids(seed, step, global_batch_size, self.n_train)
+        return global_batch(self, ids, sharding)
+
+
+def normalized(mask: np.ndarray) -> np.ndarray:
+    """mask x (mask.size / mask.sum()): the mean of weight x token loss is then the mean loss
+    over the counted tokens, and, being a plain mean, it splits exactly over devices and
+    accumulation micro-batches. All zero when nothing counts."""
+    counted = mask.sum()
+    return mask * (mask.size / counted) if counted else mask
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,17 +179,32 @@ def process_row_ranges(
 def global_batch(
     windows: TokenWindows, window_ids: np.ndarray, sharding: jax.sharding.Sharding
 ) -> dict[str, jax.Array]:
-    """{"inputs", "targets"}: [len(window_ids), seq_len] int32 global arrays with `sharding`.
+    """{"inputs", "targets"} and, as the corpus has them, "segments" (int32) and "weights"
+    (float32): [len(window_ids), seq_len] global arrays with `sharding`.
 
-    This process reads only the windows of the rows its devices hold."""
+    This process reads only the windows of the rows its devices hold (the loss weights'
+    normalization reads the mask of every row: one byte per token)."""
     shape = (len(window_ids), windows.seq_len)
-    local_ids = np.concatenate(
-        [window_ids[start:stop] for start, stop in process_row_ranges(sharding, shape)]
-    )
-    rows = windows.rows(local_ids)
+    rows = local_rows(sharding, shape)
+    local = windows.batch_rows(np.asarray(window_ids)[rows])
+    if "weights" in windows.fields:
+        local["weights"] = windows.loss_weights(window_ids)[rows]
+    return put_local(local, sharding, shape)
+
+
+def local_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> np.ndarray:
+    """The global row indices this process's devices hold, ascending."""
+    ranges = process_row_ranges(sharding, shape)
+    return np.concatenate([np.arange(start, stop) for start, stop in ranges])
+
+
+def put_local(
+    local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[str, jax.Array]:
+    """Global arrays of `shape` from this process's rows (`local_rows` order)."""
     return {
-        "inputs": jax.make_array_from_process_local_data(sharding, rows[:, :-1].copy(), shape),
-        "targets": jax.make_array_from_process_local_data(sharding, rows[:, 1:].copy(), shape),
+        key: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(value), shape)
+        for key, value in local.items()
     }
 
 

@@ -51,6 +51,19 @@ class TokenFile:
         """The token ids, memory-mapped read-only (pages are read on demand)."""
         return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
 
+    def document_ends(self) -> np.ndarray | None:
+        """int64 end offset (exclusive, in tokens) of every document, where the corpus was
+        read record by record (spmd.io.shards); None for text files and token .bin files."""
+        docs = self.path.with_suffix(".docs")
+        return np.fromfile(docs, np.int64) if docs.is_file() else None
+
+    def loss_mask(self) -> np.ndarray | None:
+        """uint8 per token, 1 where the loss counts it (prompt/response data); None without."""
+        mask = self.path.with_suffix(".mask")
+        if not mask.is_file():
+            return None
+        return np.memmap(mask, dtype=np.uint8, mode="r", shape=(self.n_tokens,))
+
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/spmd, else ~/.cache/spmd."""

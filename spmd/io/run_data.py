@@ -1,0 +1,151 @@
+"""Open a training run's data from its flags: text files and token .bin files (spmd.io.tokens),
+or record shards (spmd.io.corpora, tokenized by spmd.io.shards), cut into windows
+(spmd.io.data) with the segment ids and loss weights the flags and the corpus call for."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from spmd.errors import UsageError
+from spmd.io import corpora, data, mixture, shards, tokens
+from spmd.observe.metrics import say
+
+DOCUMENT_MASK = ("auto", "on", "off")
+
+
+def check_choices(train: Any) -> None:
+    """UsageError for data flags that cannot work (before any device work)."""
+    if train.document_mask not in DOCUMENT_MASK:
+        raise UsageError(
+            f"--document-mask {train.document_mask!r} is not one of {', '.join(DOCUMENT_MASK)}"
+        )
+    if train.tokenize_workers < 0:
+        raise UsageError(
+            f"--tokenize-workers {train.tokenize_workers} must be 0 (the machine's cores) or a "
+            f"process count"
+        )
+    fields_of(train).check()
+
+
+def fields_of(train: Any) -> corpora.Fields:
+    return corpora.Fields(train.text_field, train.prompt_field, train.response_field)
+
+
+def open_token_file(train: Any, path: str) -> tokens.TokenFile:
+    """The token file of one source (`path`: text, token .bin or record shards)."""
+    if corpora.is_record_corpus(path):
+        return shards.open_records(
+            path,
+            train.tokenizer,
+            train.data_cache,
+            fields_of(train),
+            train.tokenize_workers or os.cpu_count() or 1,
+            train.skip_bad_records,
+            say=say,
+        )
+    if train.prompt_field:
+        raise UsageError(
+            f"--prompt-field {train.prompt_field} needs JSONL / Parquet / Arrow records; --data "
+            f"{path or '(the stdlib sources)'} is text or tokens"
+        )
+    return tokens.open_tokens(path, train.tokenizer, train.data_cache)
+
+
+def windows_of(train: Any, token_file: tokens.TokenFile, eval_fraction: float) -> data.TokenWindows:
+    """The windows of a token file under the run's --document-mask."""
+    ends = token_file.document_ends()
+    masking = train.document_mask == "on" or (train.document_mask == "auto" and ends is not None)
+    return data.TokenWindows(
+        token_file.load(),
+        train.seq_len,
+        eval_fraction,
+        document_ends=ends,
+        loss_mask=token_file.loss_mask(),
+        document_mask=masking,
+    )
+
+
+def check_pipeline(windows: data.TokenWindows, pipeline_stages: int) -> None:
+    """UsageError where the batch carries what the pipeline schedules do not pass on yet."""
+    extra = [f for f in windows.fields if f not in ("inputs", "targets")]
+    if pipeline_stages > 1 and extra:
+        raise UsageError(
+            f"pipelines (pp={pipeline_stages}) pass only inputs and targets between stages, not "
+            f"{' / '.join(extra)}; use --document-mask off"
+            + (" and a text corpus (no --prompt-field)" if "weights" in extra else "")
+            + " with pp > 1, or a mesh without pp"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureData:
+    """What a checkpoint's data state records of a mixture (as of a TokenFile: .fingerprint)."""
+
+    fingerprint: str
+    source: str
+
+
+def open_run_data(train: Any, vocab_size: int) -> tuple[Any, Any]:
+    """(token file, train/eval windows) of --data, tokenized once and cached; for a mixture
+    (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
+    if not (mixture.is_mixture(train.data) and not Path(train.data).exists()):
+        return open_source(train, train.data, vocab_size, "data")
+    names, files, sources, weights = [], [], [], []
+    for name, path, weight in mixture.parse_sources(train.data):
+        token_file, windows = open_source(train, path, vocab_size, f"data {name}")
+        names.append(name)
+        files.append(token_file)
+        sources.append(windows)
+        weights.append(weight)
+    mix = mixture.Mixture(names, sources, weights, train.batch)
+    say(f"mixture: {mix.describe()}")
+    fingerprint = mixture.fingerprint(names, weights, [f.fingerprint for f in files])
+    return MixtureData(fingerprint, train.data), mix
+
+
+def open_eval_sets(train: Any, vocab_size: int, windows: Any) -> dict[str, data.TokenWindows]:
+    """The named eval sets: --eval-data (a path, named "eval", or name=path,...; all their
+    windows are eval windows) and, for a mixture, each source's held-out windows."""
+    sets = dict(windows.eval_sets()) if hasattr(windows, "eval_sets") else {}
+    if not train.eval_data:
+        return sets
+    named = [("eval", train.eval_data, 1.0)]
+    if mixture.is_mixture(train.eval_data) and not Path(train.eval_data).exists():
+        named = mixture.parse_sources(train.eval_data, "--eval-data", weighted=False)
+    for name, path, _ in named:
+        token_file = open_token_file(train, path)
+        tokens.check_vocab(token_file, vocab_size)
+        if name in sets:
+            raise UsageError(f"--eval-data: the eval set name {name!r} is taken; rename it")
+        sets[name] = windows_of(train, token_file, 1.0)
+        if sets[name].fields != windows.fields:
+            raise UsageError(
+                f"--eval-data {path} gives batches of {'/'.join(sets[name].fields)}, the training "
+                f"data {'/'.join(windows.fields)}; evaluate on data of the same kind"
+            )
+        say(f"eval set {name}: {token_file.source}, {sets[name].n_eval} windows")
+    return sets
+
+
+def open_source(train: Any, path: str, vocab_size: int, label: str) -> tuple[Any, Any]:
+    """(token file, windows) of one source."""
+    token_file = open_token_file(train, path)
+    tokens.check_vocab(token_file, vocab_size)
+    windows = windows_of(train, token_file, train.eval_fraction)
+    extras = [
+        name
+        for name, on in (
+            ("document mask", windows.document_mask),
+            ("loss on responses only", windows.loss_mask is not None),
+        )
+        if on
+    ]
+    say(
+        f"{label}: {token_file.source}, {token_file.n_tokens / 1e6:.2f} M tokens "
+        f"({token_file.path}), {windows.n_train} train / {windows.n_eval} eval windows of "
+        f"{train.seq_len + 1}" + (f" | {', '.join(extras)}" if extras else "")
+    )
+    return token_file, windows
