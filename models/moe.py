@@ -143,7 +143,8 @@ class Experts(nnx.Module):
         choice = jax.nn.one_hot(top_experts, n, dtype=jnp.float32)  # [b, t, k, E]
         b, t = x.shape[:2]
         flat = choice.reshape(b, t * k, n)  # token-major: token 0's choices, then token 1's
-        position = (jnp.cumsum(flat, axis=1) * flat).sum(-1) - 1  # place in its expert's queue
+        # place of each (token, choice) in its expert's queue
+        position = (jnp.cumsum(flat, axis=1) * flat).sum(-1).astype(jnp.int32) - 1
         slot = jax.nn.one_hot(position, cap, dtype=jnp.float32)  # all zeros past capacity
         kept = (flat[..., None] * slot[..., None, :]).reshape(b, t, k, n, cap)
         dispatch = kept.sum(axis=2)

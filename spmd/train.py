@@ -251,7 +251,7 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
 
     from spmd.engine.step import state_bytes_per_device
     from spmd.estimate import hlo
-    from spmd.observe.observer import make_observer
+    from spmd.observe.observer import make_observer, model_metrics
 
     started = time.perf_counter()
     compiled = program.compile_train_step(train.batch, train.seq_len)
@@ -271,6 +271,8 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         "device_kind": jax.devices()[0].device_kind,
         "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
     }
+    if getattr(model_cfg, "n_experts", 0):  # each logged record shows the router's statistics
+        facts["observer"].model_metrics = model_metrics(program, moe.router_stats)
     return compiled, facts
 
 
