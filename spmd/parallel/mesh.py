@@ -137,6 +137,7 @@ def dcn_split(
     cross hosts although it fits within one is reported on stderr; a split that cannot be
     laid out is a UsageError.
     """
+    sizes = {**dict.fromkeys(MESH_AXES, 1), **sizes}  # absent axes have size 1
     mesh_text = format_mesh(sizes)
     if dcn_spec:
         dcn = parse_mesh(dcn_spec)
@@ -181,7 +182,7 @@ def build_mesh(
     rest stay within one.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh(sizes, len(devices))
+    sizes = resolve_mesh({**dict.fromkeys(MESH_AXES, 1), **sizes}, len(devices))  # absent: 1
     shape = tuple(sizes[a] for a in MESH_AXES)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     if dcn is not None and math.prod(dcn.values()) > 1:
