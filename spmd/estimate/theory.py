@@ -134,7 +134,25 @@ def report(
             "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
             "recomputation and the sum of the embedding and head gradients over pipeline"
         )
+    experts = expert_all_to_all(model, program.layout.mesh, global_batch, seq_len, program.accum)
+    if model.n_experts:
+        text += f"\n{expert_summary(program, experts)}"
     return text
+
+
+def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
+    """One line: the MoE all-to-all bytes per layer and the experts' params per device."""
+    names = jax.tree.leaves(program.names, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree.leaves(program.abstract_params)
+    experts = [p for n, p in zip(names, leaves, strict=True) if "expert" in n]
+    mesh = program.layout.mesh
+    local = sum(_local_bytes(p.shape, p.dtype, p.sharding.spec, mesh) for p in experts)
+    total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in experts)
+    moved = hlo._human(all_to_all.get("bytes_per_layer", 0))
+    return (
+        f"experts: all-to-all {moved} per MoE layer per step (per device); experts' params "
+        f"{hlo._human(local)} per device of {hlo._human(total)} (1/{total // max(local, 1)})"
+    )
 
 
 def pipeline_sends(
