@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from models import llama
+from models import moe
 from spmd import checks, config, train
 from spmd.errors import UsageError, run_command
 from spmd.io import data, tokens
@@ -40,7 +40,7 @@ def bare_step_fn(program: Any, tx: Any) -> Any:
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple:
         def loss(p: Any) -> jax.Array:
-            return llama.lm_loss(nnx.merge(program.graphdef, p), batch)
+            return moe.lm_loss(nnx.merge(program.graphdef, p), batch)
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -90,8 +90,8 @@ def run(argv: list[str] | None) -> int:
         return txs[-1]
 
     program = build_program(
-        lambda seed: llama.create(model_cfg, seed),
-        llama.lm_loss,
+        lambda seed: moe.create(model_cfg, seed),  # the dense Llama when n_experts is 0
+        moe.lm_loss,
         make_tx,
         layout,
         seed=cfg.seed,
