@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from models import llama
+from models import moe
 from spmd import checks, config, train
 from spmd.errors import UsageError, run_command
 from spmd.io import data, tokens
@@ -46,7 +46,7 @@ def bare_step_fn(program: Any, tx: Any) -> Any:
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple:
         def loss(p: Any) -> jax.Array:
-            return llama.lm_loss(nnx.merge(program.graphdef, p), batch)
+            return moe.lm_loss(nnx.merge(program.graphdef, p), batch)
 
         value, grads = jax.value_and_grad(loss)(params)
         if not policy.has_master:
@@ -108,8 +108,8 @@ def run(argv: list[str] | None) -> int:
         return txs[-1]
 
     program = build_program(
-        lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
-        llama.lm_loss,
+        lambda seed: moe.create(model_cfg, seed, policy.compute_dtype),  # dense when n_experts 0
+        moe.lm_loss,
         make_tx,
         layout,
         seed=cfg.seed,

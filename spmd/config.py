@@ -167,7 +167,9 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
     parser.add_argument("--config", help="TOML run config with [model] and [train] tables")
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
-        comments = field_comments(cls)
+        comments = {}  # a subclass's own comments over its bases' (e.g. MoEConfig's)
+        for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+            comments.update(field_comments(base))
         for name, kind in _field_types(cls).items():
             text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
             if kind is bool:  # `--dry-run` alone means true; `--dry-run false` also works

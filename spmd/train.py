@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any
 
-from models import llama
+from models import llama, moe
 from spmd import config
 from spmd.checks import (
     batch_arithmetic,
@@ -30,7 +30,8 @@ from spmd.io import run_data
 from spmd.io.resume import open_checkpoints
 from spmd.observe.metrics import MetricsLog, say
 
-SECTIONS = {"model": llama.LlamaConfig, "train": TrainConfig}
+# The model section is the Llama's fields plus the experts' (n_experts 0: the dense Llama).
+SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig}
 
 
 def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
@@ -216,13 +217,14 @@ def build_run_program(
     )
     say(precision.describe(policy))
     pipe, pipe_report = pipeline_of(train, model_cfg, layout)
+    moe.check_layout(model_cfg, layout.mesh, train.collectives)
 
     def with_lr_factor(lr_factor: float) -> Any:
         # Rollbacks lower the LR; the schedule is part of the compiled step, so it is rebuilt.
         scaled = dataclasses.replace(train, lr=train.lr * lr_factor)
         program = api.build(
-            lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
-            llama.lm_loss,
+            lambda seed: moe.create(model_cfg, seed, policy.compute_dtype),
+            moe.lm_loss,
             lambda names: make_optimizer(scaled, names),
             mesh,
             zero_stage=train.zero,
@@ -246,7 +248,7 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
 
     from spmd.engine.step import state_bytes_per_device
     from spmd.estimate import hlo
-    from spmd.observe.observer import make_observer
+    from spmd.observe.observer import make_observer, model_metrics
 
     started = time.perf_counter()
     compiled = program.compile_train_step(train.batch, train.seq_len)
@@ -266,6 +268,8 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         "device_kind": jax.devices()[0].device_kind,
         "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
     }
+    if getattr(model_cfg, "n_experts", 0):  # each logged record shows the router's statistics
+        facts["observer"].model_metrics = model_metrics(program, moe.router_stats)
     return compiled, facts
 
 

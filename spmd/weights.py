@@ -12,9 +12,10 @@ from typing import Any
 
 import optax
 
-from models import hf_llama, llama
+from models import hf_llama, llama, moe
 from spmd import config
 from spmd.engine.step import Layout, Program, build_program
+from spmd.errors import UsageError
 from spmd.io import params_io
 
 
@@ -49,7 +50,14 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     """The params of checkpoint `step` (0: newest) of an spmd checkpoint folder."""
     step = params_io.pick_step(directory, step)
     run_config = params_io.saved_config(directory, step)
-    cfg = config.build(llama.LlamaConfig, run_config.get("model", {}), f"{directory} config")
+    run_model = config.build(moe.MoEConfig, run_config.get("model", {}), f"{directory} config")
+    if run_model.n_experts:
+        raise UsageError(
+            f"{directory}: a mixture-of-experts checkpoint (n_experts {run_model.n_experts}); "
+            f"generation and conversion read dense Llama checkpoints only"
+        )
+    dense = {f.name: getattr(run_model, f.name) for f in dataclasses.fields(llama.LlamaConfig)}
+    cfg = llama.LlamaConfig(**dense)
     program = model_program(cfg, layout)
     params = params_io.restore_params(directory, step, program.abstract_params)
     return Loaded(cfg, program, params, run_config, f"{directory} step {step}")

@@ -13,8 +13,14 @@ from spmd.train import SECTIONS, expand_layout
 
 def test_mesh_aliases_and_the_rest():
     sizes = parse_mesh("data=2,TP=-1")
-    assert sizes == {"data": 2, "pipeline": 1, "fsdp": 1, "tensor": -1}
-    assert resolve_mesh(sizes, 8) == {"data": 2, "pipeline": 1, "fsdp": 1, "tensor": 4}
+    assert sizes == {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "tensor": -1}
+    assert resolve_mesh(sizes, 8) == {
+        "data": 2,
+        "pipeline": 1,
+        "fsdp": 1,
+        "expert": 1,
+        "tensor": 4,
+    }
     assert format_mesh(resolve_mesh(sizes, 8)) == "dp=2,tp=4"
 
 

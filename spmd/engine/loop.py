@@ -39,7 +39,12 @@ def train_record(
         "tokens_per_s": tokens_per_step / step_time_s,
         "loss_scale": float(metrics["loss_scale"]),  # 1.0 unless --precision fp16
         "skipped_steps": skipped,  # cumulative
+        # and the model's own metrics when it has any (an MoE model's router statistics)
+        **{k: float(v) for k, v in metrics.items() if k not in _STEP_METRICS},
     }
+
+
+_STEP_METRICS = ("loss", "grad_norm", "loss_scale", "skipped_steps")
 
 
 @dataclasses.dataclass
@@ -230,11 +235,15 @@ def run_step(
     data_step = run.guard.data_step(step)
     sharding = run.program.layout.batch_sharding()
     batch = run.windows.batch_at(train.seed, data_step, train.batch, sharding)
+    extra = {}
     if observer is not None:  # starting and reading a --profile trace is not step time
         progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
+        logged = step % train.log_every == 0 or step == (train.stop_after or train.steps)
+        extra = observer.model_fields(step, logged, state["params"], batch)
     params, opt_state, loss_scale, metrics = run.compiled(
         state["params"], state["opt_state"], state["loss_scale"], batch
     )
+    metrics = {**metrics, **extra}
     if observer is not None:
         progress.pause(observer.after_step(step, metrics, run.log))
     return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, metrics

@@ -26,6 +26,10 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   output's, to rebuild the MLP input; the MLP output is not needed again); 3 reductions of
   [batch, length] for the vocab-parallel cross-entropy; kv heads replicated over tensor add an
   all-reduce of their gradients per layer;
+- expert parallel (MoE, mesh axes that split `expert`): per MoE layer and micro-batch, an
+  all-to-all of the token buffer [experts, rows, capacity, embed] to the experts' devices and
+  one back (forward), and their transposes (backward); 2 more when the backward replays the
+  forward (remat). `expert_all_to_all` gives the figure;
 - scalars: the loss mean and the gradient norms (4 bytes each).
 """
 
@@ -56,6 +60,9 @@ class Transformer:
     head_dim: int
     remat: bool = False  # the backward pass replays each layer's forward
     activation_bytes: int = 4  # bytes per element of the compute dtype
+    n_experts: int = 0  # MoE: experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # MoE: top-k
+    capacity_factor: float = 0.0  # MoE: 0 dropless (capacity = the sequence length)
 
 
 def shape_of(model: Any, compute_dtype: Any) -> Transformer:
@@ -69,7 +76,36 @@ def shape_of(model: Any, compute_dtype: Any) -> Transformer:
         head_dim=model.head_dim,
         remat=model.remat != "none",
         activation_bytes=np.dtype(compute_dtype).itemsize,
+        n_experts=getattr(model, "n_experts", 0),
+        experts_per_token=getattr(model, "experts_per_token", 0),
+        capacity_factor=getattr(model, "capacity_factor", 0.0),
     )
+
+
+def expert_capacity(model: Transformer, seq_len: int) -> int:
+    """(token, choice) pairs one expert takes per sequence: the sequence length when dropless,
+    else ceil(capacity_factor x seq_len x k / E), at most seq_len."""
+    if model.capacity_factor <= 0:
+        return seq_len
+    wanted = model.capacity_factor * seq_len * model.experts_per_token / model.n_experts
+    return min(seq_len, math.ceil(wanted))
+
+
+def expert_all_to_all(
+    model: Transformer, mesh: Any, global_batch: int, seq_len: int, accum: int = 1
+) -> dict[str, int]:
+    """{"count", "bytes", "bytes_per_layer"} of the MoE token all-to-alls of one step per
+    device ({} without experts or when no mesh axis splits them). Each one moves a buffer of
+    experts x rows x capacity x embed elements (rows: this device's sequences per
+    micro-batch), 4 per layer and micro-batch (dispatch and combine, forward and backward)."""
+    axes = [a for a in rules.BASE_RULES["expert"] if mesh.shape[a] > 1]
+    if not model.n_experts or not axes:
+        return {}
+    rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
+    buffer = model.n_experts * rows * expert_capacity(model, seq_len) * model.embed_dim
+    per_layer = accum * (4 + (2 if model.remat else 0)) * buffer * model.activation_bytes
+    count = accum * (4 + (2 if model.remat else 0)) * model.n_layers
+    return {"count": count, "bytes": per_layer * model.n_layers, "bytes_per_layer": per_layer}
 
 
 def report(
@@ -98,7 +134,25 @@ def report(
             "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
             "recomputation and the sum of the embedding and head gradients over pipeline"
         )
+    experts = expert_all_to_all(model, program.layout.mesh, global_batch, seq_len, program.accum)
+    if model.n_experts:
+        text += f"\n{expert_summary(program, experts)}"
     return text
+
+
+def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
+    """One line: the MoE all-to-all bytes per layer and the experts' params per device."""
+    names = jax.tree.leaves(program.names, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree.leaves(program.abstract_params)
+    experts = [p for n, p in zip(names, leaves, strict=True) if "expert" in n]
+    mesh = program.layout.mesh
+    local = sum(_local_bytes(p.shape, p.dtype, p.sharding.spec, mesh) for p in experts)
+    total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in experts)
+    moved = hlo._human(all_to_all.get("bytes_per_layer", 0))
+    return (
+        f"experts: all-to-all {moved} per MoE layer per step (per device); experts' params "
+        f"{hlo._human(local)} per device of {hlo._human(total)} (1/{total // max(local, 1)})"
+    )
 
 
 def pipeline_sends(
@@ -125,9 +179,22 @@ def _local_bytes(shape: tuple[int, ...], dtype: Any, spec: PartitionSpec, mesh: 
     return math.prod(s // w for s, w in zip(shape, ways, strict=True)) * np.dtype(dtype).itemsize
 
 
-def _whole(spec: PartitionSpec, batch_axes: set[str]) -> PartitionSpec:
-    """`spec` without the batch axes: a ZeRO-3 param as the compute uses it (gathered)."""
-    return PartitionSpec(*[tuple(a for a in ax if a not in batch_axes) for ax in _axes(spec)])
+def _whole(spec: PartitionSpec, batch_axes: set[str], names: tuple = ()) -> PartitionSpec:
+    """`spec` without the batch axes: a ZeRO-3 param as the compute uses it (gathered). An
+    `expert` dim keeps its axes: experts stay split (the tokens travel to them instead)."""
+    names = tuple(names) + (None,) * (len(spec) - len(names))
+    return PartitionSpec(
+        *[
+            ax if name == "expert" else tuple(a for a in ax if a not in batch_axes)
+            for name, ax in zip(names, _axes(spec), strict=False)
+        ]
+    )
+
+
+def _gathered(spec: PartitionSpec, names: tuple) -> set[str]:
+    """Mesh axes of `spec` on dims a layer gathers before use (all but an `expert` dim)."""
+    names = tuple(names) + (None,) * (len(spec) - len(names))
+    return {a for name, ax in zip(names, _axes(spec), strict=False) if name != "expert" for a in ax}
 
 
 def _specs(tree: Any) -> list[PartitionSpec]:
@@ -162,10 +229,12 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
         # dtype (16-bit under bf16 / fp16): the ZeRO paper's 2 + 2 bytes per param.
         grad_bytes = _local_bytes(leaf.shape, program.policy.reduce_dtype, grad, mesh)
         layers = leaf.shape[0] if leaf_names and leaf_names[0] == "layers" else 1
-        if param_axes & batch_axes:  # ZeRO-3: gathered before use, reduce-scattered by autodiff
-            # ZeRO-3 gathers what autodiff differentiates: the params in the reduce dtype.
+        if _gathered(param, leaf_names) & batch_axes:  # ZeRO-3: gathered before use,
+            # reduce-scattered by autodiff; it gathers what autodiff differentiates: the params
+            # in the reduce dtype.
             gather_dtype = program.policy.reduce_dtype
-            gathered = _local_bytes(leaf.shape, gather_dtype, _whole(param, batch_axes), mesh)
+            whole = _whole(param, batch_axes, leaf_names)
+            gathered = _local_bytes(leaf.shape, gather_dtype, whole, mesh)
             passes = 2 * accum if layers > 1 else 1
             add("all-gather", passes * layers, passes * gathered)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
@@ -178,6 +247,9 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
         norm_groups |= {frozenset(s) for s in (grad_axes, opt_axes) if s}
     if mesh.shape["tensor"] > 1:
         _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len)
+    experts = expert_all_to_all(model, mesh, global_batch, seq_len, accum)
+    if experts:
+        add("all-to-all", experts["count"], experts["bytes"])
     scalars = len(norm_groups) + bool(batch_axes)
     if scalars:
         add("all-reduce", scalars, 4 * scalars)
@@ -226,9 +298,9 @@ def gathered_layer_bytes(program: Any) -> int:
     total = 0
     for leaf_names, leaf in zip(names, jax.tree.leaves(program.abstract_params), strict=True):
         spec = leaf.sharding.spec
-        split = {a for ax in _axes(spec) for a in ax} & batch_axes
+        split = _gathered(spec, leaf_names) & batch_axes
         if leaf_names[:1] == ("layers",) and split:
-            whole = _local_bytes(leaf.shape, leaf.dtype, _whole(spec, batch_axes), mesh)
+            whole = _local_bytes(leaf.shape, leaf.dtype, _whole(spec, batch_axes, leaf_names), mesh)
             total += whole // leaf.shape[0]
     return total
 

@@ -28,6 +28,13 @@ class Observer:
     straggler_threshold: float
     comm_warn: float
     profiler: profile.StepProfiler | None = None
+    # (params, batch) -> the model's own metrics (device scalars) added to each logged train
+    # record, taken on the step's batch before its update (an MoE model's router statistics)
+    model_metrics: Any = None
+
+    def model_fields(self, step: int, logged: bool, params: Any, batch: Any) -> dict[str, Any]:
+        """The model's metrics for a logged step (before the step: its params are donated)."""
+        return self.model_metrics(params, batch) if logged and self.model_metrics else {}
 
     def throughput(self, step_time_s: float) -> dict[str, float | None]:
         """tflops_per_device and mfu (a fraction, None without a peak) at this step time."""
@@ -116,6 +123,22 @@ def make_observer(train: Any, model_cfg: Any, mesh: Any, compiled: Any) -> Obser
         comm_warn=train.comm_warn,
         profiler=profiler,
     )
+
+
+def model_metrics(program: Any, metrics_fn: Any) -> Any:
+    """jitted (params, batch) -> metrics_fn(model, batch): a forward pass under the auto layout
+    of the program's mesh (the same math under either executor), metrics replicated."""
+    import jax
+
+    from spmd.parallel import hooks
+
+    mesh, zero = program.layout.mesh, program.layout.zero_stage
+
+    def run(params: Any, batch: Any) -> Any:
+        with hooks.activation_layout(mesh, zero):
+            return metrics_fn(program.model(params), batch)
+
+    return jax.jit(run, out_shardings=program.layout.replicated)
 
 
 def dry_run_report(observer: Observer, compiled: Any, device_kind: str) -> str:

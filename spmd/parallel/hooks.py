@@ -9,6 +9,9 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
     layer_remat(policy)       the scanned layer's remat policy (never saves gathered params)
+    to_experts / from_experts an MoE layer's token dispatch and combine: all_to_all over the
+                              mesh axes that split `expert` (explicit); a resharding (auto)
+    batch_mean(x)             mean over the data-parallel shards of a per-shard mean
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -139,6 +142,35 @@ def tp_rank(name: str) -> jax.Array | int:
     """Which block of the split dimension `name` this device holds (0 when unsplit)."""
     axes = _split_axes(name)
     return lax.axis_index(axes) if axes else 0
+
+
+def to_experts(x: jax.Array) -> jax.Array:
+    """Dispatch an MoE buffer [expert, batch, capacity, embed] from the devices that hold its
+    tokens to those that hold its experts. Explicit: one tiled all_to_all over the mesh axes
+    that split `expert`: each device sends its rows for expert block j to device j and gets
+    [expert / n, n * batch, capacity, embed]. Auto: the same move as a resharding, which the
+    partitioner turns into an all-to-all."""
+    if not _EXPLICIT:
+        return constrain(x, ("expert", "batch", None, None))
+    axes = _split_axes("expert")
+    return lax.all_to_all(x, axes, 0, 1, tiled=True) if axes else x
+
+
+def from_experts(y: jax.Array) -> jax.Array:
+    """The inverse of `to_experts`: the experts' outputs back to the devices of their tokens."""
+    if not _EXPLICIT:
+        return constrain(y, (None, "batch", None, None))
+    axes = _split_axes("expert")
+    return lax.all_to_all(y, axes, 1, 0, tiled=True) if axes else y
+
+
+def batch_mean(x: jax.Array) -> jax.Array:
+    """The mean over every data-parallel shard of `x`, a mean over this shard's tokens (each
+    shard holds as many). Explicit: a pmean (its result is invariant; where the per-shard loss
+    adds it, the implicit cast to varying transposes to a psum, so its gradient comes out as on
+    one device). Auto: `x` is already global."""
+    axes = _split_axes("batch")
+    return lax.pmean(x, axes) if axes else x
 
 
 # Ops that only re-lay out their input: free to recompute, and saving one that reads a gathered

@@ -21,7 +21,7 @@ from spmd.errors import UsageError
 
 # Outermost first. `data` is outermost so that, across hosts, plain replication (the cheapest
 # collective per step) is what crosses the slow links; `tensor` is innermost.
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "tensor")
 
 AXIS_ALIASES = {
     "data": "data",
@@ -31,10 +31,14 @@ AXIS_ALIASES = {
     "tp": "tensor",
     "pipeline": "pipeline",
     "pp": "pipeline",
+    "expert": "expert",
+    "ep": "expert",
 }
 
 # Mesh axes that split the batch (every data-parallel axis).
-BATCH_AXES = ("data", "fsdp")
+# `expert` is one of them: the devices that split the experts also split the tokens, as in
+# DeepSpeed-MoE and MaxText; the params that are not experts are replicated over it (DDP).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -93,7 +97,7 @@ def resolve_mesh(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
 
 def format_mesh(sizes: dict[str, int]) -> str:
     """The short form of a mesh, e.g. "dp=2,fsdp=2,tp=2" (size-1 axes left out)."""
-    short = {"data": "dp", "fsdp": "fsdp", "tensor": "tp", "pipeline": "pp"}
+    short = {"data": "dp", "fsdp": "fsdp", "tensor": "tp", "pipeline": "pp", "expert": "ep"}
     parts = [f"{short[a]}={s}" for a, s in sizes.items() if s != 1]
     return ",".join(parts) or "dp=1"
 
@@ -133,6 +137,7 @@ def dcn_split(
     cross hosts although it fits within one is reported on stderr; a split that cannot be
     laid out is a UsageError.
     """
+    sizes = {**dict.fromkeys(MESH_AXES, 1), **sizes}  # absent axes have size 1
     mesh_text = format_mesh(sizes)
     if dcn_spec:
         dcn = parse_mesh(dcn_spec)
@@ -149,7 +154,7 @@ def dcn_split(
             )
     else:
         dcn, left = dict.fromkeys(MESH_AXES, 1), n_hosts
-        for axis in ("data", "fsdp", "pipeline", "tensor"):
+        for axis in ("data", "fsdp", "expert", "pipeline", "tensor"):
             dcn[axis] = math.gcd(sizes[axis], left)
             left //= dcn[axis]
         if left > 1:
@@ -177,7 +182,7 @@ def build_mesh(
     rest stay within one.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh(sizes, len(devices))
+    sizes = resolve_mesh({**dict.fromkeys(MESH_AXES, 1), **sizes}, len(devices))  # absent: 1
     shape = tuple(sizes[a] for a in MESH_AXES)
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     if dcn is not None and math.prod(dcn.values()) > 1:

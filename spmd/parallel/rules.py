@@ -29,7 +29,7 @@ ZERO_STAGES = (1, 2, 3)
 
 # The default rules (DESIGN.md). `embed` is handled per role below.
 BASE_RULES: Rules = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -38,6 +38,10 @@ BASE_RULES: Rules = {
     "length": (),
     "head_dim": (),
     "embed": (),
+    # An MoE layer's experts: split over the expert axis and, when fsdp > 1, over the fsdp
+    # devices too (expert parallelism over the data-parallel devices, as DeepSpeed-MoE does);
+    # `data` replicates them (DDP). Tokens reach their experts by all_to_all over these axes.
+    "expert": ("expert", "fsdp"),
 }
 
 # Logical dims that are replicated instead of split when the mesh axes outnumber them (and are

@@ -1,0 +1,280 @@
+"""A mixture-of-experts Llama (Mixtral-style) in Flax NNX, speaking logical axis names only.
+
+Each block is models/llama.py's block with the MLP replaced by `n_experts` SwiGLU experts and
+a learned router: softmax over the experts, then the top `experts_per_token` (their weights
+renormalised to sum to one, Mixtral's convention), optionally plus one shared SwiGLU expert
+that every token uses. Attention, norms, embedding and head are llama.py's.
+
+Routing is grouped per sequence: within each sequence an expert takes at most `capacity`
+(token, choice) pairs, in token order; the rest are dropped (their share of the output is
+zero, the residual carries the token on). `capacity_factor` 0 is dropless (capacity = the
+sequence length, so nothing can drop); otherwise capacity = ceil(factor x length x k / E). As
+the groups are sequences, which tokens drop depends on the router only, never on the mesh.
+
+Dispatch and combine are one-hot einsums (exact in fp32) into a buffer [expert, batch,
+capacity, embed]; `to_experts` / `from_experts` (spmd.parallel.hooks) move it between the
+devices that hold the tokens and those that hold the experts: all_to_all (expert parallelism).
+
+Per layer the block also returns router statistics: the load-balancing loss (Switch /
+Mixtral: E x sum_e f_e P_e, with f_e the share of choices that picked expert e, so sum f = k,
+and P_e the mean router probability of e), the router z-loss (mean squared logsumexp of the
+router logits), dropped choices and the choices per expert. The training loss adds
+aux_loss_coef x aux + z_loss_coef x z, each averaged over layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import llama
+from models.llama import REMAT_POLICIES, Attention, LlamaConfig, RMSNorm, _param
+from spmd.errors import UsageError
+from spmd.parallel.hooks import (
+    batch_mean,
+    constrain,
+    from_experts,
+    gather,
+    layer_remat,
+    to_experts,
+    tp_enter,
+    tp_reduce,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """LlamaConfig plus the experts (n_experts 0: the dense Llama). Sizes are counts."""
+
+    n_experts: int = 0  # experts per block (0: the dense Llama MLP)
+    experts_per_token: int = 2  # top-k: experts each token is routed to
+    expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
+    shared_expert: bool = False  # plus one SwiGLU expert (expert_mlp_dim) that every token uses
+    capacity_factor: float = 0.0  # 0: dropless; else capacity = ceil(f x length x k / E)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+    z_loss_coef: float = 0.001  # weight of the router z-loss in the training loss
+
+    @property
+    def expert_dim(self) -> int:
+        return self.expert_mlp_dim or self.mlp_dim
+
+    def _expert_params(self) -> int:
+        return 3 * self.embed_dim * self.expert_dim
+
+    def n_params(self) -> int:
+        """Parameter count (scalars), every expert included."""
+        dense = super().n_params()
+        if not self.n_experts:
+            return dense
+        per_layer = self.embed_dim * self.n_experts + self.n_experts * self._expert_params()
+        per_layer += self._expert_params() if self.shared_expert else 0
+        return dense + self.n_layers * (per_layer - 3 * self.embed_dim * self.mlp_dim)
+
+    def n_active_params(self) -> int:
+        """Parameters one token uses: the k routed experts (and the shared one), not all E."""
+        if not self.n_experts:
+            return self.n_params()
+        idle = (self.n_experts - self.experts_per_token) * self._expert_params()
+        return self.n_params() - self.n_layers * idle
+
+    def capacity(self, seq_len: int) -> int:
+        """(token, choice) pairs one expert takes per sequence."""
+        if self.capacity_factor <= 0:
+            return seq_len
+        wanted = self.capacity_factor * seq_len * self.experts_per_token / self.n_experts
+        return min(seq_len, math.ceil(wanted))
+
+
+def check(cfg: MoEConfig) -> None:
+    """UsageError for expert settings that cannot run."""
+    if cfg.n_experts < 0 or (cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts):
+        raise UsageError(
+            f"--experts-per-token {cfg.experts_per_token} with --n-experts {cfg.n_experts}: "
+            f"need 1 <= experts-per-token <= n-experts"
+        )
+    if cfg.capacity_factor < 0:
+        raise UsageError(
+            f"--capacity-factor {cfg.capacity_factor} must be >= 0 (0: dropless, no token dropped)"
+        )
+
+
+def check_layout(cfg: Any, mesh: Any, executor: str) -> None:
+    """UsageError for what an MoE model does not compose with: a pipeline (pp > 1) passes
+    only activations between stages, so it cannot carry the router losses: it needs
+    --aux-loss-coef 0 --z-loss-coef 0 (the router still trains through the output weights)."""
+    if not getattr(cfg, "n_experts", 0):
+        return
+    check(cfg)
+    if mesh.shape["pipeline"] > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef):
+        raise UsageError(
+            f"--mesh with pp={mesh.shape['pipeline']} cannot carry the MoE router losses "
+            f"between pipeline stages (--aux-loss-coef {cfg.aux_loss_coef}, --z-loss-coef "
+            f"{cfg.z_loss_coef}); pass --aux-loss-coef 0 --z-loss-coef 0, or use pp=1"
+        )
+
+
+class Experts(nnx.Module):
+    """Router + E SwiGLU experts (+ an optional shared expert)."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        e, m, n = cfg.embed_dim, cfg.expert_dim, cfg.n_experts
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.router = _param(rngs, 0.02, (e, n), ("embed", None))
+        self.w_gate = _param(rngs, 0.02, (n, e, m), ("expert", "embed", "mlp"))
+        self.w_up = _param(rngs, 0.02, (n, e, m), ("expert", "embed", "mlp"))
+        self.w_down = _param(rngs, out_std, (n, m, e), ("expert", "mlp", "embed"))
+        if cfg.shared_expert:
+            self.shared = llama.MLP(dataclasses.replace(cfg, mlp_dim=m), rngs)
+        self.cfg = cfg
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+        """(dispatch [b, t, E, C] 0/1, combine weights [b, t, E, C], router logits, stats)."""
+        cfg = self.cfg
+        n, k, cap = cfg.n_experts, cfg.experts_per_token, cfg.capacity(x.shape[1])
+        logits = jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_probs, top_experts = jax.lax.top_k(probs, k)
+        weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
+        choice = jax.nn.one_hot(top_experts, n, dtype=jnp.float32)  # [b, t, k, E]
+        b, t = x.shape[:2]
+        flat = choice.reshape(b, t * k, n)  # token-major: token 0's choices, then token 1's
+        # place of each (token, choice) in its expert's queue
+        position = (jnp.cumsum(flat, axis=1) * flat).sum(-1).astype(jnp.int32) - 1
+        slot = jax.nn.one_hot(position, cap, dtype=jnp.float32)  # all zeros past capacity
+        kept = (flat[..., None] * slot[..., None, :]).reshape(b, t, k, n, cap)
+        dispatch = kept.sum(axis=2)
+        combine = jnp.einsum("btk,btknc->btnc", weights, kept)
+        per_token = choice.sum(axis=2)  # [b, t, E]: 1 where the token chose the expert
+        share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
+        stats = {
+            "aux_loss": n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1)))),
+            "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "dropped": jax.lax.stop_gradient(batch_mean(1.0 - kept.sum((2, 3, 4)).mean() / k)),
+            "load": jax.lax.stop_gradient(share),
+        }
+        return dispatch, combine, logits, stats
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        dtype = x.dtype
+        dispatch, combine, _, stats = self.route(x)
+        buffer = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x)
+        buffer = to_experts(buffer)  # [E_local, tokens' rows, capacity, embed]
+        buffer = tp_enter(buffer, "mlp")  # column-parallel gate and up inside each expert
+        gate = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_gate).astype(dtype))
+        up = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_up).astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("expert", "batch", None, "mlp"))
+        out = jnp.einsum("nbcm,nme->nbce", hidden, gather(self.w_down).astype(dtype))
+        out = from_experts(tp_reduce(out, "mlp"))  # row-parallel sum, then back to the tokens
+        y = jnp.einsum("btnc,nbce->bte", combine.astype(dtype), out)
+        if self.cfg.shared_expert:
+            y = y + self.shared(x)
+        return y, stats
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
+        self.experts = Experts(cfg, rngs)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        x = x + self.attn(self.attn_norm(x), positions, segments)
+        y, stats = self.experts(self.mlp_norm(x))
+        return constrain(x + y, ("batch", "length", "embed")), stats
+
+
+class MoELlama(llama.Llama):
+    """llama.Llama with MoE blocks: tokens [batch, length] -> logits [batch, length, vocab]."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = _param(rngs, 0.02, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
+
+    def forward(
+        self, tokens: jax.Array, segments: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        """(logits, router statistics of every layer, stacked on a leading layers dim); with
+        `segments` (document ids) attention stays within documents, as in llama.Llama."""
+        x, stats = self.apply_blocks_with_stats(self.embed_tokens(tokens), segments)
+        return self.head_logits(x), stats
+
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return self.forward(tokens, segments)[0]
+
+    def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """The blocks without their router statistics (what a pipeline stage runs)."""
+        return self.apply_blocks_with_stats(x, segments)[0]
+
+    def apply_blocks_with_stats(
+        self, x: jax.Array, segments: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        if segments is None:
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        else:  # rotary positions restart at each document
+            positions = llama.segment_positions(segments)
+        block_def, block_state = nnx.split(self.blocks)
+
+        def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
+            return nnx.merge(block_def, state)(x, positions, segments)
+
+        policy = layer_remat(REMAT_POLICIES[self.cfg.remat])
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        return jax.lax.scan(layer, x, block_state)
+
+
+def create(cfg: MoEConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:
+    """A freshly initialised model: MoELlama, or llama.Llama when cfg.n_experts is 0."""
+    if not getattr(cfg, "n_experts", 0):
+        return llama.create(cfg, seed, dtype)
+    with nnx.use_eager_sharding(False):
+        return MoELlama(cfg, nnx.Rngs(seed), dtype)
+
+
+def router_loss(cfg: MoEConfig, stats: dict) -> jax.Array:
+    """aux_loss_coef x load-balancing loss + z_loss_coef x z-loss, averaged over layers."""
+    return cfg.aux_loss_coef * stats["aux_loss"].mean() + cfg.z_loss_coef * stats["z_loss"].mean()
+
+
+def lm_loss(model: llama.Llama, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (nats per token, fp32) plus the router losses; the
+    optional batch keys "segments" and "weights" act as in llama.lm_loss."""
+    if not isinstance(model, MoELlama):
+        return llama.lm_loss(model, batch)
+    logits, stats = model.forward(batch["inputs"], batch.get("segments"))
+    losses = llama.cross_entropy(logits, batch["targets"])
+    if "weights" in batch:  # the SFT loss mask, scaled as llama.lm_loss takes it
+        losses = losses * batch["weights"]
+    return jnp.mean(losses) + router_loss(model.cfg, stats)
+
+
+def router_stats(model: MoELlama, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """What a log record shows of the router on `batch`, averaged over layers: aux_loss,
+    z_loss, dropped_fraction (of the (token, choice) pairs) and expert_load_max_over_mean
+    (choices of the busiest expert over the mean choices per expert; 1 is perfectly even)."""
+    _, stats = model.forward(batch["inputs"], batch.get("segments"))
+    load = stats["load"]  # [layers, E]
+    return {
+        "aux_loss": stats["aux_loss"].mean(),
+        "z_loss": stats["z_loss"].mean(),
+        "dropped_fraction": stats["dropped"].mean(),
+        "expert_load_max_over_mean": (load.max(-1) / load.mean(-1)).mean(),
+    }
