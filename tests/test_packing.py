@@ -37,6 +37,23 @@ def test_two_documents_in_a_window_get_the_logits_they_have_alone():
     )
 
 
+def test_the_moe_model_keeps_documents_apart_too():
+    # Dropless routing is per token, so each document's logits are its own here as well.
+    from models import moe
+    from spmd import config
+
+    cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
+    model = moe.create(cfg, seed=0)
+    rng = np.random.default_rng(2)
+    first, second = rng.integers(1, 256, 9), rng.integers(1, 256, SEQ_LEN - 9)
+    packed = model(
+        jnp.asarray(np.concatenate([first, second])[None]),
+        jnp.asarray(np.repeat([0, 1], [9, SEQ_LEN - 9])[None]),
+    )
+    np.testing.assert_allclose(packed[:, :9], model(jnp.asarray(first[None])), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[:, 9:], model(jnp.asarray(second[None])), atol=1e-5, rtol=0)
+
+
 def packed_windows() -> data.TokenWindows:
     """Random documents of 5 to 40 tokens, each ending in 0, with a prompt (the first third,
     not counted) and a response (counted, end token included)."""
