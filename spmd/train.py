@@ -22,6 +22,7 @@ from spmd.checks import (
     batch_arithmetic,
     check_checkpoint_dir,
     check_choices,
+    check_dcn_sync_mesh,
     format_batch_arithmetic,
 )
 from spmd.config import TrainConfig
@@ -118,6 +119,7 @@ def run(argv: list[str] | None) -> int:
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
+    check_dcn_sync_mesh(train, mesh, n_processes)
     program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh)
     manager, restored = None, None
     if checkpointing:
@@ -134,7 +136,8 @@ def run(argv: list[str] | None) -> int:
         from spmd.observe.observer import dry_run_report
 
         shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
-        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+        if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
+            say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
         say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
@@ -225,8 +228,14 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
     def with_lr_factor(lr_factor: float) -> Any:
         # Rollbacks lower the LR; the schedule is part of the compiled step, so it is rebuilt.
         scaled = dataclasses.replace(train, lr=train.lr * lr_factor)
+        make_model = lambda seed: llama.create(model_cfg, seed, policy.compute_dtype)  # noqa: E731
+        if train.dcn_sync == "diloco":
+            from spmd.engine import diloco
+
+            tx = lambda names: make_optimizer(scaled, names)  # noqa: E731
+            return diloco.from_config(train, make_model, llama.lm_loss, tx, layout)
         return api.build(
-            lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
+            make_model,
             llama.lm_loss,
             lambda names: make_optimizer(scaled, names),
             mesh,
@@ -269,6 +278,11 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         "device_kind": jax.devices()[0].device_kind,
         "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
     }
+    if train.dcn_sync == "diloco":
+        from spmd.engine import diloco
+
+        facts["dcn_traffic"] = diloco.traffic(program, compiled)
+        say(diloco.format_traffic(facts["dcn_traffic"]))
     return compiled, facts
 
 
@@ -297,6 +311,7 @@ def write_config_record(
         memory_per_device=facts["memory"],
         batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
+        dcn_traffic=facts.get("dcn_traffic"),  # --dcn-sync diloco: cross-host bytes per step
     )
 
 

@@ -217,7 +217,9 @@ def run_step(
     batch = data.global_batch(run.windows, ids, run.program.layout.batch_sharding())
     if observer is not None:  # starting and reading a --profile trace is not step time
         progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
-    params, opt_state, loss_scale, metrics = run.compiled(
+    # --dcn-sync diloco compiles two programs: the round's last step is the synced one.
+    compiled = run.compiled.for_step(step) if hasattr(run.compiled, "for_step") else run.compiled
+    params, opt_state, loss_scale, metrics = compiled(
         state["params"], state["opt_state"], state["loss_scale"], batch
     )
     if observer is not None:
