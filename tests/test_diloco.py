@@ -150,3 +150,44 @@ def test_cli_refuses_diloco_without_replicas_axis_and_unknown_modes():
         result = run("spmd.train", *tiny, *args)
         assert result.returncode == 2, result.stderr
         assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_two_processes_as_two_replicas_train_like_one_process(tmp_path):
+    """Real processes (spmd.launch, gloo): each process is one replica (--dcn-mesh dp=2), and
+    the run matches one process holding both replicas on the same global mesh."""
+    from tests.test_multihost import assert_same, train
+
+    diloco_run = ("--mesh", "dp=2,fsdp=4", "--dcn-sync", "diloco", "--sync-every", "3")
+    one = train(tmp_path, "one", 1, *diloco_run, "--devices", "8", "--diloco-axis", "data")
+    two = train(tmp_path, "two", 2, *diloco_run, "--dcn-mesh", "dp=2")
+    assert sorted(two) == [1, 2, 3, 4, 5, 6]
+    assert_same(two, one)
+
+
+def test_planner_replaces_the_gradient_all_reduce_over_data_by_one_params_sync_per_round(
+    capsys,
+):
+    import json
+
+    from spmd import plan
+
+    base = ["--model", "1b", "--mesh", "dp=4,fsdp=8", "--devices-per-node", "8", "--json"]
+    base += ["--inter-bandwidth", "1"]
+    reports = []
+    for extra in ([], ["--dcn-sync", "diloco", "--sync-every", "10"]):
+        assert plan.main(base + extra) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    every, rounds = reports
+    over_data = [[c for c in r["collectives"] if "data" in c["axes"]] for r in reports]
+    assert [c["purpose"] for c in over_data[0]] == ["grad shards"]
+    (sync,) = over_data[1]
+    assert sync["purpose"] == "pseudo-gradient" and sync["count"] == pytest.approx(0.1)
+    fp32_shard = rounds["params_bytes_per_device"] * 4 / cost_bytes(rounds["precision"])
+    assert sync["bytes"] == pytest.approx(fp32_shard * 0.1, rel=1e-6)
+    assert rounds["step_time_s"] < every["step_time_s"]
+
+
+def cost_bytes(precision: str) -> int:
+    from spmd.estimate import cost
+
+    return cost.DTYPE_BYTES[cost.PRECISIONS[precision].weights]
