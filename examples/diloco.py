@@ -11,7 +11,8 @@ the bytes per device that cross the replicas per optimizer step, read from the c
 programs, side by side. Its claim: H = 10 ends within 5% of synchronous training's loss while
 moving 10x fewer bytes across the replicas.
 
-    python examples/diloco.py [--steps 100] [--lr 3e-3] [--outer-lr 0.7] [--outer-momentum 0.5]
+    python examples/diloco.py [--steps 100] [--every 1,10,50] [--lr 3e-3] [--outer-lr 0.7]
+        [--outer-momentum 0.5]
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="a multiple of 50")
+    parser.add_argument("--steps", type=int, default=100, help="a multiple of every H")
+    parser.add_argument("--every", default="1,10,50", help="the values of H to run (with 10)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.5)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     outer = diloco.Sync(2, args.outer_lr, args.outer_momentum)
     program = diloco.build(make_model, llama.lm_loss, tx, Layout(mesh), outer)
     both = program.compile_train_step(batch, seq_len)  # the local and the synced step
-    for every in (1, 10, 50):
+    for every in sorted({int(h) for h in args.every.split(",")} | {10}):
         # The same two compiled programs for every H; only which steps end a round differs.
         run = dataclasses.replace(program, sync=dataclasses.replace(outer, every=every))
         steps = diloco.Compiled(both.local, both.synced, every)
