@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.engine import diloco
     from spmd.engine.optim import make_optimizer
     from spmd.engine.step import Layout
-    from spmd.estimate import hlo
+    from spmd.estimate import dcn_traffic, hlo
     from spmd.io import data, tokens
 
     batch, seq_len = 16, 32
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         # The same two compiled programs for every H; only which steps end a round differs.
         run = dataclasses.replace(program, sync=dataclasses.replace(outer, every=every))
         steps = diloco.Compiled(both.local, both.synced, every)
-        traffic = diloco.traffic(run, steps)
+        traffic = dcn_traffic.traffic(run, steps)
         state = run.init()
         for step in range(1, args.steps + 1):
             *state, metrics = steps.for_step(step)(*state, batch_at(run, step - 1))

@@ -279,10 +279,10 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
     }
     if train.dcn_sync == "diloco":
-        from spmd.engine import diloco
+        from spmd.estimate import dcn_traffic
 
-        facts["dcn_traffic"] = diloco.traffic(program, compiled)
-        say(diloco.format_traffic(facts["dcn_traffic"]))
+        facts["dcn_traffic"] = dcn_traffic.traffic(program, compiled)
+        say(dcn_traffic.format_traffic(facts["dcn_traffic"]))
     return compiled, facts
 
 
