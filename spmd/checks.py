@@ -48,6 +48,34 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
     from spmd.engine.step import check_executor
 
     check_executor(train.collectives)
+    check_dcn_sync(train)
+
+
+def check_dcn_sync(train: TrainConfig) -> None:
+    """UsageError for a --dcn-sync mode that does not exist or DiLoCo flags without it (the
+    numbers themselves are checked by spmd.engine.diloco.check)."""
+    from spmd.engine.diloco import MODES
+
+    if train.dcn_sync not in MODES:
+        raise UsageError(f"--dcn-sync {train.dcn_sync!r} is not one of {', '.join(MODES)}")
+    if train.dcn_sync != "diloco" and train.diloco_axis:
+        raise UsageError(
+            f"--diloco-axis {train.diloco_axis} needs --dcn-sync diloco (replicas that sync "
+            f"every --sync-every steps)"
+        )
+
+
+def check_dcn_sync_mesh(train: TrainConfig, mesh: Any, n_processes: int) -> None:
+    """Under --dcn-sync diloco: UsageError unless the data axis is what holds the replicas (on
+    one process by --diloco-axis data; across processes, all of it crossing hosts)."""
+    if train.dcn_sync != "diloco":
+        return
+    from spmd.engine import diloco
+    from spmd.parallel.mesh import dcn_split
+
+    sizes = dict(mesh.shape)
+    dcn = dcn_split(sizes, n_processes, train.dcn_mesh) if n_processes > 1 else None
+    diloco.check_mesh(train.diloco_axis, n_processes, dcn, sizes)
 
 
 def check_checkpoint_choices(train: TrainConfig) -> None:

@@ -103,6 +103,14 @@ class TrainConfig:
     num_processes: int = 0  # processes in the job (0: from spmd.launch, SLURM or Open MPI)
     process_id: int = -1  # this process's rank (-1: detect)
     dcn_mesh: str = ""  # ways of each mesh axis that cross hosts, e.g. "dp=2" (empty: data first)
+    # every-step: all-reduce the gradients over the data axis every step; diloco: each way of
+    # the data axis is a replica taking --sync-every local steps, then one all-reduce of the
+    # pseudo-gradient (start-of-round params - local params) feeds the outer optimizer
+    dcn_sync: str = "every-step"
+    sync_every: int = 10  # diloco: inner steps per round (H); the all-reduce runs once per round
+    outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
+    diloco_axis: str = ""  # diloco on one host: the mesh axis of the replicas ("data")
     dry_run: bool = False  # compile the step, print memory and collectives, do not train
 
 

@@ -207,6 +207,8 @@ def check_values(train: TrainConfig, plan: Any) -> None:
                 f"{config.flag_name(name)} {getattr(train, name)} is out of range; use {low} "
                 f"or more"
             )
+    if train.dcn_sync == "diloco" and train.sync_every < 1:
+        raise UsageError(f"--sync-every {train.sync_every} must be a positive number of steps")
     if train.pp_schedule not in schedules.SCHEDULES:
         raise UsageError(
             f"--pp-schedule {train.pp_schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
@@ -283,6 +285,7 @@ def _base(shape: Any, n_params: float, train: TrainConfig, model_cfg: Any, plan:
         schedule=train.pp_schedule,
         microbatches=1,
         virtual=train.pp_virtual,
+        sync_every=train.sync_every if train.dcn_sync == "diloco" else 0,
     )
 
 

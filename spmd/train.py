@@ -22,6 +22,7 @@ from spmd.checks import (
     batch_arithmetic,
     check_checkpoint_dir,
     check_choices,
+    check_dcn_sync_mesh,
     format_batch_arithmetic,
 )
 from spmd.config import TrainConfig
@@ -122,6 +123,7 @@ def run(argv: list[str] | None) -> int:
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
     run_data.check_pipeline(windows, mesh.shape["pipeline"])
+    check_dcn_sync_mesh(train, mesh, n_processes)
     program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh, windows)
     manager, restored = None, None
     if checkpointing:
@@ -140,7 +142,8 @@ def run(argv: list[str] | None) -> int:
         held = facts["state_bytes"]
         say(measure.state_against_formula(train, model_cfg, dict(mesh.shape), held))
         shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
-        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+        if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
+            say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
         say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
@@ -222,8 +225,16 @@ def build_run_program(
     def with_lr_factor(lr_factor: float) -> Any:
         # Rollbacks lower the LR; the schedule is part of the compiled step, so it is rebuilt.
         scaled = dataclasses.replace(train, lr=train.lr * lr_factor)
+        make_model = lambda seed: moe.create(model_cfg, seed, policy.compute_dtype)  # noqa: E731
+        if train.dcn_sync == "diloco":
+            from spmd.engine import diloco
+
+            tx = lambda names: make_optimizer(scaled, names)  # noqa: E731
+            program = diloco.from_config(train, make_model, moe.lm_loss, tx, layout)
+            program.inner.batch_fields = windows.fields
+            return program
         program = api.build(
-            lambda seed: moe.create(model_cfg, seed, policy.compute_dtype),
+            make_model,
             moe.lm_loss,
             lambda names: make_optimizer(scaled, names),
             mesh,
@@ -270,6 +281,11 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
     }
     if getattr(model_cfg, "n_experts", 0):  # each logged record shows the router's statistics
         facts["observer"].model_metrics = model_metrics(program, moe.router_stats)
+    if train.dcn_sync == "diloco":
+        from spmd.estimate import dcn_traffic
+
+        facts["dcn_traffic"] = dcn_traffic.traffic(program, compiled)
+        say(dcn_traffic.format_traffic(facts["dcn_traffic"]))
     return compiled, facts
 
 
@@ -298,6 +314,7 @@ def write_config_record(
         memory_per_device=facts["memory"],
         batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
+        dcn_traffic=facts.get("dcn_traffic"),  # --dcn-sync diloco: cross-host bytes per step
     )
 
 

@@ -53,6 +53,7 @@ def accumulated_grads(
     zero_stage: int,
     grad_shardings: Any,
     reduce_dtype: Any = jnp.float32,
+    exclude: tuple[str, ...] = (),
 ) -> tuple[jax.Array, Any]:
     """(loss, grads) of the whole batch from `accum` micro-batches, where `grad_fn(params,
     micro)` gives a micro-batch's per-token mean loss and its gradients.
@@ -60,10 +61,13 @@ def accumulated_grads(
     Every micro-batch of every replica holds the same number of tokens (batch / (accum * R)
     sequences of equal length, no padding), so the mean of those per-token means is the
     per-token mean of the whole batch: accum k trains exactly like one batch of k times the
-    size. Gradients are accumulated in `reduce_dtype`."""
-    replicas = replica_axes(mesh, zero_stage)
+    size. Gradients are accumulated in `reduce_dtype`. Mesh axes in `exclude` belong to an
+    enclosing `vmap(spmd_axis_name=...)` (spmd.engine.diloco's replicas) and are left alone."""
+    replicas = tuple(a for a in replica_axes(mesh, zero_stage) if a not in exclude)
     n_replicas = math.prod(mesh.shape[a] for a in replicas)
-    within = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1 and a not in replicas)
+    within = tuple(
+        a for a in BATCH_AXES if mesh.shape[a] > 1 and a not in replicas and a not in exclude
+    )
 
     def split(x: jax.Array) -> jax.Array:
         # [B, ...] -> [accum, R, B / (accum R), ...]. Micro-batch i takes every accum-th row,
@@ -83,7 +87,7 @@ def accumulated_grads(
 
     def body(carry: tuple, micro: dict) -> tuple[tuple, None]:
         loss_sum, grad_sum = carry
-        with hooks.activation_layout(mesh, zero_stage, exclude=replicas):
+        with hooks.activation_layout(mesh, zero_stage, exclude=(*replicas, *exclude)):
             losses, grads = per_replica(params, micro)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(reduce_dtype), grad_sum, grads)
         grad_sum = jax.lax.with_sharding_constraint(grad_sum, accum_shardings)

@@ -240,7 +240,9 @@ def run_step(
         progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
         logged = step % train.log_every == 0 or step == (train.stop_after or train.steps)
         extra = observer.model_fields(step, logged, state["params"], batch)
-    params, opt_state, loss_scale, metrics = run.compiled(
+    # --dcn-sync diloco compiles two programs: the round's last step is the synced one.
+    compiled = run.compiled.for_step(step) if hasattr(run.compiled, "for_step") else run.compiled
+    params, opt_state, loss_scale, metrics = compiled(
         state["params"], state["opt_state"], state["loss_scale"], batch
     )
     metrics = {**metrics, **extra}

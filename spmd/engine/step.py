@@ -88,6 +88,7 @@ class Program:
     # the keys of a batch: inputs, targets, and where the data has them "segments" (int32
     # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
     batch_fields: tuple[str, ...] = ("inputs", "targets")
+    train_fn: Callable | None = None  # train_step before jit (spmd.engine.diloco vmaps it)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -258,10 +259,12 @@ def auto_steps(
     shardings: dict[str, Any],
     accum: int,
     policy: precision.Policy,
+    exclude: tuple[str, ...] = (),
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) of the `auto` executor, not yet jitted: plain JAX under the
     layout's activation constraints; XLA's partitioner inserts the collectives. `loss_of(params,
-    batch)` is the loss of the global batch; with accum > 1 the step loops over micro-batches."""
+    batch)` is the loss of the global batch; with accum > 1 the step loops over micro-batches.
+    Mesh axes in `exclude` are left out of the activation rules (an enclosing vmap owns them)."""
     mesh, zero = layout.mesh, layout.zero_stage
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
@@ -269,7 +272,7 @@ def auto_steps(
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
-        with hooks.activation_layout(mesh, zero):
+        with hooks.activation_layout(mesh, zero, exclude=exclude):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)
             else:
@@ -282,6 +285,7 @@ def auto_steps(
                     zero,
                     shardings["grads"],
                     policy.reduce_dtype,
+                    exclude,
                 )
         grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
         params, opt_state, loss_scale, grads = precision.apply_gradients(
@@ -331,6 +335,7 @@ def build_program(
     policy: precision.Policy = precision.POLICIES["fp32"],
     executor: str = "auto",
     pipeline: Any = None,
+    exclude_axes: tuple[str, ...] = (),
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -346,6 +351,9 @@ def build_program(
 
     With a `pipeline` (spmd.parallel.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the
     loss and its gradients come from that pipeline schedule instead of `loss_fn`.
+
+    `exclude_axes`: mesh axes that the auto executor's activation rules leave to an enclosing
+    vmap (spmd.engine.diloco); `Program.train_fn` is then the step to vmap.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
@@ -398,7 +406,9 @@ def build_program(
             graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
         )
     else:
-        train_step, eval_step = auto_steps(loss_of, tx, layout, shardings, step_accum, policy)
+        train_step, eval_step = auto_steps(
+            loss_of, tx, layout, shardings, step_accum, policy, exclude_axes
+        )
     param_sh, batch_sh, replicated = shardings["params"], shardings["batch"], layout.replicated
     scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
     scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
@@ -423,4 +433,5 @@ def build_program(
         eval_step=jax.jit(eval_step, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
         accum=accum,
         policy=policy,
+        train_fn=train_step,
     )

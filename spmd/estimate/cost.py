@@ -67,6 +67,7 @@ class Setup:
     schedule: str = "1f1b"  # pipeline schedule (pp > 1)
     microbatches: int = 1  # pipeline micro-batches per accumulation micro-step (pp > 1)
     virtual: int = 1  # chunks per stage (interleaved)
+    sync_every: int = 0  # --dcn-sync diloco: steps per round (0: gradients reduced every step)
 
     @property
     def devices(self) -> int:
@@ -130,7 +131,7 @@ class Comm:
     axes: tuple[str, ...]
     group: int  # devices in one group
     bytes: float
-    count: int  # executions per optimizer step
+    count: float  # executions per optimizer step (1 / H: once per DiLoCo round)
     purpose: str
     hideable: bool = False
 
@@ -283,7 +284,25 @@ def collectives(s: Setup) -> list[Comm]:
             moved = blocks * (pipeline - 1) / pipeline / (fsdp if s.zero == 3 else 1)
             per_param = s.bytes_of("weights") + s.bytes_of("grads")
             out.append(Comm("collective-permute", ("pipeline",), 2, moved * per_param, 1, "chunks"))
-    return out
+    return diloco_collectives(s, out) if s.sync_every and data > 1 else out
+
+
+def diloco_collectives(s: Setup, out: list[Comm]) -> list[Comm]:
+    """`out` under --dcn-sync diloco (spmd.engine.diloco): the gradient reductions stay inside
+    a replica (the data axis drops out of them), and once per round of `sync_every` steps one
+    all-reduce over data of the fp32 params, sharded like the params, carries the
+    pseudo-gradient."""
+    data, kept = s.mesh["data"], []
+    for c in out:
+        if c.purpose in ("gradients", "grad shards") and "data" in c.axes:
+            axes = tuple(a for a in c.axes if a != "data")
+            if not axes:
+                continue
+            c = dataclasses.replace(c, axes=axes, group=c.group // data)
+        kept.append(c)
+    fp32 = params_per_device(s, fsdp_shards=s.zero == 3) * DTYPE_BYTES["fp32"]
+    kept.append(Comm("all-reduce", ("data",), data, fp32, 1 / s.sync_every, "pseudo-gradient"))
+    return kept
 
 
 def wire_bytes(c: Comm) -> float:

@@ -7,7 +7,8 @@ eval. Training visits the train windows in a fresh permutation every epoch, draw
 (seed, epoch), and step t takes the slice [t*batch, (t+1)*batch) of that sequence: no mesh,
 process count or device order enters. Each process reads only the rows its own devices hold
 (from the batch sharding) and the global array is assembled with
-`jax.make_array_from_process_local_data`.
+`jax.make_array_from_process_local_data`. Under `--dcn-sync diloco` the same global batch is
+read, and replica r (the r-th way of the data axis) trains on the rows its devices hold.
 
 Why not grain's DataLoader: its `ShardByJaxProcess` gives each process a contiguous block of the
 record order, so the global batch changes with the process count, and its per-process iterator

@@ -48,7 +48,13 @@ def open_checkpoints(
         restored = checkpoint.restore_newest(
             manager, program_state_target(program), dataclasses.asdict(sections["model"]), say
         )
-        data.check_same_order(restored.data, run_data_state(train, restored.step, fingerprint))
+        current = run_data_state(train, restored.step, fingerprint)
+        data.check_same_order(restored.data, current)
+        if restored.data.get("diloco") != current.get("diloco"):
+            raise UsageError(
+                f"the checkpoint's outer loop {restored.data.get('diloco')} differs from this "
+                f"run's {current.get('diloco')}; resume with the same --dcn-sync and --sync-every"
+            )
         if train.stop_after and restored.step >= train.stop_after:
             raise UsageError(
                 f"--stop-after {train.stop_after} is not after step {restored.step}, where the "
@@ -79,9 +85,15 @@ def program_state_target(program: Any) -> dict[str, Any]:
 
 
 def run_data_state(train: TrainConfig, step: int, fingerprint: str) -> dict[str, Any]:
-    return data.data_state(
+    """The data state after `step` optimizer steps; under --dcn-sync diloco also H and the
+    position within the round (inner steps since the last sync), which a resume must match."""
+    state = data.data_state(
         step, train.seed, train.batch, train.seq_len, train.eval_fraction, fingerprint
     )
+    if train.dcn_sync == "diloco":
+        position = step % train.sync_every
+        state["diloco"] = {"sync_every": train.sync_every, "round_position": position}
+    return state
 
 
 def finish_stopped(
