@@ -68,18 +68,6 @@ def windows_of(train: Any, token_file: tokens.TokenFile, eval_fraction: float) -
     )
 
 
-def check_pipeline(windows: data.TokenWindows, pipeline_stages: int) -> None:
-    """UsageError where the batch carries what the pipeline schedules do not pass on yet."""
-    extra = [f for f in windows.fields if f not in ("inputs", "targets")]
-    if pipeline_stages > 1 and extra:
-        raise UsageError(
-            f"pipelines (pp={pipeline_stages}) pass only inputs and targets between stages, not "
-            f"{' / '.join(extra)}; use --document-mask off"
-            + (" and a text corpus (no --prompt-field)" if "weights" in extra else "")
-            + " with pp > 1, or a mesh without pp"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class MixtureData:
     """What a checkpoint's data state records of a mixture (as of a TokenFile: .fingerprint)."""
