@@ -318,9 +318,12 @@ def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     return jnp.mean(losses)
 
 
-def logits_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy (nats per token, fp32) of logits [..., vocab] against int targets:
-    `cross_entropy`'s value, written without a gather. The target's logit is picked by a
+def logits_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
+    """Mean cross-entropy (nats per token, fp32) of logits [..., vocab] against int targets,
+    each token's loss times its `weights` entry where given (as `lm_loss`): `cross_entropy`'s
+    value, written without a gather. The target's logit is picked by a
     one-hot product summed over vocab (exact: one term is non-zero; a target another device's
     vocabulary shard holds one-hots to zeros here), which stays a plain reduction when vocab
     is split; a gather on split logits crashes XLA's SPMD partitioner inside a partially
@@ -331,4 +334,5 @@ def logits_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     log_total = jnp.log(tp_sum(jnp.exp(shifted).sum(axis=-1), "vocab"))
     local = targets - tp_rank("vocab") * rows
     picked = jnp.sum(shifted * jax.nn.one_hot(local, rows, dtype=shifted.dtype), axis=-1)
-    return jnp.mean(log_total - tp_sum(picked, "vocab"))
+    losses = log_total - tp_sum(picked, "vocab")
+    return jnp.mean(losses if weights is None else losses * weights)

@@ -80,7 +80,8 @@ def build(
     - pipeline: a spmd.parallel.pipeline.Pipeline (schedule, micro-batches, virtual stages) used
     when
       the mesh's pipeline axis is over 1; the model then provides `embed_tokens(tokens)`,
-      `apply_blocks(x)` and `head_logits(x)`, as models/llama.py does.
+      `apply_blocks(x)` (`apply_blocks(x, segments)` for batches with segment ids) and
+      `head_logits(x)`, as models/llama.py does.
 
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). Returns a Program: `init()` -> TrainState sharded on the mesh, `step(state, batch)`

@@ -66,6 +66,7 @@ class TrainConfig:
     text_field: str = "text"  # the text column of JSONL / Parquet / Arrow records
     prompt_field: str = ""  # SFT: the prompt column (not counted in the loss); + response_field
     response_field: str = ""  # SFT: the response column (the loss counts only its tokens)
+    messages_field: str = ""  # chat SFT: a list of {role, content}, rendered by the chat template
     skip_bad_records: bool = False  # count and report unusable records instead of exit 2
     tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
     # on: attention stays within each packed document, positions restart; off: as plain text;

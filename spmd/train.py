@@ -122,7 +122,6 @@ def run(argv: list[str] | None) -> int:
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(train.mesh, train.devices, train.dcn_mesh, n_processes)
-    run_data.check_pipeline(windows, mesh.shape["pipeline"])
     check_dcn_sync_mesh(train, mesh, n_processes)
     program, pipe_report, with_lr_factor = build_run_program(train, model_cfg, mesh, windows)
     manager, restored = None, None

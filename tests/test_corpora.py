@@ -207,3 +207,98 @@ def test_processes_sharing_a_cache_tokenize_concurrently(tmp_path):
     assert not list((tmp_path / "c").glob("shards-*")) and not list(
         (tmp_path / "c").glob("*partial*")
     )
+
+
+CHATML = (  # a small ChatML-style template, written the way Hugging Face templates are
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_messages_rendered_by_the_template_count_assistant_turns_only(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from spmd.config import TrainConfig
+    from spmd.io import run_data
+
+    chats = [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is two plus two?"},
+            {"role": "assistant", "content": "Four."},
+            {"role": "user", "content": "And three plus three?"},
+            {"role": "assistant", "content": "Six, of course."},
+        ],
+        [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello!"}],
+    ]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [m["content"] + " system user assistant\n" for chat in chats for m in chat]
+    bpe.train_from_iterator(
+        corpus * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
+    )
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": chats[0]}) + "\n")
+    pq.write_table(pa.table({"messages": [chats[1]]}), tmp_path / "chats.parquet")
+    train = TrainConfig(
+        data=str(tmp_path / "chats.*"),
+        tokenizer=str(folder / "tokenizer.json"),
+        data_cache=str(tmp_path / "cache"),
+        messages_field="messages",
+        tokenize_workers=2,  # the pool: each worker compiles the template
+    )
+    token_file = run_data.open_token_file(train, train.data)
+    ids, mask = token_file.load(), token_file.loss_mask()
+
+    # Oracle, written out: ChatML text; counted = each assistant content and its end of turn.
+    def chatml(m: dict) -> str:
+        return f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+
+    end = bpe.token_to_id("<|endoftext|>")
+    expected_ids = [i for chat in chats for i in [*bpe.encode("".join(map(chatml, chat))).ids, end]]
+    np.testing.assert_array_equal(ids, expected_ids)
+    pieces = [bpe.decode([int(i)], skip_special_tokens=False) for i in ids]
+    counted = "".join(p for p, m in zip(pieces, mask, strict=True) if m)
+    not_counted = "".join(p for p, m in zip(pieces, mask, strict=True) if not m)
+    assert counted == "Four.<|im_end|>\nSix, of course.<|im_end|>\n<|endoftext|>" + (
+        "Hello!<|im_end|>\n<|endoftext|>"
+    )
+    assert "Four" not in not_counted and "two plus two" in not_counted
+
+    # Bad records name the file and line; no template, or byte-level tokens, exit 2.
+    bad = tmp_path / "bad.jsonl"
+    lines = [chats[1], [{"content": "no role"}], [{"role": "tool", "content": "x"}] + chats[1]]
+    bad.write_text("".join(json.dumps({"messages": m}) + "\n" for m in lines))
+    fields = corpora.Fields(messages="messages")
+    tokenizer, cache = str(folder / "tokenizer.json"), str(tmp_path / "cache")
+    with pytest.raises(UsageError, match=rf"{bad} line 2 has a message 0 without a string 'ro"):
+        shards.open_records(str(bad), tokenizer, cache, fields, workers=1)
+    said = []
+    shards.open_records(str(bad), tokenizer, cache, fields, 1, True, said.append)
+    assert f"{bad} line 3: the chat template refuses it (unknown role tool)" in said[-1]
+    with pytest.raises(UsageError, match="needs a chat template: pass --tokenizer"):
+        shards.open_records(str(path), "", cache, fields, workers=1)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(UsageError, match="tokenizer_config.json has no chat_template"):
+        shards.open_records(str(path), tokenizer, cache, fields, workers=1)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
+    with pytest.raises(UsageError, match="chat_template of .*tokenizer_config.json is not valid"):
+        shards.open_records(str(path), tokenizer, cache, fields, workers=1)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from spmd.errors import UsageError
+from spmd.io import chat
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
 ARROW_SUFFIXES = (".parquet", ".arrow")
@@ -34,21 +35,39 @@ ROWS_PER_BATCH = 1024  # Parquet / Arrow rows read at a time
 
 @dataclasses.dataclass(frozen=True)
 class Fields:
-    """Which fields of a record hold the text: `text`, or `prompt` + `response` (SFT)."""
+    """Which fields of a record hold the text: `text`, `prompt` + `response` (SFT), or
+    `messages` (a chat: a list of {role, content}, rendered by spmd.io.chat)."""
 
     text: str = "text"
     prompt: str = ""
     response: str = ""
+    messages: str = ""
 
     @property
     def sft(self) -> bool:
-        return bool(self.prompt or self.response)
+        return bool(self.prompt or self.response or self.messages)
 
     def names(self) -> tuple[str, ...]:
+        if self.messages:
+            return (self.messages,)
         return (self.prompt, self.response) if self.sft else (self.text,)
 
+    def problem(self, value: object) -> str | None:
+        """Why a field's value is unusable ("has no field" style, before the field's name)."""
+        if self.messages:
+            return chat.message_problem(value)
+        if isinstance(value, str):
+            return None
+        return "has no field" if value is None else "has a non-string"
+
     def check(self) -> None:
-        """UsageError unless both or neither of prompt and response are named."""
+        """UsageError unless both or neither of prompt and response are named, and messages
+        only without them."""
+        if self.messages and (self.prompt or self.response):
+            raise UsageError(
+                f"--messages-field {self.messages} reads chats; leave out --prompt-field and "
+                f"--response-field, or --messages-field"
+            )
         if bool(self.prompt) != bool(self.response):
             raise UsageError(
                 f"--prompt-field {self.prompt!r} and --response-field {self.response!r}: give "
@@ -104,12 +123,23 @@ def record_shards(data: str) -> list[Path]:
     return shards
 
 
-def documents(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> Iterator[tuple]:
-    """The shard's records in order: (text,) or (prompt, response) strings per record."""
+def documents(
+    path: Path, fields: Fields, bad: BadRecords, skip_bad: bool, render=None
+) -> Iterator[tuple]:
+    """The shard's records in order: (text,) or (prompt, response) strings per record; for
+    chats `render(messages)` of each record (a ValueError from it is a bad record)."""
     if path.name.endswith(JSON_SUFFIXES):
-        yield from _json_lines(path, fields, bad, skip_bad)
+        records = _json_lines(path, fields, bad, skip_bad)
     else:
-        yield from _arrow_rows(path, fields, bad, skip_bad)
+        records = _arrow_rows(path, fields, bad, skip_bad)
+    for where, values in records:
+        if render is None:
+            yield values
+            continue
+        try:
+            yield render(*values)
+        except ValueError as e:
+            bad.add(f"{where}: {e}", skip_bad)
 
 
 def _json_lines(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> Iterator[tuple]:
@@ -127,7 +157,7 @@ def _json_lines(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
                     continue
                 values = _values(record, fields, where, bad, skip_bad)
                 if values is not None:
-                    yield values
+                    yield where, values
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise UsageError(f"--data {path}: cannot read it as UTF-8 JSON lines ({e})") from None
 
@@ -139,8 +169,8 @@ def _values(record: object, fields: Fields, where: str, bad: BadRecords, skip: b
     values = []
     for name in fields.names():
         value = record.get(name)
-        if not isinstance(value, str):
-            what = "has no field" if value is None else "has a non-string"
+        what = fields.problem(value)
+        if what is not None:
             bad.add(f"{where} {what} {name!r} (fields: {', '.join(record) or 'none'})", skip)
             return None
         values.append(value)
@@ -166,11 +196,13 @@ def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
         for batch in batches:
             columns = [batch.column(batch.schema.get_field_index(n)).to_pylist() for n in names]
             for values in zip(*columns, strict=True):
-                if all(isinstance(v, str) for v in values):
-                    yield values
+                problems = [fields.problem(v) for v in values]
+                if all(p is None for p in problems):
+                    yield f"{path} row {row}", values
                 else:
-                    name = names[[isinstance(v, str) for v in values].index(False)]
-                    bad.add(f"{path} row {row} has no string in column {name!r}", skip_bad)
+                    i = next(i for i, p in enumerate(problems) if p is not None)
+                    what = "has no string in" if not fields.messages else problems[i]
+                    bad.add(f"{path} row {row} {what} column {names[i]!r}", skip_bad)
                 row += 1
     except UsageError:
         raise

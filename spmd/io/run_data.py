@@ -31,7 +31,9 @@ def check_choices(train: Any) -> None:
 
 
 def fields_of(train: Any) -> corpora.Fields:
-    return corpora.Fields(train.text_field, train.prompt_field, train.response_field)
+    return corpora.Fields(
+        train.text_field, train.prompt_field, train.response_field, train.messages_field
+    )
 
 
 def open_token_file(train: Any, path: str) -> tokens.TokenFile:
@@ -46,9 +48,11 @@ def open_token_file(train: Any, path: str) -> tokens.TokenFile:
             train.skip_bad_records,
             say=say,
         )
-    if train.prompt_field:
+    if train.prompt_field or train.messages_field:
+        flag = "prompt" if train.prompt_field else "messages"
         raise UsageError(
-            f"--prompt-field {train.prompt_field} needs JSONL / Parquet / Arrow records; --data "
+            f"--{flag}-field {train.prompt_field or train.messages_field} needs JSONL / Parquet / "
+            f"Arrow records; --data "
             f"{path or '(the stdlib sources)'} is text or tokens"
         )
     return tokens.open_tokens(path, train.tokenizer, train.data_cache)
@@ -66,18 +70,6 @@ def windows_of(train: Any, token_file: tokens.TokenFile, eval_fraction: float) -
         loss_mask=token_file.loss_mask(),
         document_mask=masking,
     )
-
-
-def check_pipeline(windows: data.TokenWindows, pipeline_stages: int) -> None:
-    """UsageError where the batch carries what the pipeline schedules do not pass on yet."""
-    extra = [f for f in windows.fields if f not in ("inputs", "targets")]
-    if pipeline_stages > 1 and extra:
-        raise UsageError(
-            f"pipelines (pp={pipeline_stages}) pass only inputs and targets between stages, not "
-            f"{' / '.join(extra)}; use --document-mask off"
-            + (" and a text corpus (no --prompt-field)" if "weights" in extra else "")
-            + " with pp > 1, or a mesh without pp"
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from spmd.errors import UsageError
-from spmd.io import corpora, tokens
+from spmd.io import chat, corpora, tokens
 
 ENCODE_BATCH = 256  # documents handed to the tokenizer at once (its batch encoder is faster)
 
@@ -50,15 +50,17 @@ def open_records(
     cache = Path(cache_dir) if cache_dir else tokens.default_cache_dir()
     shards = corpora.record_shards(data)
     tokenizer_id = tokens._file_hash(Path(tokenizer)) if tokenizer else "bytes"
-    key = tokens._hash_json(
-        {
-            "format": tokens.CACHE_FORMAT,
-            "records": [(str(s.resolve()), *tokens._stat(s)) for s in shards],
-            "fields": [fields.text, fields.prompt, fields.response],
-            "skip_bad": skip_bad,
-            "tokenizer": tokenizer_id,
-        }
-    )
+    identity = {
+        "format": tokens.CACHE_FORMAT,
+        "records": [(str(s.resolve()), *tokens._stat(s)) for s in shards],
+        "fields": [fields.text, fields.prompt, fields.response],
+        "skip_bad": skip_bad,
+        "tokenizer": tokenizer_id,
+    }
+    if fields.messages:  # chats: the field and the template (its absence exits 2 here)
+        identity["chat"] = [fields.messages, chat.template_id(tokenizer, fields.messages)]
+        chat.Renderer(tokenizer, fields.messages)  # compiles: a broken template exits 2 here
+    key = tokens._hash_json(identity)
     what = f"{len(shards)} record shard(s) of {data}, fields {'/'.join(fields.names())}, " + (
         f"tokenizer {tokenizer}" if tokenizer else "byte-level"
     )
@@ -144,6 +146,7 @@ def _run_pool(jobs: list[tuple], workers: int, sizes: list[int], say) -> list[di
 
 
 _ENCODERS: dict[str, object] = {}  # per worker process: the tokenizer, loaded once
+_RENDERERS: dict[tuple, chat.Renderer] = {}  # per worker process: the chat template, compiled once
 
 
 def tokenize_shard(
@@ -155,18 +158,24 @@ def tokenize_shard(
         _ENCODERS[tokenizer] = tokens._load_tokenizer(tokenizer)
     encoder = _ENCODERS.get(tokenizer)
     separator = _separator(encoder)
+    render = None
+    if fields.messages:
+        if (tokenizer, fields.messages) not in _RENDERERS:
+            _RENDERERS[tokenizer, fields.messages] = chat.Renderer(tokenizer, fields.messages)
+        render = _RENDERERS[tokenizer, fields.messages]
     bad = corpora.BadRecords()
     pid = os.getpid()
     paths = {kind: Path(f"{prefix}.{kind}.partial-{pid}") for kind in ("tokens", "lengths", "mask")}
     max_id, n_tokens, lengths = -1, 0, []
     with paths["tokens"].open("wb") as out, paths["mask"].open("wb") as mask_out:
         pending: list[tuple] = []
-        records = corpora.documents(Path(shard), fields, bad, skip_bad)
+        records = corpora.documents(Path(shard), fields, bad, skip_bad, render)
         for record in _then_none(records):
             if record is not None:
                 pending.append(record)
             if pending and (record is None or len(pending) == ENCODE_BATCH):
-                for ids, mask in _encode(pending, encoder, separator, fields.sft, dtype):
+                encode = _encode_chats if render else _encode
+                for ids, mask in encode(pending, encoder, separator, fields.sft, dtype):
                     out.write(ids.tobytes())
                     if fields.sft:
                         mask_out.write(mask.tobytes())
@@ -217,6 +226,20 @@ def _encode(records: list[tuple], encoder, separator: int | None, sft: bool, dty
         if sft:
             mask = np.zeros(len(ids), np.uint8)
             mask[len(parts[0]) :] = 1
+        if len(ids):
+            yield ids, mask
+
+
+def _encode_chats(records: list[tuple], encoder, separator: int | None, sft: bool, dtype: str):
+    """(token ids, loss mask) of each rendered chat (text, assistant spans): the text tokenized
+    whole, without the tokenizer's own special tokens (the template writes those), then the
+    end token; the mask is 1 on the tokens that start in an assistant span and on the end
+    token."""
+    end = [] if separator is None else [separator]
+    encoded = encoder.encode_batch([text for text, _ in records], add_special_tokens=False)
+    for (_, spans), e in zip(records, encoded, strict=True):
+        ids = np.asarray(e.ids + end, dtype)
+        mask = np.asarray(chat.counted(e.offsets, spans) + [1] * len(end), np.uint8)
         if len(ids):
             yield ids, mask
 

@@ -61,8 +61,9 @@ from spmd.parallel.pipeline_stage import AXIS, LogitsLoss, stage_step
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """How to pipeline a model over the `pipeline` axis. The model must provide
-    `embed_tokens(tokens)`, `apply_blocks(x)` (runs whatever layers its stack holds) and
-    `head_logits(x)`; its stacked params are those whose first logical axis is `layers`."""
+    `embed_tokens(tokens)`, `apply_blocks(x)` (runs whatever layers its stack holds; with a
+    document mask `apply_blocks(x, segments)`) and `head_logits(x)`; its stacked params are
+    those whose first logical axis is `layers`."""
 
     schedule: str  # one of schedules.SCHEDULES
     microbatches: int  # per pipeline pass (per accumulation micro-step); 0: 2 x stages
@@ -143,8 +144,9 @@ def manual_batch_axes(mesh: Any, zero_stage: int) -> tuple[str, ...]:
 
 
 def pipelined_loss(graphdef: Any, names: Any, layout: Any, pipe: Pipeline) -> Callable:
-    """`loss(params, batch)` (pure-dict params, batch of [batch, length] `inputs`/`targets`)
-    whose value and gradients are computed by the pipeline schedule over `layout.mesh`."""
+    """`loss(params, batch)` (pure-dict params, batch of [batch, length] `inputs`/`targets` and
+    optionally `segments`/`weights`, which travel with their micro-batches) whose value and
+    gradients are computed by the pipeline schedule over `layout.mesh`."""
     mesh = layout.mesh
     stages = mesh.shape[AXIS]
     virtual, chunks = pipe.virtual, mesh.shape[AXIS] * pipe.virtual
@@ -190,14 +192,14 @@ def pipelined_loss(graphdef: Any, names: Any, layout: Any, pipe: Pipeline) -> Ca
         )
         stage_spec = PartitionSpec(None, AXIS)
         rows = PartitionSpec(None, batch_axes or None)
+        micro = {key: split_batch(x) for key, x in batch.items()}
         sharded = jax.shard_map(
-            lambda s, o, i, t: step(s, o, i, t, layout.zero_stage, batch_axes=batch_axes),
+            lambda s, o, b: step(s, o, b, layout.zero_stage, batch_axes=batch_axes),
             mesh=mesh,
             in_specs=(
                 [stage_spec] * len(chunked),
                 [PartitionSpec()] * len(outer),
-                rows,
-                rows,
+                {key: rows for key in micro},
             ),
             out_specs=(
                 PartitionSpec(),
@@ -207,9 +209,7 @@ def pipelined_loss(graphdef: Any, names: Any, layout: Any, pipe: Pipeline) -> Ca
             axis_names={AXIS, *batch_axes},
             check_vma=True,
         )
-        loss, g_chunked, g_outer = sharded(
-            chunked, outer, split_batch(batch["inputs"]), split_batch(batch["targets"])
-        )
+        loss, g_chunked, g_outer = sharded(chunked, outer, micro)
         g_stacked = [g.reshape(x.shape) for g, x in zip(g_chunked, stacked, strict=True)]
         return loss, join_params(g_stacked, g_outer, treedef)
 
@@ -260,9 +260,8 @@ def manual_pipelined_loss(graphdef: Any, names: Any, pipe: Pipeline, stages: int
             outer_names,
         )
         chunked = [x[None, None] for x in stacked]  # [v=1, 1 stage, local layers, ...]
-        loss, g_chunked, g_outer = step(
-            chunked, outer, split(batch["inputs"]), split(batch["targets"]), 0, manual=True
-        )
+        micro = {key: split(x) for key, x in batch.items()}
+        loss, g_chunked, g_outer = step(chunked, outer, micro, 0, manual=True)
         g_stacked = [g.reshape(x.shape) for g, x in zip(g_chunked, stacked, strict=True)]
         return loss, join(g_stacked, g_outer)
 

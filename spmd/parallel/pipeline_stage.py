@@ -19,7 +19,8 @@ from spmd.parallel import hooks, rules, schedules
 from spmd.parallel.hooks import varying_axes
 
 AXIS = "pipeline"
-LogitsLoss = Callable[[jax.Array, jax.Array], jax.Array]  # (logits, targets) -> mean loss
+# (logits, targets, loss weights or None) -> mean loss
+LogitsLoss = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 def _vary(x: jax.Array, like: object = None) -> jax.Array:
@@ -46,15 +47,17 @@ def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
 @dataclasses.dataclass
 class Stage:
     """What one stage's tick program reads: the schedule, this stage's params (each stage's
-    own varying copy), the micro-batches and the pins that keep shardings stable."""
+    own varying copy), the micro-batches and the pins that keep shardings stable. `batch`
+    holds [M, b, T] arrays: "inputs", "targets" and, where the data has them, "segments"
+    (document ids: every chunk's attention mask and rotary positions) and "weights" (the
+    head's loss weights); they stay on every stage, indexed by the micro-batch a slot runs."""
 
     sched: schedules.Table
     merge: Callable  # (stacked leaves, outer leaves) -> the model
     logits_loss: LogitsLoss
     chunks: list  # [v, L/C, ...] stacked param leaves of this stage's chunks
     outer: list  # embedding / norm / head leaves
-    inputs: jax.Array  # [M, b, T]
-    targets: jax.Array  # [M, b, T]
+    batch: dict  # [M, b, T] per field
     pin_chunk_grads: Callable
     pin_outer_grads: Callable
 
@@ -67,15 +70,28 @@ class Stage:
     def blocks_of(self, k: jax.Array) -> list:
         return [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in self.chunks]
 
-    def run_chunk(self, block_params: list, x: jax.Array) -> jax.Array:
-        return self.merge(block_params, self.outer).apply_blocks(x)
+    def field(self, key: str, m: jax.Array) -> jax.Array | None:
+        """Micro-batch m of a batch field, None where the batch does not carry it."""
+        return self.batch[key][m] if key in self.batch else None
+
+    def run_chunk(self, block_params: list, x: jax.Array, m: jax.Array) -> jax.Array:
+        segments = self.field("segments", m)
+        model = self.merge(block_params, self.outer)
+        return model.apply_blocks(x) if segments is None else model.apply_blocks(x, segments)
 
     def embed(self, outer_params: list, tokens: jax.Array) -> jax.Array:
         return self.merge(self.blocks_of(0), outer_params).embed_tokens(tokens)
 
-    def head_loss(self, outer_params: list, y: jax.Array, tgt: jax.Array) -> jax.Array:
+    def head_loss(self, outer_params: list, y: jax.Array, m: jax.Array) -> jax.Array:
+        # The weights are normalized over the whole batch (mean 1 over it), so the mean of
+        # the micro-batches' weighted means is the batch's weighted mean.
         logits = self.merge(self.blocks_of(0), outer_params).head_logits(y)
-        return self.logits_loss(logits, tgt) * (1.0 / self.sched.microbatches)
+        targets, weights = self.batch["targets"][m], self.field("weights", m)
+        if weights is None:
+            loss = self.logits_loss(logits, targets)
+        else:
+            loss = self.logits_loss(logits, targets, weights)
+        return loss * (1.0 / self.sched.microbatches)
 
 
 def forward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.Array]:
@@ -85,20 +101,18 @@ def forward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.Ar
     m, first = row[col["f_mb"]], row[col["f_first"]] == 1
     x = jax.lax.cond(
         first,
-        lambda: st.pin_act(st.embed(st.outer, st.inputs[m])),
+        lambda: st.pin_act(st.embed(st.outer, st.batch["inputs"][m])),
         lambda: st.pin_act(_read(stash, row[col["f_slot"]])),
     )
     if sched.backward:  # the first chunk's input (the embedding) is kept for its vjp
         stash = st.pin_buffer(_write(stash, row[col["f_slot"]], x, first))
-    y = st.pin_act(st.run_chunk(st.blocks_of(row[col["f_chunk"]]), x))
+    y = st.pin_act(st.run_chunk(st.blocks_of(row[col["f_chunk"]]), x, m))
 
     def head(operands: tuple) -> tuple:
         inbox, g_outer, loss = operands
         if not sched.backward:
-            return inbox, g_outer, loss + st.head_loss(st.outer, y, st.targets[m])
-        value, (g_head, dy) = jax.value_and_grad(st.head_loss, argnums=(0, 1))(
-            st.outer, y, st.targets[m]
-        )
+            return inbox, g_outer, loss + st.head_loss(st.outer, y, m)
+        value, (g_head, dy) = jax.value_and_grad(st.head_loss, argnums=(0, 1))(st.outer, y, m)
         inbox = st.pin_buffer(_write(inbox, row[col["head_slot"]], dy, True))
         g_outer = [a + g.astype(jnp.float32) for a, g in zip(g_outer, g_head, strict=True)]
         return inbox, st.pin_outer_grads(g_outer), loss + value
@@ -114,10 +128,10 @@ def backward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.A
     stash, its output gradient read from the inbox; returns the input gradient."""
     col = schedules.COLUMN
     stash, inbox, g_chunks, g_outer, loss = carry
-    k = row[col["b_chunk"]]
+    k, m = row[col["b_chunk"]], row[col["b_mb"]]
     x = st.pin_act(_read(stash, row[col["b_slot"]]))
     dy = st.pin_act(_read(inbox, row[col["b_inbox"]]))
-    _, chunk_vjp = jax.vjp(st.run_chunk, st.blocks_of(k), x)
+    _, chunk_vjp = jax.vjp(lambda p, x: st.run_chunk(p, x, m), st.blocks_of(k), x)
     g_blocks, dx = chunk_vjp(dy)
     g_chunks = st.pin_chunk_grads(
         [
@@ -127,7 +141,7 @@ def backward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.A
     )
 
     def embed_grad(g_outer: list) -> list:
-        tokens = st.inputs[row[col["b_mb"]]]
+        tokens = st.batch["inputs"][m]
         _, embed_vjp = jax.vjp(lambda o: st.embed(o, tokens), st.outer)
         (g_embed,) = embed_vjp(dx)
         return st.pin_outer_grads(
@@ -175,8 +189,7 @@ def run_stage(
     logits_loss: LogitsLoss,
     chunked: list,
     outer: list,
-    inputs: jax.Array,
-    targets: jax.Array,
+    batch: dict,
     pin_chunk_grads: Callable,
     pin_outer_grads: Callable,
 ) -> tuple:
@@ -189,15 +202,14 @@ def run_stage(
         sched,
         merge,
         logits_loss,
-        [_vary(x[:, 0], inputs) for x in chunked],
-        [_vary(x, inputs) for x in outer],
-        inputs,
-        targets,
+        [_vary(x[:, 0], batch["inputs"]) for x in chunked],
+        [_vary(x, batch["inputs"]) for x in outer],
+        batch,
         pin_chunk_grads,
         pin_outer_grads,
     )
     cells = jnp.asarray(sched.cells)[:, jax.lax.axis_index(AXIS)]  # [ticks, fields]
-    act = jax.eval_shape(st.embed, st.outer, inputs[0])
+    act = jax.eval_shape(st.embed, st.outer, batch["inputs"][0])
     stash = st.pin_buffer(_vary(jnp.zeros((sched.stash_slots, *act.shape), act.dtype), act))
     inbox = st.pin_buffer(_vary(jnp.zeros((sched.inbox_slots, *act.shape), act.dtype), act))
     g_chunks = pin_chunk_grads([_vary(jnp.zeros(x.shape, jnp.float32), x) for x in st.chunks])
@@ -219,27 +231,26 @@ def stage_step(
     stacked_names: list[tuple],
     outer_names: list[tuple],
 ) -> Callable:
-    """The per-stage program of a schedule, to run where `pipeline` is a manual axis:
-    (chunked [v, 1, L/C, ...] stacked params, outer params, inputs [M, b, T], targets [M, b, T],
-    zero stage, manual) -> (mean loss, chunked grads, outer grads), the loss and outer grads
-    summed over the stages. `manual`: every mesh axis is manual (the explicit executor's
-    shard_map), so no sharding constraints are set. `merge(stacked, outer)` builds the model
-    from lists of param leaves; the names are the logical axes of those leaves (for the
-    shardings of their gradients)."""
+    """The per-stage program of a schedule, to run where `pipeline` is a manual axis: (chunked [v,
+    1, L/C, ...] stacked params, outer params, micro-batches {field: [M, b, T]} (inputs, targets and
+    optionally segments, weights), zero stage, manual) -> (mean loss, chunked grads, outer grads),
+    the loss and outer grads summed over the stages. `manual`: every mesh axis is manual (the
+    explicit executor's shard_map), so no sharding constraints are set. `merge(stacked, outer)`
+    builds the model from lists of param leaves; the names are the logical axes of those leaves (for
+    the shardings of their gradients)."""
     run = functools.partial(run_stage, sched, merge, logits_loss)
 
     def step(
         chunked: list,
         outer: list,
-        inputs: jax.Array,
-        targets: jax.Array,
+        batch: dict,
         zero: int,
         manual: bool = False,
         batch_axes: tuple[str, ...] = (),
     ):
         if manual:  # every mesh axis is manual (explicit executor): local arrays, no pins
             with hooks.no_activation_layout():
-                return run(chunked, outer, inputs, targets, list, list)
+                return run(chunked, outer, batch, list, list)
         # Inside the shard_map `pipeline` is manual: shardings must name the context's mesh
         # (whose `pipeline` axis is Manual), not the concrete one.
         mesh = jax.sharding.get_abstract_mesh()
@@ -261,8 +272,7 @@ def stage_step(
             loss, g_chunks, g_outer = run(
                 chunked,
                 outer,
-                inputs,
-                targets,
+                batch,
                 lambda g: pin_grads(g, chunk_names),
                 lambda g: pin_grads(g, outer_names),
             )

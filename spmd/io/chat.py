@@ -1,0 +1,147 @@
+"""Chat records: a `messages` list of {role, content} rendered with the tokenizer's chat
+template, the loss counting the assistant turns only.
+
+The template is the `chat_template` of the `tokenizer_config.json` beside `--tokenizer`
+(Hugging Face's convention): Jinja, rendered by jinja2 in a sandbox with the settings those
+templates are written for (trim_blocks, lstrip_blocks, a `raise_exception` function, the
+config's special tokens such as `bos_token` and `eos_token` as variables).
+
+Which tokens count. Each assistant message's text span is found by rendering prefixes of
+the conversation: the messages before it with `add_generation_prompt=True` (everything up to
+where the assistant starts writing) and the messages through it (its content and the
+template's end-of-turn text). The span is the second rendering minus the first, and both must
+be prefixes of the whole conversation's rendering (a template that renders a prefix
+differently is a bad record). The whole rendering is then tokenized once, as the model will
+see it, and a token counts when its first character lies in an assistant span: exact at the
+character level, and a token that straddles a span's start is the template's, not the
+assistant's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from spmd.errors import UsageError
+
+ASSISTANT = "assistant"
+
+
+def config_path(tokenizer: str) -> Path:
+    return Path(tokenizer).parent / "tokenizer_config.json"
+
+
+def load_template(tokenizer: str, field: str) -> tuple[str, dict[str, str]]:
+    """(the chat template's source, the special tokens it may use) of `tokenizer`'s folder;
+    UsageError where there is none."""
+    if not tokenizer:
+        raise UsageError(
+            f"--messages-field {field} needs a chat template: pass --tokenizer with a "
+            f"tokenizer.json whose folder's tokenizer_config.json has a chat_template "
+            f"(byte-level tokens have none)"
+        )
+    path = config_path(tokenizer)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"--messages-field {field} needs {path} with a chat_template; cannot read it ({e})"
+        ) from None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise UsageError(
+            f"--messages-field {field}: {path} has no chat_template (a Jinja string); use a "
+            f"tokenizer that ships one, or --prompt-field / --response-field"
+        )
+    specials = {}
+    for key, value in config.items():
+        if key.endswith("_token"):
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                specials[key] = value
+    return template, specials
+
+
+def template_id(tokenizer: str, field: str) -> str:
+    """A hash of what the rendering depends on (for the cache key)."""
+    template, specials = load_template(tokenizer, field)
+    blob = json.dumps([template, specials], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def message_problem(value: object) -> str | None:
+    """Why `value` is not a usable conversation, or None."""
+    if not isinstance(value, list) or not value:
+        return "has no message list in"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"has a message {i} without a string 'role' in"
+        if not isinstance(message.get("content"), str):
+            return f"has a message {i} without a string 'content' in"
+    if not any(m["role"] == ASSISTANT for m in value):
+        return "has no assistant message in"
+    return None
+
+
+class Renderer:
+    """A compiled chat template: conversation -> (text, assistant character spans)."""
+
+    def __init__(self, tokenizer: str, field: str):
+        try:
+            import jinja2.sandbox
+        except ImportError:
+            raise UsageError(
+                f"--messages-field {field} needs jinja2 for the chat template (pip install "
+                f"jinja2, or spmd[tokenizer])"
+            ) from None
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        source, self.specials = load_template(tokenizer, field)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UsageError(
+                f"--messages-field {field}: the chat_template of {config_path(tokenizer)} is "
+                f"not valid Jinja (line {e.lineno}: {e.message})"
+            ) from None
+
+    def _render(self, messages: list, generation_prompt: bool) -> str:
+        return self.template.render(
+            messages=messages, add_generation_prompt=generation_prompt, **self.specials
+        )
+
+    def __call__(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and its assistant spans [start, end) in characters;
+        ValueError (saying why) where the template refuses it or is not prefix-stable."""
+        import jinja2
+
+        try:
+            text = self._render(messages, False)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != ASSISTANT:
+                    continue
+                before = self._render(messages[:i], True)
+                through = self._render(messages[: i + 1], False)
+                if not (through.startswith(before) and text.startswith(through)):
+                    raise ValueError(
+                        f"the chat template does not render message {i}'s prefix as a prefix "
+                        f"of the conversation"
+                    )
+                spans.append((len(before), len(through)))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refuses it ({e})") from None
+        return text, spans
+
+
+def counted(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token (character offsets) whose first character is in an assistant span."""
+    return [int(any(a <= start < b for a, b in spans)) for start, _ in offsets]
