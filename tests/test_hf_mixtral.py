@@ -1,9 +1,11 @@
 """Hugging Face Mixtral interop: a tiny MixtralForCausalLM written by `transformers` itself
 (tests/fixtures/make_hf_mixtral.py, run once by hand; torch and transformers are not needed
 here) loads into the spmd MoE model with the logits transformers computed, on one device and
-with the experts split over ep=2; spmd -> HF -> spmd is bit-exact through the commands; what
+with the experts split over ep=2; spmd -> HF -> spmd is bit-exact through the commands;
+--init-from-hf trains from it; what
 the MoE model does not compute exits 2 naming the field."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -13,9 +15,10 @@ import numpy as np
 import pytest
 
 from models import hf_llama, hf_mixtral
-from spmd import convert, weights
+from spmd import convert, train, weights
 from spmd.errors import UsageError
-from tests import trainer
+from spmd.io import data, tokens
+from tests import cli, trainer
 from tests.test_hf import hf_tensors, logits_of
 
 MIXTRAL = Path(__file__).resolve().parent / "fixtures" / "hf_mixtral"
@@ -105,3 +108,29 @@ def test_a_shared_expert_has_no_mixtral_equivalent(tmp_path):
         hf_mixtral.mixtral_hf_config(
             type(cfg)(**{**cfg.__dict__, "shared_expert": True}), "float32", 64
         )
+
+
+def test_training_starts_from_the_mixtral_weights(tmp_path):
+    """--init-from-hf with a Mixtral folder: the run's model is the MoE config of its
+    config.json and the first step's loss (taken before the update, router loss included) is
+    the loaded model's loss on that step's batch."""
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("0123456789+-*/=<>"), 5)) for _ in range(40)]
+    corpus = tmp_path / "corpus.txt"  # bytes below 64: the fixture's vocab is 64
+    corpus.write_text(" ".join(rng.choice(words, 2000)))
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--init-from-hf", str(MIXTRAL), "--data", str(corpus), "--mesh", "dp=-1,ep=2"]
+    args += ["--data-cache", str(tmp_path / "cache"), "--metrics", str(metrics)]
+    args += ["--steps", "1", "--batch", "8", "--seq-len", "16", "--eval-fraction", "0"]
+    assert train.main(args) == 0
+    records = cli.records(metrics)
+    loaded = weights.from_hf(str(MIXTRAL), trainer.layout("dp=4,ep=2"))
+    assert records[0]["config"]["model"] == dataclasses.asdict(loaded.model)
+    windows = data.TokenWindows(
+        tokens.open_tokens(str(corpus), cache_dir=str(tmp_path / "cache")).load(), 16, 0.0
+    )
+    ids = data.train_window_ids(0, 0, 8, windows.n_train)
+    batch = data.global_batch(windows, ids, loaded.program.layout.batch_sharding())
+    expected = float(loaded.program.eval_step(loaded.params, batch))
+    (first,) = [r for r in records if r["kind"] == "train"]
+    assert abs(first["loss"] - expected) <= 1e-5 * expected, (first["loss"], expected)
