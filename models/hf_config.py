@@ -17,18 +17,29 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # if no architectures
 
 
+def architectures(hf: dict[str, Any]) -> list[str]:
+    """The architectures a config.json names (from model_type when it names none)."""
+    types = {**MODEL_TYPES, "mixtral": "MixtralForCausalLM"}
+    return hf.get("architectures") or [
+        types.get(hf.get("model_type"), f"model_type {hf.get('model_type')!r}")
+    ]
+
+
 def llama_config(hf: dict[str, Any], where: str, remat: str = "none") -> llama.LlamaConfig:
     """The LlamaConfig of a Hugging Face config.json (as a dict); UsageError naming any
     architecture or feature spmd's Llama does not implement."""
-    architectures = hf.get("architectures") or [
-        MODEL_TYPES.get(hf.get("model_type"), f"model_type {hf.get('model_type')!r}")
-    ]
-    unsupported = [a for a in architectures if a not in ARCHITECTURES]
+    unsupported = [a for a in architectures(hf) if a not in ARCHITECTURES]
     if unsupported:
         raise UsageError(
             f"{where}: architecture {', '.join(map(str, unsupported))} is not supported; "
-            f"spmd converts {', '.join(ARCHITECTURES)}"
+            f"spmd converts {', '.join(ARCHITECTURES)}, MixtralForCausalLM"
         )
+    return dense_config(hf, where, remat)
+
+
+def dense_config(hf: dict[str, Any], where: str, remat: str = "none") -> llama.LlamaConfig:
+    """The LlamaConfig of the fields a Llama-family config.json shares (attention, norms,
+    rope, sizes), whatever its architecture; UsageError naming any feature spmd lacks."""
     features = {
         "hidden_act": (hf.get("hidden_act", "silu") in ("silu", "swish"), "an MLP activation"),
         "attention_bias": (not hf.get("attention_bias", False), "biases in attention"),

@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family checkpoints <-> the spmd Llama model, streamed tensor by tensor.
+"""Hugging Face Llama-family checkpoints <-> the spmd Llama model, streamed tensor by tensor
+(Mixtral <-> the MoE model too: models/hf_mixtral.py adds its expert tensors to the table).
 
 A Hugging Face checkpoint folder holds `config.json` and the weights in `model.safetensors`, or
 in shards listed by `model.safetensors.index.json`. The two layouts differ only in names and in
@@ -49,8 +50,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import llama
-from models.hf_config import ARCHITECTURES, hf_config, llama_config
+from models import hf_mixtral, llama, moe
+from models.hf_config import architectures, hf_config, llama_config
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 
@@ -74,6 +75,7 @@ TENSORS: tuple[tuple[tuple[str, ...], str, int], ...] = (
     (("blocks", "mlp_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
     (("final_norm", "scale"), "model.norm.weight", 0),
     (("lm_head",), "lm_head.weight", 1),
+    *hf_mixtral.TENSORS,  # a model has either the dense MLP's tensors or the experts'
 )
 STACKED = "blocks"  # params under this key carry a leading `layers` dim
 
@@ -87,8 +89,8 @@ class Entry:
 
     hf_name: str
     path: tuple[str, ...]
-    layer: int | None  # row of the stacked spmd param, None if not stacked
-    shape: tuple[int, ...]  # the spmd shape of this tensor (one layer's for stacked params)
+    layer: tuple[int, ...] | None  # (layer,) or (layer, expert) in a stacked param, or None
+    shape: tuple[int, ...]  # the spmd shape of this tensor (one layer's / expert's if stacked)
     in_dims: int
 
     @property
@@ -108,9 +110,9 @@ class Entry:
 
 
 def param_shapes(cfg: llama.LlamaConfig) -> dict[str, Any]:
-    """The spmd params of `cfg` as a pure dict of ShapeDtypeStructs (nothing allocated)."""
+    """The spmd params of `cfg` (dense or MoE) as a pure dict of ShapeDtypeStructs."""
     with nnx.use_eager_sharding(False):
-        return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: llama.create(cfg, 0))))
+        return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: moe.create(cfg, 0))))
 
 
 def entries(params: dict[str, Any]) -> list[Entry]:
@@ -126,11 +128,16 @@ def entries(params: dict[str, Any]) -> list[Entry]:
         else:
             top.append(Entry(hf_name, path, None, shape, in_dims))
     n_layers = per_layer[0][3][0] if per_layer else 0
-    layers = [
-        Entry(hf_name.format(i), path, i, shape[1:], in_dims)
-        for i in range(n_layers)
-        for path, hf_name, in_dims, shape in per_layer
-    ]
+    layers = []
+    for i in range(n_layers):
+        for path, hf_name, in_dims, shape in per_layer:
+            if hf_name.count("{}") == 1:
+                layers.append(Entry(hf_name.format(i), path, (i,), shape[1:], in_dims))
+            else:  # one HF tensor per expert: rows [i, j] of a [layers, experts, ...] param
+                layers += [
+                    Entry(hf_name.format(i, j), path, (i, j), shape[2:], in_dims)
+                    for j in range(shape[1])
+                ]
     return top[:1] + layers + top[1:]
 
 
@@ -181,10 +188,17 @@ def open_checkpoint(directory: str, remat: str = "none") -> HFCheckpoint:
         raise UsageError(f"{directory} has no config.json; is it a Hugging Face folder?") from None
     except ValueError as e:
         raise UsageError(f"{config_path} is not valid JSON ({e})") from None
-    cfg = llama_config(raw, str(config_path), remat)
+    cfg = model_config(raw, str(config_path), remat)
     tensors = _read_tensors(folder)
-    _check_tensors(tensors, entries(param_shapes(cfg)), cfg, folder)
+    _check_tensors(tensors, entries(param_shapes(cfg)), cfg, folder, raw)
     return HFCheckpoint(folder, cfg, tensors, raw)
+
+
+def model_config(raw: dict[str, Any], where: str, remat: str = "none") -> llama.LlamaConfig:
+    """The spmd config of a config.json: a MoEConfig for Mixtral, else a LlamaConfig."""
+    if hf_mixtral.is_mixtral(raw):
+        return hf_mixtral.mixtral_config(raw, where, remat)
+    return llama_config(raw, where, remat)
 
 
 def _read_tensors(folder: Path) -> dict[str, safetensors_io.TensorInfo]:
@@ -217,6 +231,7 @@ def _check_tensors(
     expected: list[Entry],
     cfg: llama.LlamaConfig,
     folder: Path,
+    raw: dict[str, Any],
 ) -> None:
     wanted = {e.hf_name for e in expected}
     for entry in expected:
@@ -224,7 +239,8 @@ def _check_tensors(
         if info is None:
             raise UsageError(
                 f"{folder} has no tensor {entry.hf_name}, which its config.json implies "
-                f"({cfg.n_layers} layers, tie_word_embeddings={cfg.tie_embeddings})"
+                f"({cfg.n_layers} layers, {getattr(cfg, 'n_experts', 0)} experts, "
+                f"tie_word_embeddings={cfg.tie_embeddings})"
             )
         if info.shape != entry.hf_shape:
             raise UsageError(
@@ -244,7 +260,7 @@ def _check_tensors(
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
         raise UsageError(
-            f"{folder} holds tensor {extra[0]}{more}, which a {ARCHITECTURES[0]} with this "
+            f"{folder} holds tensor {extra[0]}{more}, which a {architectures(raw)[0]} with this "
             f"config.json does not have; is it another architecture?"
         )
 
@@ -267,7 +283,7 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
             return entry.to_spmd(checkpoint.tensors[entry.hf_name].read(), np.dtype(dtype))
 
         if path[0] == STACKED:
-            value = _stacked(target, [lambda e=e: host(e) for e in layer_entries])
+            value = _stacked(target, [(e.layer, lambda e=e: host(e)) for e in layer_entries])
         else:
             value = _to_devices(host(layer_entries[0]), target.sharding)
         _set(params, path, value)
@@ -280,15 +296,18 @@ def _to_devices(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _stacked(target: jax.ShapeDtypeStruct, layers: list[Callable[[], np.ndarray]]) -> jax.Array:
-    """A [layers, ...] device array in the target's sharding, filled one layer at a time."""
+def _stacked(
+    target: jax.ShapeDtypeStruct, rows: list[tuple[tuple[int, ...], Callable[[], np.ndarray]]]
+) -> jax.Array:
+    """A [layers, ...] (or [layers, experts, ...]) device array in the target's sharding,
+    filled one (index, read) row at a time."""
     sharding = target.sharding
     spec = tuple(sharding.spec) + (None,) * (len(target.shape) - len(sharding.spec))
-    row_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))
     stacked = _zeros(target.shape, target.dtype, sharding)
-    for i, read in enumerate(layers):
+    for index, read in rows:
+        row_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[len(index) :]))
         row = _to_devices(read(), row_sharding)
-        stacked = _write_row(stacked, row, i)
+        stacked = _write_row(stacked, row, index)
     return stacked
 
 
@@ -302,8 +321,9 @@ def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sh
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_row(stacked: jax.Array, row: jax.Array, index: int) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, row.astype(stacked.dtype), index, 0)
+def _write_row(stacked: jax.Array, row: jax.Array, index: tuple[int, ...]) -> jax.Array:
+    block = row.astype(stacked.dtype).reshape((1,) * len(index) + row.shape)
+    return jax.lax.dynamic_update_slice(stacked, block, (*index, *(0,) * row.ndim))
 
 
 # --- writing a folder -----------------------------------------------------------------
@@ -318,12 +338,17 @@ def save(
     max_positions: int = 2048,
 ) -> list[Path]:
     """Write `params` (spmd params of `cfg`, jax arrays on any mesh) as a Hugging Face
-    LlamaForCausalLM folder: config.json and safetensors in `dtype` ("float32" or "bfloat16"),
-    in shards of at most `max_shard_bytes` with an index when there is more than one. Refuses
-    a folder that already holds a checkpoint. Returns the files written."""
+    LlamaForCausalLM folder (MixtralForCausalLM for an MoE config): config.json and
+    safetensors in `dtype` ("float32" or "bfloat16"), in shards of at most `max_shard_bytes`
+    with an index when there is more than one. Refuses a folder that already holds a
+    checkpoint. Returns the files written."""
     if dtype not in EXPORT_DTYPES:
         raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     check_new_folder(directory)
+    if getattr(cfg, "n_experts", 0):
+        config = hf_mixtral.mixtral_hf_config(cfg, dtype, max_positions)
+    else:
+        config = hf_config(cfg, dtype, max_positions)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     np_dtype = EXPORT_DTYPES[dtype]
@@ -356,7 +381,7 @@ def save(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         written.append(folder / INDEX_FILE)
-    config_text = json.dumps(hf_config(cfg, dtype, max_positions), indent=2)
+    config_text = json.dumps(config, indent=2)
     (folder / "config.json").write_text(config_text + "\n")
     return [*written, folder / "config.json"]
 

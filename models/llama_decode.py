@@ -1,4 +1,4 @@
-"""The Llama forward pass with a key/value cache, for generation.
+"""The Llama forward pass with a key/value cache, for generation (the MoE model's too).
 
 `forward(model, tokens, positions, cache)` runs tokens [batch, T] that sit at per-row
 `positions` [batch, T] through the same params and maths as `Llama.__call__`, writes their keys
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import moe
 from models.llama import Attention, Block, Llama, LlamaConfig, rotary
 from spmd.parallel.hooks import constrain
 
@@ -66,6 +67,16 @@ def _attend(
     return jnp.einsum("bthd,hde->bte", out, attn.wo[...].astype(dtype)), keys, values
 
 
+def _mlp(block: Block | moe.Block, x: jax.Array) -> jax.Array:
+    """The block's MLP: the dense one, or the MoE block's experts. Routing groups tokens per
+    row of the call, so a dropless MoE model (capacity_factor 0) routes each token exactly as
+    in the full forward pass: its expert outputs do not depend on the other tokens of the row.
+    With a capacity factor, tokens may drop differently than in training's longer rows."""
+    if isinstance(block, moe.Block):
+        return block.experts(x)[0]
+    return block.mlp(x)
+
+
 def forward(
     model: Llama, tokens: jax.Array, positions: jax.Array, cache: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -81,7 +92,7 @@ def forward(
         block: Block = nnx.merge(block_def, state)
         attended, keys, values = _attend(block.attn, block.attn_norm(x), positions, keys, values)
         x = x + attended
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + _mlp(block, block.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed")), (keys, values)
 
     x, (keys, values) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"]))

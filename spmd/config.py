@@ -98,7 +98,7 @@ class TrainConfig:
     max_rollbacks: int = 3  # rollbacks over the whole run (resumes included); then as `stop`
     rollback_lr_factor: float = 1.0  # each rollback multiplies the LR schedule by this, in (0, 1]
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
-    init_from_hf: str = ""  # start from a Hugging Face Llama folder (its config.json: the model)
+    init_from_hf: str = ""  # start from a HF Llama or Mixtral folder (its config.json: the model)
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
     num_processes: int = 0  # processes in the job (0: from spmd.launch, SLURM or Open MPI)

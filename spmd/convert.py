@@ -1,4 +1,4 @@
-"""`python -m spmd.convert`: Hugging Face Llama folders <-> spmd checkpoint folders.
+"""`python -m spmd.convert`: Hugging Face Llama or Mixtral folders <-> spmd checkpoint folders.
 
     python -m spmd.convert --from-hf path/to/hf_llama --to ckpt/llama      # HF -> spmd
     python -m spmd.convert --checkpoint runs/ckpt --to-hf out/hf_llama     # spmd -> HF
@@ -30,7 +30,7 @@ from spmd.errors import UsageError, run_command
 class ConvertConfig:
     """Which way to convert, and on which mesh the params are held on the way."""
 
-    from_hf: str = ""  # a Hugging Face Llama folder (config.json + *.safetensors) to read
+    from_hf: str = ""  # a Hugging Face Llama or Mixtral folder (config.json, *.safetensors) to read
     to: str = ""  # the spmd checkpoint folder to write (with --from-hf)
     checkpoint: str = ""  # an spmd checkpoint folder to read (with --to-hf)
     step: int = 0  # its step to read (0: the newest)

@@ -4,9 +4,10 @@
     python -m spmd.generate --from-hf path/to/hf_llama --prompts-file prompts.txt --top-k 40
 
 The params come from an spmd checkpoint folder (a training run's `--checkpoint-dir`, or the
-`--to` folder of spmd.convert) or a Hugging Face Llama folder, read straight into the param
-shardings of `--mesh`. Text is byte-level unless a tokenizer is given or the checkpoint was
-trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging Face folder).
+`--to` folder of spmd.convert) or a Hugging Face Llama or Mixtral folder, read straight into
+the param shardings of `--mesh`. Text is byte-level unless a tokenizer is given or the
+checkpoint was trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging
+Face folder).
 
 All prompts (`--prompt`, or one per line of `--prompts-file`, each `--num-samples` times) form
 one batch. They are right-padded to the longest and every row keeps its own positions (see
@@ -34,7 +35,7 @@ class GenerateConfig:
 
     checkpoint: str = ""  # spmd checkpoint folder (a run's --checkpoint-dir or convert's --to)
     step: int = 0  # checkpoint step to read (0: the newest)
-    from_hf: str = ""  # a Hugging Face Llama folder instead of --checkpoint
+    from_hf: str = ""  # a Hugging Face Llama or Mixtral folder instead of --checkpoint
     prompt: str = ""  # the text to continue
     prompts_file: str = ""  # or: one prompt per line
     num_samples: int = 1  # samples per prompt

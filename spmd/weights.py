@@ -15,7 +15,6 @@ import optax
 from models import hf_llama, llama, moe
 from spmd import config
 from spmd.engine.step import Layout, Program, build_program
-from spmd.errors import UsageError
 from spmd.io import params_io
 
 
@@ -39,11 +38,10 @@ def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
 
 
 def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:
-    """The Program of `cfg` on `layout`, for its param shardings and forward pass (no training:
-    the optimizer is the identity, which has no state)."""
-    return build_program(
-        lambda seed: llama.create(cfg, seed), llama.lm_loss, optax.identity(), layout
-    )
+    """The Program of `cfg` (dense Llama, or MoE when cfg.n_experts) on `layout`, for its
+    param shardings and forward pass (no training: the optimizer is the identity, which has no
+    state)."""
+    return build_program(lambda seed: moe.create(cfg, seed), moe.lm_loss, optax.identity(), layout)
 
 
 def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
@@ -51,13 +49,10 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     step = params_io.pick_step(directory, step)
     run_config = params_io.saved_config(directory, step)
     run_model = config.build(moe.MoEConfig, run_config.get("model", {}), f"{directory} config")
-    if run_model.n_experts:
-        raise UsageError(
-            f"{directory}: a mixture-of-experts checkpoint (n_experts {run_model.n_experts}); "
-            f"generation and conversion read dense Llama checkpoints only"
-        )
-    dense = {f.name: getattr(run_model, f.name) for f in dataclasses.fields(llama.LlamaConfig)}
-    cfg = llama.LlamaConfig(**dense)
+    cfg = run_model
+    if not run_model.n_experts:  # a dense run: the plain LlamaConfig, as its params are
+        dense = {f.name: getattr(run_model, f.name) for f in dataclasses.fields(llama.LlamaConfig)}
+        cfg = llama.LlamaConfig(**dense)
     program = model_program(cfg, layout)
     params = params_io.restore_params(directory, step, program.abstract_params)
     return Loaded(cfg, program, params, run_config, f"{directory} step {step}")
@@ -73,7 +68,8 @@ def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
 
 
 def from_hf(directory: str, layout: Layout) -> Loaded:
-    """The params of a Hugging Face Llama-family folder (config.json + safetensors)."""
+    """The params of a Hugging Face Llama-family or Mixtral folder (config.json +
+    safetensors)."""
     checkpoint = hf_llama.open_checkpoint(directory)
     program = model_program(checkpoint.config, layout)
     params = hf_llama.load_params(checkpoint, program.abstract_params)
