@@ -32,6 +32,8 @@ from spmd.io.resume import open_checkpoints
 from spmd.observe.metrics import MetricsLog, say
 
 # The model section is the Llama's fields plus the experts' (n_experts 0: the dense Llama).
+# MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
+ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
 SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig}
 
 
@@ -191,7 +193,14 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
         from models import hf_llama
 
         folder = hf_llama.open_checkpoint(sections["train"].init_from_hf, sections["model"].remat)
-        sections["model"] = folder.config
+        # The architecture is the folder's; the router's training knobs given as flags win.
+        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        knobs = {
+            name: getattr(sections["model"], name)
+            for name in ROUTER_KNOBS
+            if config.flag_name(name) in given and hasattr(folder.config, name)
+        }
+        sections["model"] = dataclasses.replace(folder.config, **knobs)
     return sections
 
 

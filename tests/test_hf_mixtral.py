@@ -167,3 +167,13 @@ def test_spmd_moe_params_to_hf_and_back_are_bit_exact(tmp_path):
         jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(params), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(value), np.asarray(expected), err_msg=str(path))
+
+
+def test_init_from_hf_keeps_the_router_knobs_given_as_flags():
+    from spmd import train
+
+    folder = str(MIXTRAL)
+    given = train.resolve_sections(["--init-from-hf", folder, "--capacity-factor", "1.25"])
+    assert given["model"].capacity_factor == 1.25 and given["model"].n_experts == 4
+    default = train.resolve_sections(["--init-from-hf", folder])
+    assert default["model"].capacity_factor == 0.0  # Mixtral is dropless
