@@ -92,6 +92,22 @@ def check_checkpoint_dir(train: TrainConfig) -> None:
         refuse_resume(train.checkpoint_dir)
 
 
+def check_sequence_split(seq_len: int, sizes: dict[str, int], sequence_parallel: bool) -> None:
+    """UsageError when --sequence-parallel cannot split --seq-len over the mesh: it needs
+    tp > 1, no pipeline, and a length that the tensor axis divides."""
+    if not sequence_parallel:
+        return
+    tensor = sizes.get("tensor", 1)
+    if tensor == 1:
+        raise UsageError("--sequence-parallel splits the length over tensor: it needs tp > 1")
+    if sizes.get("pipeline", 1) > 1:
+        raise UsageError("--sequence-parallel does not compose with pp > 1 yet; use pp=1")
+    if seq_len % tensor:
+        raise UsageError(
+            f"--seq-len {seq_len} must be a multiple of tp={tensor} under --sequence-parallel"
+        )
+
+
 def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:
     """The textbook self-check of a run: per-device micro-batch x accum x data-parallel size =
     global batch (sequences), tokens per optimizer step, and the LR before and after scaling."""

@@ -22,6 +22,7 @@ from spmd.checks import (
     batch_arithmetic,
     check_checkpoint_dir,
     check_choices,
+    check_sequence_split,
     format_batch_arithmetic,
 )
 from spmd.config import TrainConfig
@@ -213,6 +214,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
 
     layout = Layout(mesh, train.zero)
     check_batch(train.batch, layout, train.accum)
+    check_sequence_split(train.seq_len, dict(mesh.shape), train.sequence_parallel)
     policy = precision.get(train.precision, train.grad_reduce)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
@@ -237,6 +239,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
             accum=train.accum,
             seed=train.seed,
             pipeline=pipe,
+            sequence_parallel=train.sequence_parallel,
         )
 
     return with_lr_factor(1.0), pipe_report, with_lr_factor

@@ -35,10 +35,12 @@ EXECUTORS = ("auto", "explicit")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the state and the batch live: a mesh and the ZeRO stage of its fsdp axis."""
+    """Where the state and the batch live: a mesh, the ZeRO stage of its fsdp axis, and
+    whether the residual stream is split along length over `tensor` (sequence parallelism)."""
 
     mesh: jax.sharding.Mesh
     zero_stage: int = 3
+    sequence_parallel: bool = False
 
     @property
     def data_parallel(self) -> int:
@@ -253,14 +255,14 @@ def auto_steps(
     """(train_step, eval_step) of the `auto` executor, not yet jitted: plain JAX under the
     layout's activation constraints; XLA's partitioner inserts the collectives. `loss_of(params,
     batch)` is the loss of the global batch; with accum > 1 the step loops over micro-batches."""
-    mesh, zero = layout.mesh, layout.zero_stage
+    mesh, zero, sp = layout.mesh, layout.zero_stage, layout.sequence_parallel
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
-        with hooks.activation_layout(mesh, zero):
+        with hooks.activation_layout(mesh, zero, sequence_parallel=sp):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)
             else:
@@ -287,7 +289,7 @@ def auto_steps(
         return params, opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with hooks.activation_layout(mesh, zero):
+        with hooks.activation_layout(mesh, zero, sequence_parallel=sp):
             return loss_of(params, batch)
 
     return train_step, eval_step
@@ -386,7 +388,16 @@ def build_program(
 
     if executor == "explicit":
         train_step, eval_step = explicit_steps(
-            graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
+            graphdef,
+            loss_fn,
+            tx,
+            mesh,
+            zero,
+            shardings,
+            step_accum,
+            policy,
+            local_loss,
+            sequence_parallel=layout.sequence_parallel,
         )
     else:
         train_step, eval_step = auto_steps(loss_of, tx, layout, shardings, step_accum, policy)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
@@ -46,10 +48,13 @@ _EXPLICIT: list[_Layout] = []
 
 
 @contextlib.contextmanager
-def explicit_layout(mesh: jax.sharding.Mesh, zero_stage: int) -> Iterator[None]:
+def explicit_layout(
+    mesh: jax.sharding.Mesh, zero_stage: int, sequence_parallel: bool = False
+) -> Iterator[None]:
     """While tracing inside a shard_map over `mesh`, make the hooks below real collectives."""
     param_rules = rules.rules_for(zero_stage, "params")
-    _EXPLICIT.append(_Layout(mesh, param_rules, rules.rules_for(zero_stage, "activations")))
+    compute = rules.rules_for(zero_stage, "activations", sequence_parallel)
+    _EXPLICIT.append(_Layout(mesh, param_rules, compute))
     try:
         yield
     finally:
@@ -111,9 +116,22 @@ def gather(variable: Any) -> jax.Array:
     return checkpoint_name(value, GATHERED) if gathered else value
 
 
+def _sequence_axes(name: str) -> tuple[str, ...]:
+    """The axes of `name` that also split the residual stream's length (sequence parallelism):
+    there the residual [batch, length, embed] holds 1/n of the tokens, not all of them."""
+    length = _split_axes("length")
+    residual = tuple(a for a in _split_axes("residual_length") if a not in length)
+    return tuple(a for a in _split_axes(name) if a in residual)
+
+
 def tp_enter(x: jax.Array, name: str) -> jax.Array:
-    """Megatron's f before column-parallel matmuls over `name`: identity forward; in backward
-    the partial input gradients of the `name` shards are summed (one psum)."""
+    """Megatron's f before column-parallel matmuls over `name` on residual activations x
+    [batch, length, embed]: identity forward; in backward the partial input gradients of the
+    `name` shards are summed (one psum). Under sequence parallelism it is an all_gather of
+    the length (dim 1) instead, whose backward is a reduce-scatter."""
+    sequence = _sequence_axes(name)
+    if sequence:
+        x = lax.all_gather(x, sequence, axis=1, tiled=True)
     axes = tuple(a for a in _split_axes(name) if a not in varying_axes(x))
     return lax.pcast(x, axes, to="varying") if axes else x
 
@@ -125,8 +143,14 @@ def tp_sum(x: jax.Array, name: str) -> jax.Array:
 
 
 def tp_reduce(x: jax.Array, name: str) -> jax.Array:
-    """Megatron's g after a row-parallel matmul contracting `name`: psum of partial sums."""
-    return tp_sum(x, name)
+    """Megatron's g after a row-parallel matmul contracting `name`, whose partial sums x are
+    residual activations [batch, length, embed]: a psum; under sequence parallelism a
+    psum_scatter along the length (dim 1), each device keeping its 1/n of the tokens."""
+    sequence = _sequence_axes(name)
+    if sequence:
+        x = lax.psum_scatter(x, sequence, scatter_dimension=1, tiled=True)
+    rest = tuple(a for a in _split_axes(name) if a not in sequence)
+    return lax.psum(x, rest) if rest else x
 
 
 def tp_max(x: jax.Array, name: str) -> jax.Array:
@@ -139,6 +163,15 @@ def tp_rank(name: str) -> jax.Array | int:
     """Which block of the split dimension `name` this device holds (0 when unsplit)."""
     axes = _split_axes(name)
     return lax.axis_index(axes) if axes else 0
+
+
+def token_positions(x: jax.Array) -> jax.Array:
+    """Positions in the whole sequence [batch, length] (int32) of the tokens that attention
+    sees for residual activations x [batch, length, embed]: under sequence parallelism the
+    residual holds 1/n of them and attention the gathered whole."""
+    gathered = math.prod(_EXPLICIT[-1].mesh.shape[a] for a in _sequence_axes("heads"))
+    length = x.shape[1] * (gathered if _EXPLICIT else 1)
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (x.shape[0], length))
 
 
 # Ops that only re-lay out their input: free to recompute, and saving one that reads a gathered
@@ -179,18 +212,28 @@ def layer_remat(policy: Any) -> Any:
 # The model calls `constrain(x, names)` on a few activations; it is a no-op unless a layout is
 # active (auto executor), so models stay runnable without any mesh.
 
-_ACTIVE_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules]] = []
+_ACTIVE_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 
 
 @contextlib.contextmanager
 def activation_layout(
-    mesh: jax.sharding.Mesh, zero_stage: int, exclude: tuple[str, ...] = ()
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    exclude: tuple[str, ...] = (),
+    sequence_parallel: bool | None = None,
 ) -> Iterator[None]:
     """Within this context, `constrain` pins activations to the layout's shardings. Mesh axes
-    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns)."""
-    table = rules.rules_for(zero_stage, "activations")
+    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns).
+    `sequence_parallel` None keeps the enclosing layout's setting (off when there is none)."""
+    if sequence_parallel is None:
+        sequence_parallel = bool(_ACTIVE_ACTIVATIONS) and _ACTIVE_ACTIVATIONS[-1][2]
+    table = rules.rules_for(zero_stage, "activations", sequence_parallel)
     _ACTIVE_ACTIVATIONS.append(
-        (mesh, {k: tuple(a for a in v if a not in exclude) for k, v in table.items()})
+        (
+            mesh,
+            {k: tuple(a for a in v if a not in exclude) for k, v in table.items()},
+            sequence_parallel,
+        )
     )
     try:
         yield
@@ -213,6 +256,6 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
     if not _ACTIVE_ACTIVATIONS:
         return x
-    mesh, table = _ACTIVE_ACTIVATIONS[-1]
+    mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
