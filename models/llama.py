@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.parallel.hooks import (
+    attention,
     constrain,
     gather,
     layer_remat,
@@ -154,7 +155,7 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, self.rope_theta), ("batch", "length", "heads", None))
         k = constrain(rotary(k, positions, self.rope_theta), ("batch", "length", "kv_heads", None))
         v = constrain(v, ("batch", "length", "kv_heads", None))
-        out = causal_attention(q, k, v)
+        out = attention(q, k, v, causal_attention)  # ring attention when length is split
         out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(dtype))
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)

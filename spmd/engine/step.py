@@ -314,6 +314,15 @@ def abstract_model(
     return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
 
 
+def _in_sequence_order(loss_fn: LossFn) -> LossFn:
+    """`loss_fn` on the batch in the layout's sequence order (context parallelism's chunks)."""
+
+    def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(model, hooks.split_sequences(batch))
+
+    return loss
+
+
 def build_program(
     make_model: Callable[[int], nnx.Module],
     loss_fn: LossFn,
@@ -343,6 +352,7 @@ def build_program(
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
     graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
+    loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     mesh, zero = layout.mesh, layout.zero_stage

@@ -132,7 +132,9 @@ def explicit_steps(
         "opt_per_param": _specs(shardings["opt_state_per_param"]),
     }
     batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
-    batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    # Gradients are averaged over every axis that splits the tokens: the batch axes and
+    # `context` (each of its devices holds a share of every sequence).
+    batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
 
     def model_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)

@@ -21,16 +21,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import rules
+from spmd.parallel import ring_attention, rules
 
 # checkpoint_name of a param gathered for use; the layer remat policy never saves it, so the
 # backward pass gathers it again instead of keeping every layer whole (ZeRO-3's memory).
@@ -165,13 +165,77 @@ def tp_rank(name: str) -> jax.Array | int:
     return lax.axis_index(axes) if axes else 0
 
 
+def _context() -> tuple[jax.sharding.Mesh | None, str | None, int]:
+    """(mesh, axis, ways) of context parallelism in the layout being traced ((.., None, 1)
+    when no axis splits `length`)."""
+    if _EXPLICIT:
+        mesh, axes = _EXPLICIT[-1].mesh, _split_axes("length")
+    elif _ACTIVE_ACTIVATIONS:
+        mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
+        axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
+    else:
+        return None, None, 1
+    return (mesh, axes[0], mesh.shape[axes[0]]) if axes else (mesh, None, 1)
+
+
 def token_positions(x: jax.Array) -> jax.Array:
     """Positions in the whole sequence [batch, length] (int32) of the tokens that attention
     sees for residual activations x [batch, length, embed]: under sequence parallelism the
-    residual holds 1/n of them and attention the gathered whole."""
+    residual holds 1/n of them and attention the gathered whole; under context parallelism
+    a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order)."""
+    _, axis, ways = _context()
     gathered = math.prod(_EXPLICIT[-1].mesh.shape[a] for a in _sequence_axes("heads"))
     length = x.shape[1] * (gathered if _EXPLICIT else 1)
-    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (x.shape[0], length))
+    if axis is None:
+        positions = jnp.arange(length, dtype=jnp.int32)
+    elif _EXPLICIT:  # this device's block of the load-balanced order
+        order = ring_attention.balanced_order(length * ways, ways).reshape(ways, length)
+        positions = jnp.asarray(order, jnp.int32)[lax.axis_index(axis)]
+    else:
+        positions = jnp.asarray(ring_attention.balanced_order(length, ways), jnp.int32)
+    return jnp.broadcast_to(positions, (x.shape[0], length))
+
+
+def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A batch of whole sequences (leaves [batch, length, ...]) in the layout's sequence
+    order: under context parallelism the tokens are put in the load-balanced order, and
+    inside the explicit executor each device keeps its own two chunks. Unchanged otherwise.
+    The loss, a mean over all tokens, does not depend on their order."""
+    mesh, axis, ways = _context()
+    if axis is None:
+        return batch
+
+    def split(x: jax.Array) -> jax.Array:
+        order = ring_attention.balanced_order(x.shape[1], ways)
+        if _EXPLICIT:
+            order = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
+            return jnp.take(x, order, axis=1)
+        names = ("batch", "length") + (None,) * (x.ndim - 2)
+        return constrain(jnp.take(x, jnp.asarray(order), axis=1), names)
+
+    return {key: split(value) for key, value in batch.items()}
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.Array:
+    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
+    kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
+    attention over the context axis when it is split (context parallelism)."""
+    mesh, axis, ways = _context()
+    if axis is None:
+        return local(q, k, v)
+    if _EXPLICIT:
+        return ring_attention.ring_attention(q, k, v, axis, ways)
+    # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
+    spec = PartitionSpec(None, axis)
+    ring = jax.shard_map(
+        lambda q, k, v: ring_attention.ring_attention(q, k, v, axis, ways),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        axis_names={axis},
+        check_vma=True,
+    )
+    return ring(q, k, v)
 
 
 # Ops that only re-lay out their input: free to recompute, and saving one that reads a gathered

@@ -35,7 +35,7 @@ BASE_RULES: Rules = {
     "kv_heads": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),
-    "length": (),
+    "length": ("context",),  # context parallelism: every activation's length
     # the length of the residual stream between tensor-parallel matmuls (embedding output,
     # norms, residual adds): split over `tensor` too under sequence parallelism
     "residual_length": (),
