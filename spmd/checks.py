@@ -93,18 +93,27 @@ def check_checkpoint_dir(train: TrainConfig) -> None:
 
 
 def check_sequence_split(seq_len: int, sizes: dict[str, int], sequence_parallel: bool) -> None:
-    """UsageError when --sequence-parallel cannot split --seq-len over the mesh: it needs
-    tp > 1, no pipeline, and a length that the tensor axis divides."""
+    """UsageError when the mesh cannot split --seq-len: context parallelism cuts it in
+    2·cp chunks; --sequence-parallel needs tp > 1, no pipeline, and each device's length a
+    multiple of tp. Neither composes with pp > 1 yet."""
+    context, tensor = sizes.get("context", 1), sizes.get("tensor", 1)
+    if context > 1 and seq_len % (2 * context):
+        raise UsageError(
+            f"--seq-len {seq_len} must be a multiple of 2 x cp = {2 * context}: context "
+            f"parallelism gives each device 2 of {2 * context} equal chunks"
+        )
+    if context > 1 and sizes.get("pipeline", 1) > 1:
+        raise UsageError("cp > 1 does not compose with pp > 1 yet; use pp=1")
     if not sequence_parallel:
         return
-    tensor = sizes.get("tensor", 1)
     if tensor == 1:
         raise UsageError("--sequence-parallel splits the length over tensor: it needs tp > 1")
     if sizes.get("pipeline", 1) > 1:
         raise UsageError("--sequence-parallel does not compose with pp > 1 yet; use pp=1")
-    if seq_len % tensor:
+    if seq_len % (tensor * context):
         raise UsageError(
-            f"--seq-len {seq_len} must be a multiple of tp={tensor} under --sequence-parallel"
+            f"--seq-len {seq_len} must be a multiple of tp x cp = {tensor * context} under "
+            f"--sequence-parallel"
         )
 
 

@@ -94,6 +94,6 @@ def test_temp_memory_is_lower_than_tensor_parallel_alone():
 def test_bad_sequence_parallel_flags_name_the_value():
     with pytest.raises(UsageError, match="tp > 1"):
         check_sequence_split(32, {"data": 8}, True)
-    with pytest.raises(UsageError, match="--seq-len 30"):
+    with pytest.raises(UsageError, match="--seq-len 30 must be a multiple of tp x cp = 4"):
         check_sequence_split(30, {"tensor": 4}, True)
     check_sequence_split(30, {"tensor": 4}, False)

@@ -314,10 +314,11 @@ def abstract_model(
     return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
 
 
-def _in_sequence_order(loss_fn: LossFn) -> LossFn:
-    """`loss_fn` on the batch in the layout's sequence order (context parallelism's chunks)."""
+def _in_sequence_order(loss_fn: Callable) -> Callable:
+    """`loss_fn(model or params, batch)` on the batch in the layout's sequence order (context
+    parallelism's chunks)."""
 
-    def loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    def loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(model, hooks.split_sequences(batch))
 
     return loss
@@ -389,6 +390,10 @@ def build_program(
     if pipeline is not None and mesh.shape["pipeline"] > 1:
         from spmd.parallel import pipeline as pp
 
+        if mesh.shape["context"] > 1 or layout.sequence_parallel:
+            raise UsageError(
+                "pp > 1 does not compose with cp > 1 or --sequence-parallel yet; use pp=1"
+            )
         pp.check_composition(executor, policy, pipeline)
         # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
         pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)

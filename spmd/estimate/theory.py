@@ -31,6 +31,10 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   wire: a ring all-reduce is a reduce-scatter then an all-gather), and the norm weights, now
   applied to 1/tp of the tokens per device, get their gradients summed over tensor (an
   all-reduce of 2 per layer + the final norm);
+- context parallelism (ring attention over `context`): per layer and micro-batch, cp−1
+  sends of this device's key and value blocks [batch, length/cp, kv_heads, head_dim] in the
+  forward (collective-permutes) and as many of their gradients in the backward; the grads of
+  the params, replicated over `context`, are averaged over it like over a batch axis;
 - scalars: the loss mean and the gradient norms (4 bytes each).
 """
 
@@ -144,7 +148,8 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
     """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
     mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
     names_tree, shapes_tree = program.names, program.abstract_params
-    batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
+    # every axis that splits the tokens averages the gradients: the batch axes and context
+    batch_axes = {a for a in (*BATCH_AXES, "context") if mesh.shape.get(a, 1) > 1}
     by_role = {
         role: _specs(rules.tree_shardings(names_tree, shapes_tree, mesh, zero, role))
         for role in ("params", "grads", "opt_state")
@@ -184,10 +189,26 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
     if mesh.shape["tensor"] > 1:
         sequence_parallel = getattr(program.layout, "sequence_parallel", False)
         _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len, sequence_parallel)
+    if mesh.shape.get("context", 1) > 1:
+        add("collective-permute", *ring_sends(model, mesh, accum, global_batch, seq_len))
     scalars = len(norm_groups) + bool(batch_axes)
     if scalars:
         add("all-reduce", scalars, 4 * scalars)
     return dict(out)
+
+
+def ring_sends(
+    model: Transformer, mesh: Any, accum: int, global_batch: int, seq_len: int
+) -> tuple[int, int]:
+    """(count, bytes per device) of ring attention's collective-permutes in one step: per
+    layer and micro-batch cp−1 sends of the local key block and of the value block in the
+    forward, the same of their gradients in the backward."""
+    context, tensor = mesh.shape["context"], mesh.shape["tensor"]
+    rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
+    kv_heads = max(model.n_kv_heads // tensor, 1)  # replicated when tp > kv heads
+    block = rows * (seq_len // context) * kv_heads * model.head_dim * model.activation_bytes
+    sends = accum * model.n_layers * 2 * 2 * (context - 1)  # (k, v) x (forward, backward)
+    return sends, sends * block
 
 
 def _tensor_parallel(
@@ -203,7 +224,7 @@ def _tensor_parallel(
     """Add Megatron's activation all-reduces over `tensor` (see the module docstring), or
     under sequence parallelism their all-gathers and reduce-scatters."""
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    tokens = global_batch // shards // accum * seq_len  # per device and micro-batch
+    tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
     activation = tokens * model.embed_dim * model.activation_bytes
     per_layer = 4 + (1 if model.remat else 0)
     calls = accum * (per_layer * model.n_layers + 2)
