@@ -35,13 +35,14 @@ SECTIONS = {"model": llama.LlamaConfig, "train": TrainConfig}
 
 
 def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
-    """A named --layout fills --mesh and --zero where they were not given."""
+    """A named --layout fills --mesh, --zero (and --sequence-parallel) where not given."""
     if not values.get("layout"):
         return values
     import meshes
 
     preset = meshes.get(values["layout"])
-    return {"mesh": preset.mesh, "zero": preset.zero, **values}
+    sp = {"sequence_parallel": True} if preset.sequence_parallel else {}
+    return {"mesh": preset.mesh, "zero": preset.zero, **sp, **values}
 
 
 def start_processes(train: TrainConfig) -> int:
