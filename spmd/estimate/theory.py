@@ -33,7 +33,8 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   all-reduce of 2 per layer + the final norm);
 - context parallelism (ring attention over `context`): per layer and micro-batch, cp−1
   sends of this device's key and value blocks [batch, length/cp, kv_heads, head_dim] in the
-  forward (collective-permutes) and as many of their gradients in the backward; the grads of
+  forward (collective-permutes) and as many of their gradients in the backward (+ the
+  forward's again under remat); the grads of
   the params, replicated over `context`, are averaged over it like over a batch axis;
 - scalars: the loss mean and the gradient norms (4 bytes each).
 """
@@ -202,12 +203,14 @@ def ring_sends(
 ) -> tuple[int, int]:
     """(count, bytes per device) of ring attention's collective-permutes in one step: per
     layer and micro-batch cp−1 sends of the local key block and of the value block in the
-    forward, the same of their gradients in the backward."""
+    forward, the same of their gradients in the backward, and with remat the forward's again
+    (the backward replays it)."""
     context, tensor = mesh.shape["context"], mesh.shape["tensor"]
     rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
     kv_heads = max(model.n_kv_heads // tensor, 1)  # replicated when tp > kv heads
     block = rows * (seq_len // context) * kv_heads * model.head_dim * model.activation_bytes
-    sends = accum * model.n_layers * 2 * 2 * (context - 1)  # (k, v) x (forward, backward)
+    passes = 3 if model.remat else 2  # forward, backward (+ the replayed forward)
+    sends = accum * model.n_layers * 2 * passes * (context - 1)  # k and v per pass
     return sends, sends * block
 
 
