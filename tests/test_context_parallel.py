@@ -122,3 +122,5 @@ def test_bad_context_flags_name_the_value():
     with pytest.raises(UsageError, match="pp > 1"):
         check_sequence_split(64, {"context": 2, "pipeline": 2}, False)
     check_sequence_split(64, {"context": 4, "tensor": 2}, True)
+    with pytest.raises(UsageError, match="--accum 2 with cp > 1 needs --collectives explicit"):
+        trainer.program(trainer.layout("dp=2,cp=2"), 2, "auto")

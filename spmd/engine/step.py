@@ -385,6 +385,9 @@ def build_program(
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
 
+    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1:
+        # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
+        raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
     step_accum = accum  # micro-batches the step itself loops over
     local_loss = None  # the explicit executor's per-device loss, when not loss_fn's
     if pipeline is not None and mesh.shape["pipeline"] > 1:

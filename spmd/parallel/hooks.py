@@ -9,6 +9,13 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
     layer_remat(policy)       the scanned layer's remat policy (never saves gathered params)
+    token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
+    attention(q, k, v, local) causal attention: `local` unless the length is split over
+                              `context`, then ring attention (spmd.parallel.ring_attention)
+
+Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
+residual stream's length; under context parallelism the engine puts each batch in the ring's
+load-balanced order with `split_sequences`.
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -183,9 +190,9 @@ def token_positions(x: jax.Array) -> jax.Array:
     sees for residual activations x [batch, length, embed]: under sequence parallelism the
     residual holds 1/n of them and attention the gathered whole; under context parallelism
     a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order)."""
-    _, axis, ways = _context()
-    gathered = math.prod(_EXPLICIT[-1].mesh.shape[a] for a in _sequence_axes("heads"))
-    length = x.shape[1] * (gathered if _EXPLICIT else 1)
+    mesh, axis, ways = _context()
+    sequence = _sequence_axes("heads")  # () outside the explicit executor
+    length = x.shape[1] * math.prod(mesh.shape[a] for a in sequence)
     if axis is None:
         positions = jnp.arange(length, dtype=jnp.int32)
     elif _EXPLICIT:  # this device's block of the load-balanced order
