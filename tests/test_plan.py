@@ -447,7 +447,9 @@ def test_the_train_command_runs_the_recommended_layout():
     assert command[:3] == ["python", "-m", "spmd.train"]
     sections = config.resolve(command[3:], train.SECTIONS, "t", expand_train=train.expand_layout)
     run, model = sections["train"], sections["model"]
-    assert parse_mesh(run.mesh) == out["mesh"] and run.batch == out["batch"]["global"]
+    used = {a: n for a, n in parse_mesh(run.mesh).items() if n > 1}  # the planner has no cp
+    assert used == {a: n for a, n in out["mesh"].items() if n > 1}
+    assert run.batch == out["batch"]["global"]
     assert (run.seq_len, run.precision, model.remat) == (4096, "bf16", out["remat"])
     pipe = out["pipeline"]
     assert (run.pp_schedule, run.pp_virtual) == (pipe["schedule"], pipe["virtual"])
