@@ -25,9 +25,9 @@ __all__ = ["Preset", "get", "presets"]
 
 def presets() -> dict[str, Preset]:
     """All named layouts, by name."""
-    from meshes import ddp, hsdp, megatron, three_d, zero1, zero2, zero3
+    from meshes import ddp, hsdp, long_context, megatron, megatron_sp, three_d, zero1, zero2, zero3
 
-    modules = (ddp, zero1, zero2, zero3, hsdp, megatron, three_d)
+    modules = (ddp, zero1, zero2, zero3, hsdp, megatron, megatron_sp, three_d, long_context)
     return {m.PRESET.name: m.PRESET for m in modules}
 
 

@@ -12,3 +12,4 @@ class Preset:
     zero: int  # ZeRO stage of the fsdp axis
     summary: str  # what it is, in one line
     collectives: str  # what crosses the wire per optimizer step
+    sequence_parallel: bool = False  # Megatron-SP on the tensor axis (--sequence-parallel)

@@ -25,15 +25,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.parallel.hooks import (
+    attention,
     constrain,
     gather,
     layer_remat,
+    token_positions,
     tp_enter,
     tp_max,
     tp_rank,
     tp_reduce,
     tp_sum,
 )
+
+# Residual-stream activations (embedding output, norms, residual adds). Their length is split
+# over `tensor` under sequence parallelism; the matmuls' inputs are whole along `length`.
+RESIDUAL = ("batch", "residual_length", "embed")
+WHOLE = ("batch", "length", "embed")
 
 REMAT_POLICIES = {
     "none": None,
@@ -164,7 +171,7 @@ class Attention(nnx.Module):
         self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
     ) -> jax.Array:
         dtype = x.dtype
-        x = tp_enter(x, "heads")  # column-parallel q, k, v: this device's heads
+        x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
         wq = gather(self.wq)
         wk, wv = self._kv_for_local_heads(wq, gather(self.wk), gather(self.wv))
         q = jnp.einsum("bte,ehd->bthd", x, wq.astype(dtype))
@@ -173,9 +180,11 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, self.rope_theta), ("batch", "length", "heads", None))
         k = constrain(rotary(k, positions, self.rope_theta), ("batch", "length", "kv_heads", None))
         v = constrain(v, ("batch", "length", "kv_heads", None))
-        out = causal_attention(q, k, v, segments)
+        # ring attention when length is split over `context` (refused with document masks)
+        out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments))
         out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(dtype))
-        return tp_reduce(out, "heads")  # row-parallel: sum the heads' partial outputs
+        # row-parallel: sum the heads' partial outputs
+        return constrain(tp_reduce(out, "heads"), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -187,12 +196,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
-        x = tp_enter(x, "mlp")  # column-parallel gate and up: this device's MLP columns
+        x = constrain(tp_enter(x, "mlp"), WHOLE)  # column-parallel gate, up: local columns
         gate = jnp.einsum("bte,em->btm", x, gather(self.w_gate).astype(dtype))
         up = jnp.einsum("bte,em->btm", x, gather(self.w_up).astype(dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
         out = jnp.einsum("btm,me->bte", hidden, gather(self.w_down).astype(dtype))
-        return tp_reduce(out, "mlp")  # row-parallel: sum the columns' partial outputs
+        # row-parallel: sum the columns' partial outputs
+        return constrain(tp_reduce(out, "mlp"), RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -207,7 +217,7 @@ class Block(nnx.Module):
     ) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, segments)
         x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "embed"))
+        return constrain(x, RESIDUAL)
 
 
 class Llama(nnx.Module):
@@ -243,13 +253,13 @@ class Llama(nnx.Module):
         # and embed) makes the partitioner replicate the whole table.
         table = constrain(gather(self.embed), ("vocab", "embed"))
         x = lookup_embeddings(table, tokens, self.cfg.vocab_size).astype(self.dtype)
-        return constrain(x, ("batch", "length", "embed"))
+        return constrain(x, RESIDUAL)
 
     def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """Run every block in `self.blocks` in order (a scan over the stacked `layers` dim)."""
         if segments is None:
-            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-        else:
+            positions = token_positions(x)  # global positions, also under SP and CP
+        else:  # rotary positions restart at each document
             positions = segment_positions(segments)
         block_def, block_state = nnx.split(self.blocks)
 
@@ -269,7 +279,7 @@ class Llama(nnx.Module):
             head = constrain(gather(self.embed), ("vocab", "embed")).T
         else:
             head = gather(self.lm_head)
-        x = tp_enter(x, "vocab")  # column-parallel head: this device's slice of the vocabulary
+        x = constrain(tp_enter(x, "vocab"), WHOLE)  # column-parallel head: local vocab slice
         logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
@@ -284,7 +294,8 @@ def lookup_embeddings(table: jax.Array, tokens: jax.Array, vocab_size: int) -> j
     local = tokens - tp_rank("vocab") * rows
     mine = (local >= 0) & (local < rows)
     found = jnp.take(table, jnp.where(mine, local, 0), axis=0)
-    return tp_sum(jnp.where(mine[..., None], found, 0), "vocab")
+    # Megatron's g of the vocab-parallel lookup (a reduce-scatter under sequence parallelism)
+    return tp_reduce(jnp.where(mine[..., None], found, 0), "vocab")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -42,6 +42,7 @@ from spmd.parallel.hooks import (
     gather,
     layer_remat,
     to_experts,
+    token_positions,
     tp_enter,
     tp_reduce,
 )
@@ -227,7 +228,7 @@ class MoELlama(llama.Llama):
         self, x: jax.Array, segments: jax.Array | None = None
     ) -> tuple[jax.Array, dict]:
         if segments is None:
-            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+            positions = token_positions(x)  # global positions, also under SP and CP
         else:  # rotary positions restart at each document
             positions = llama.segment_positions(segments)
         block_def, block_state = nnx.split(self.blocks)

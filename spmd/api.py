@@ -60,6 +60,7 @@ def build(
     accum: int = 1,
     seed: int = 0,
     pipeline: Any = None,
+    sequence_parallel: bool = False,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
@@ -84,11 +85,13 @@ def build(
       `head_logits(x)`, as models/llama.py does.
 
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
-    mask). Returns a Program: `init()` -> TrainState sharded on the mesh, `step(state, batch)`
+    mask). `sequence_parallel` (tp > 1): Megatron-SP, the residual stream (embedding output,
+    norms, residual adds) split along length over `tensor`. Returns a Program: `init()` ->
+    TrainState sharded on the mesh, `step(state, batch)`
     -> (state, metrics: loss, grad_norm, loss_scale, skipped_steps), `eval_step(params,
     batch)` -> loss, `model(params)` -> the NNX module. UsageError up front if an axis does
     not divide a dimension it must split."""
-    layout = Layout(mesh, zero_stage)
+    layout = Layout(mesh, zero_stage, sequence_parallel)
     return build_program(
         make_model,
         loss_fn,

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        times, volume = bench_layout(args, sizes, preset.zero)
+        times, volume = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
         auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
         print(
             f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
@@ -68,7 +68,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def bench_layout(args: argparse.Namespace, sizes: dict[str, int], zero: int):
+def bench_layout(
+    args: argparse.Namespace, sizes: dict[str, int], zero: int, sequence_parallel: bool = False
+):
     """({executor: [step seconds]}, {executor: collective bytes per device per step})."""
     import jax
     import jax.numpy as jnp
@@ -84,7 +86,7 @@ def bench_layout(args: argparse.Namespace, sizes: dict[str, int], zero: int):
 
     model = llama.LlamaConfig(**config.preset(args.model))
     train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len)
-    layout = Layout(build_mesh(sizes), zero)
+    layout = Layout(build_mesh(sizes), zero, sequence_parallel)
     check_batch(args.batch, layout, 1)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1), dtype=np.int32)

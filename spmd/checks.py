@@ -74,6 +74,8 @@ def check_dcn_sync_mesh(train: TrainConfig, mesh: Any, n_processes: int) -> None
     from spmd.parallel.mesh import dcn_split
 
     sizes = dict(mesh.shape)
+    if sizes.get("context", 1) > 1:  # the ring's shard_map cannot sit inside DiLoCo's vmap
+        raise UsageError(f"--dcn-sync diloco does not compose with cp={sizes['context']} yet")
     dcn = dcn_split(sizes, n_processes, train.dcn_mesh) if n_processes > 1 else None
     diloco.check_mesh(train.diloco_axis, n_processes, dcn, sizes)
 
@@ -118,6 +120,48 @@ def check_checkpoint_dir(train: TrainConfig) -> None:
         from spmd.io.params_io import refuse_resume
 
         refuse_resume(train.checkpoint_dir)
+
+
+def check_sequence_split(
+    seq_len: int,
+    sizes: dict[str, int],
+    sequence_parallel: bool,
+    moe: bool = False,
+    document_mask: bool = False,
+) -> None:
+    """UsageError when the mesh cannot split --seq-len: context parallelism cuts it in
+    2·cp chunks; --sequence-parallel needs tp > 1, no pipeline, and each device's length a
+    multiple of tp. Neither composes with pp > 1 or an MoE model yet, and the ring does not
+    mask documents."""
+    context, tensor = sizes.get("context", 1), sizes.get("tensor", 1)
+    if moe and (context > 1 or sequence_parallel):
+        raise UsageError(
+            "an MoE model (--n-experts) does not compose with cp > 1 or --sequence-parallel "
+            "yet: its router and expert dispatch see whole sequences; use cp=1 without SP"
+        )
+    if context > 1 and document_mask:
+        raise UsageError(
+            f"cp={context} with --document-mask: ring attention does not mask documents yet; "
+            f"use --document-mask off or cp=1"
+        )
+    if context > 1 and seq_len % (2 * context):
+        raise UsageError(
+            f"--seq-len {seq_len} must be a multiple of 2 x cp = {2 * context}: context "
+            f"parallelism gives each device 2 of {2 * context} equal chunks"
+        )
+    if context > 1 and sizes.get("pipeline", 1) > 1:
+        raise UsageError("cp > 1 does not compose with pp > 1 yet; use pp=1")
+    if not sequence_parallel:
+        return
+    if tensor == 1:
+        raise UsageError("--sequence-parallel splits the length over tensor: it needs tp > 1")
+    if sizes.get("pipeline", 1) > 1:
+        raise UsageError("--sequence-parallel does not compose with pp > 1 yet; use pp=1")
+    if seq_len % (tensor * context):
+        raise UsageError(
+            f"--seq-len {seq_len} must be a multiple of tp x cp = {tensor * context} under "
+            f"--sequence-parallel"
+        )
 
 
 def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:

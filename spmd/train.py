@@ -23,6 +23,7 @@ from spmd.checks import (
     check_checkpoint_dir,
     check_choices,
     check_dcn_sync_mesh,
+    check_sequence_split,
     format_batch_arithmetic,
 )
 from spmd.config import TrainConfig
@@ -38,13 +39,14 @@ SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig}
 
 
 def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
-    """A named --layout fills --mesh and --zero where they were not given."""
+    """A named --layout fills --mesh, --zero (and --sequence-parallel) where not given."""
     if not values.get("layout"):
         return values
     import meshes
 
     preset = meshes.get(values["layout"])
-    return {"mesh": preset.mesh, "zero": preset.zero, **values}
+    sp = {"sequence_parallel": True} if preset.sequence_parallel else {}
+    return {"mesh": preset.mesh, "zero": preset.zero, **sp, **values}
 
 
 def start_processes(train: TrainConfig) -> int:
@@ -220,6 +222,13 @@ def build_run_program(
 
     layout = Layout(mesh, train.zero)
     check_batch(train.batch, layout, train.accum)
+    check_sequence_split(
+        train.seq_len,
+        dict(mesh.shape),
+        train.sequence_parallel,
+        moe=bool(getattr(model_cfg, "n_experts", 0)),
+        document_mask="segments" in windows.fields,
+    )
     policy = precision.get(train.precision, train.grad_reduce)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
@@ -253,6 +262,7 @@ def build_run_program(
             accum=train.accum,
             seed=train.seed,
             pipeline=pipe,
+            sequence_parallel=train.sequence_parallel,
         )
         program.batch_fields = windows.fields  # segment ids, loss weights: as the data has
         return program

@@ -105,6 +105,7 @@ def test_rules_and_mesh_from_strings():
     assert rules["grads"]["embed"] == ("fsdp",) and rules["params"]["embed"] == ()
     assert rules["params"]["mlp"] == ("tensor",)
     mesh = spmd.make_mesh("dp=2,tp=-1")
-    assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "tensor": 4}
+    want = {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
+    assert dict(mesh.shape) == want
     with pytest.raises(UsageError, match="multiply to 3"):
         spmd.make_mesh("dp=3")

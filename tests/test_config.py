@@ -13,15 +13,18 @@ from spmd.train import SECTIONS, expand_layout
 
 def test_mesh_aliases_and_the_rest():
     sizes = parse_mesh("data=2,TP=-1")
-    assert sizes == {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "tensor": -1}
+    want = {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": -1}
+    assert sizes == want
     assert resolve_mesh(sizes, 8) == {
         "data": 2,
         "pipeline": 1,
         "fsdp": 1,
         "expert": 1,
+        "context": 1,
         "tensor": 4,
     }
     assert format_mesh(resolve_mesh(sizes, 8)) == "dp=2,tp=4"
+    assert format_mesh(resolve_mesh(parse_mesh("context=2,tp=-1"), 8)) == "cp=2,tp=4"
 
 
 @pytest.mark.parametrize("spec", ["dp=2,dp=2", "dp=0", "dp=two", "dp", "dp=3,tp=-1"])

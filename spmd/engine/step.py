@@ -35,10 +35,12 @@ EXECUTORS = ("auto", "explicit")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the state and the batch live: a mesh and the ZeRO stage of its fsdp axis."""
+    """Where the state and the batch live: a mesh, the ZeRO stage of its fsdp axis, and
+    whether the residual stream is split along length over `tensor` (sequence parallelism)."""
 
     mesh: jax.sharding.Mesh
     zero_stage: int = 3
+    sequence_parallel: bool = False
 
     @property
     def data_parallel(self) -> int:
@@ -265,14 +267,14 @@ def auto_steps(
     layout's activation constraints; XLA's partitioner inserts the collectives. `loss_of(params,
     batch)` is the loss of the global batch; with accum > 1 the step loops over micro-batches.
     Mesh axes in `exclude` are left out of the activation rules (an enclosing vmap owns them)."""
-    mesh, zero = layout.mesh, layout.zero_stage
+    mesh, zero, sp = layout.mesh, layout.zero_stage, layout.sequence_parallel
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
-        with hooks.activation_layout(mesh, zero, exclude=exclude):
+        with hooks.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)
             else:
@@ -300,7 +302,7 @@ def auto_steps(
         return params, opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with hooks.activation_layout(mesh, zero):
+        with hooks.activation_layout(mesh, zero, sequence_parallel=sp):
             return loss_of(params, batch)
 
     return train_step, eval_step
@@ -323,6 +325,16 @@ def abstract_model(
         nnx.to_pure_dict(abstract_state),
     )
     return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
+
+
+def _in_sequence_order(loss_fn: Callable) -> Callable:
+    """`loss_fn(model or params, batch)` on the batch in the layout's sequence order (context
+    parallelism's chunks)."""
+
+    def loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(model, hooks.split_sequences(batch))
+
+    return loss
 
 
 def build_program(
@@ -358,6 +370,7 @@ def build_program(
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
     graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
+    loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     mesh, zero = layout.mesh, layout.zero_stage
@@ -389,11 +402,18 @@ def build_program(
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
 
+    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1:
+        # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
+        raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
     step_accum = accum  # micro-batches the step itself loops over
     local_loss = None  # the explicit executor's per-device loss, when not loss_fn's
     if pipeline is not None and mesh.shape["pipeline"] > 1:
         from spmd.parallel import pipeline as pp
 
+        if mesh.shape["context"] > 1 or layout.sequence_parallel:
+            raise UsageError(
+                "pp > 1 does not compose with cp > 1 or --sequence-parallel yet; use pp=1"
+            )
         pp.check_composition(executor, policy, pipeline)
         # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
         pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)
@@ -403,7 +423,16 @@ def build_program(
 
     if executor == "explicit":
         train_step, eval_step = explicit_steps(
-            graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
+            graphdef,
+            loss_fn,
+            tx,
+            mesh,
+            zero,
+            shardings,
+            step_accum,
+            policy,
+            local_loss,
+            sequence_parallel=layout.sequence_parallel,
         )
     else:
         train_step, eval_step = auto_steps(

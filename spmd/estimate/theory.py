@@ -30,6 +30,16 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   all-to-all of the token buffer [experts, rows, capacity, embed] to the experts' devices and
   one back (forward), and their transposes (backward); 2 more when the backward replays the
   forward (remat). `expert_all_to_all` gives the figure;
+- sequence parallelism (Megatron-SP): each of those activation all-reduces becomes an
+  all-gather of the whole activation plus a reduce-scatter of 1/tp of it (same bytes on the
+  wire: a ring all-reduce is a reduce-scatter then an all-gather), and the norm weights, now
+  applied to 1/tp of the tokens per device, get their gradients summed over tensor (an
+  all-reduce of 2 per layer + the final norm);
+- context parallelism (ring attention over `context`): per layer and micro-batch, cp−1
+  sends of this device's key and value blocks [batch, length/cp, kv_heads, head_dim] in the
+  forward (collective-permutes) and as many of their gradients in the backward (+ the
+  forward's again under remat); the grads of
+  the params, replicated over `context`, are averaged over it like over a batch axis;
 - scalars: the loss mean and the gradient norms (4 bytes each).
 """
 
@@ -206,7 +216,8 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
     """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
     mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
     names_tree, shapes_tree = program.names, program.abstract_params
-    batch_axes = {a for a in BATCH_AXES if mesh.shape[a] > 1}
+    # every axis that splits the tokens averages the gradients: the batch axes and context
+    batch_axes = {a for a in (*BATCH_AXES, "context") if mesh.shape.get(a, 1) > 1}
     by_role = {
         role: _specs(rules.tree_shardings(names_tree, shapes_tree, mesh, zero, role))
         for role in ("params", "grads", "opt_state")
@@ -246,33 +257,85 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
             add("all-gather", 1, _local_bytes(leaf.shape, leaf.dtype, param, mesh))
         norm_groups |= {frozenset(s) for s in (grad_axes, opt_axes) if s}
     if mesh.shape["tensor"] > 1:
-        _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len)
+        sequence_parallel = getattr(program.layout, "sequence_parallel", False)
+        _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len, sequence_parallel)
     experts = expert_all_to_all(model, mesh, global_batch, seq_len, accum)
     if experts:
         add("all-to-all", experts["count"], experts["bytes"])
+    if mesh.shape.get("context", 1) > 1:
+        add("collective-permute", *ring_sends(model, mesh, accum, global_batch, seq_len))
     scalars = len(norm_groups) + bool(batch_axes)
     if scalars:
         add("all-reduce", scalars, 4 * scalars)
     return dict(out)
 
 
+def ring_sends(
+    model: Transformer, mesh: Any, accum: int, global_batch: int, seq_len: int
+) -> tuple[int, int]:
+    """(count, bytes per device) of ring attention's collective-permutes in one step: per
+    layer and micro-batch cp−1 sends of the local key block and of the value block in the
+    forward, the same of their gradients in the backward, and with remat the forward's again
+    (the backward replays it)."""
+    context, tensor = mesh.shape["context"], mesh.shape["tensor"]
+    rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
+    kv_heads = max(model.n_kv_heads // tensor, 1)  # replicated when tp > kv heads
+    block = rows * (seq_len // context) * kv_heads * model.head_dim * model.activation_bytes
+    passes = 3 if model.remat else 2  # forward, backward (+ the replayed forward)
+    sends = accum * model.n_layers * 2 * passes * (context - 1)  # k and v per pass
+    return sends, sends * block
+
+
 def _tensor_parallel(
-    out: dict, model: Transformer, mesh: Any, zero: int, accum: int, global_batch: int, seq_len: int
+    out: dict,
+    model: Transformer,
+    mesh: Any,
+    zero: int,
+    accum: int,
+    global_batch: int,
+    seq_len: int,
+    sequence_parallel: bool = False,
 ) -> None:
-    """Add Megatron's activation all-reduces over `tensor` (see the module docstring)."""
+    """Add Megatron's activation all-reduces over `tensor` (see the module docstring), or
+    under sequence parallelism their all-gathers and reduce-scatters."""
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    tokens = global_batch // shards // accum * seq_len  # per device and micro-batch
+    tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
     activation = tokens * model.embed_dim * model.activation_bytes
     per_layer = 4 + (1 if model.remat else 0)
     calls = accum * (per_layer * model.n_layers + 2)
-    out["all-reduce"]["count"] += calls + 3 * accum
-    out["all-reduce"]["bytes"] += calls * activation + 3 * accum * tokens * 4
     tensor = mesh.shape["tensor"]
+    embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
+    if sequence_parallel:
+        for kind, nbytes in (("all-gather", activation), ("reduce-scatter", activation // tensor)):
+            out[kind]["count"] += calls
+            out[kind]["bytes"] += calls * nbytes
+        norms = 2 * model.n_layers + 1  # norm weights: their grads summed over tensor
+        out["all-reduce"]["count"] += accum * norms
+        out["all-reduce"]["bytes"] += accum * norms * embed * 4
+    else:
+        out["all-reduce"]["count"] += calls
+        out["all-reduce"]["bytes"] += calls * activation
+    out["all-reduce"]["count"] += 3 * accum
+    out["all-reduce"]["bytes"] += 3 * accum * tokens * 4
     if tensor > model.n_kv_heads:  # replicated kv heads: their grads are summed per layer
-        embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
         kv_bytes = 2 * embed * model.n_kv_heads * model.head_dim * 4
         out["all-reduce"]["count"] += 2 * accum * model.n_layers
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
+
+
+def layer_activation_bytes(
+    model: Transformer, mlp_dim: int, tokens: int, seq_len: int, tensor: int, split: int = 1
+) -> int:
+    """Bytes one layer keeps for its backward pass (no remat) on one device holding `tokens`
+    tokens of sequences `seq_len` long, Korthikanti et al.'s count for this Llama block: the
+    residual-stream tensors (block input, normed input, mid-block residual, normed again: 4
+    x embed per token, plus 2 norm statistics) are replicated over `tensor` unless `split`
+    (tp under sequence parallelism) divides them; q, k, v, the attention probabilities and
+    output, and the 3 MLP hidden tensors are split over `tensor`."""
+    residual = (4 * model.embed_dim + 2) / split
+    heads = (2 * model.n_heads + 2 * model.n_kv_heads) * model.head_dim
+    tensor_split = (heads + model.n_heads * seq_len + 3 * mlp_dim) / tensor
+    return int(tokens * (residual + tensor_split) * model.activation_bytes)
 
 
 def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:

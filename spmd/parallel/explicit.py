@@ -114,6 +114,7 @@ def explicit_steps(
     accum: int,
     policy: precision.Policy = precision.POLICIES["fp32"],
     local_loss: Callable | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
@@ -121,8 +122,9 @@ def explicit_steps(
     "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
     "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
     scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
-    blocks (a pipeline schedule's loss). The steps' signatures are those of spmd.engine.step's
-    auto steps."""
+    blocks (a pipeline schedule's loss). `sequence_parallel` splits the residual stream along
+    length over `tensor` (the model's tp hooks become all_gather / psum_scatter). The steps'
+    signatures are those of spmd.engine.step's auto steps."""
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -130,7 +132,9 @@ def explicit_steps(
         "opt_per_param": _specs(shardings["opt_state_per_param"]),
     }
     batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
-    batch_axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    # Gradients are averaged over every axis that splits the tokens: the batch axes and
+    # `context` (each of its devices holds a share of every sequence).
+    batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
 
     def model_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
@@ -138,7 +142,10 @@ def explicit_steps(
     local_loss = local_loss or model_loss
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
-        with hooks.explicit_layout(mesh, zero_stage), hooks.no_activation_layout():
+        with (
+            hooks.explicit_layout(mesh, zero_stage, sequence_parallel),
+            hooks.no_activation_layout(),
+        ):
             grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
             # Gradients come out, are accumulated and reduced in the reduce dtype.
             varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
@@ -165,7 +172,10 @@ def explicit_steps(
             return params, opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with hooks.explicit_layout(mesh, zero_stage), hooks.no_activation_layout():
+        with (
+            hooks.explicit_layout(mesh, zero_stage, sequence_parallel),
+            hooks.no_activation_layout(),
+        ):
             loss = local_loss(params, batch)
             return lax.pmean(loss, batch_axes) if batch_axes else loss
 

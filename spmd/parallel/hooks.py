@@ -12,6 +12,13 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     to_experts / from_experts an MoE layer's token dispatch and combine: all_to_all over the
                               mesh axes that split `expert` (explicit); a resharding (auto)
     batch_mean(x)             mean over the data-parallel shards of a per-shard mean
+    token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
+    attention(q, k, v, local) causal attention: `local` unless the length is split over
+                              `context`, then ring attention (spmd.parallel.ring_attention)
+
+Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
+residual stream's length; under context parallelism the engine puts each batch in the ring's
+load-balanced order with `split_sequences`.
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -23,15 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import rules
+from spmd.parallel import ring_attention, rules
 
 # checkpoint_name of a param gathered for use; the layer remat policy never saves it, so the
 # backward pass gathers it again instead of keeping every layer whole (ZeRO-3's memory).
@@ -49,10 +58,13 @@ _EXPLICIT: list[_Layout] = []
 
 
 @contextlib.contextmanager
-def explicit_layout(mesh: jax.sharding.Mesh, zero_stage: int) -> Iterator[None]:
+def explicit_layout(
+    mesh: jax.sharding.Mesh, zero_stage: int, sequence_parallel: bool = False
+) -> Iterator[None]:
     """While tracing inside a shard_map over `mesh`, make the hooks below real collectives."""
     param_rules = rules.rules_for(zero_stage, "params")
-    _EXPLICIT.append(_Layout(mesh, param_rules, rules.rules_for(zero_stage, "activations")))
+    compute = rules.rules_for(zero_stage, "activations", sequence_parallel)
+    _EXPLICIT.append(_Layout(mesh, param_rules, compute))
     try:
         yield
     finally:
@@ -114,9 +126,22 @@ def gather(variable: Any) -> jax.Array:
     return checkpoint_name(value, GATHERED) if gathered else value
 
 
+def _sequence_axes(name: str) -> tuple[str, ...]:
+    """The axes of `name` that also split the residual stream's length (sequence parallelism):
+    there the residual [batch, length, embed] holds 1/n of the tokens, not all of them."""
+    length = _split_axes("length")
+    residual = tuple(a for a in _split_axes("residual_length") if a not in length)
+    return tuple(a for a in _split_axes(name) if a in residual)
+
+
 def tp_enter(x: jax.Array, name: str) -> jax.Array:
-    """Megatron's f before column-parallel matmuls over `name`: identity forward; in backward
-    the partial input gradients of the `name` shards are summed (one psum)."""
+    """Megatron's f before column-parallel matmuls over `name` on residual activations x
+    [batch, length, embed]: identity forward; in backward the partial input gradients of the
+    `name` shards are summed (one psum). Under sequence parallelism it is an all_gather of
+    the length (dim 1) instead, whose backward is a reduce-scatter."""
+    sequence = _sequence_axes(name)
+    if sequence:
+        x = lax.all_gather(x, sequence, axis=1, tiled=True)
     axes = tuple(a for a in _split_axes(name) if a not in varying_axes(x))
     return lax.pcast(x, axes, to="varying") if axes else x
 
@@ -128,8 +153,14 @@ def tp_sum(x: jax.Array, name: str) -> jax.Array:
 
 
 def tp_reduce(x: jax.Array, name: str) -> jax.Array:
-    """Megatron's g after a row-parallel matmul contracting `name`: psum of partial sums."""
-    return tp_sum(x, name)
+    """Megatron's g after a row-parallel matmul contracting `name`, whose partial sums x are
+    residual activations [batch, length, embed]: a psum; under sequence parallelism a
+    psum_scatter along the length (dim 1), each device keeping its 1/n of the tokens."""
+    sequence = _sequence_axes(name)
+    if sequence:
+        x = lax.psum_scatter(x, sequence, scatter_dimension=1, tiled=True)
+    rest = tuple(a for a in _split_axes(name) if a not in sequence)
+    return lax.psum(x, rest) if rest else x
 
 
 def tp_max(x: jax.Array, name: str) -> jax.Array:
@@ -173,6 +204,79 @@ def batch_mean(x: jax.Array) -> jax.Array:
     return lax.pmean(x, axes) if axes else x
 
 
+def _context() -> tuple[jax.sharding.Mesh | None, str | None, int]:
+    """(mesh, axis, ways) of context parallelism in the layout being traced ((.., None, 1)
+    when no axis splits `length`)."""
+    if _EXPLICIT:
+        mesh, axes = _EXPLICIT[-1].mesh, _split_axes("length")
+    elif _ACTIVE_ACTIVATIONS:
+        mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
+        axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
+    else:
+        return None, None, 1
+    return (mesh, axes[0], mesh.shape[axes[0]]) if axes else (mesh, None, 1)
+
+
+def token_positions(x: jax.Array) -> jax.Array:
+    """Positions in the whole sequence [batch, length] (int32) of the tokens that attention
+    sees for residual activations x [batch, length, embed]: under sequence parallelism the
+    residual holds 1/n of them and attention the gathered whole; under context parallelism
+    a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order)."""
+    mesh, axis, ways = _context()
+    sequence = _sequence_axes("heads")  # () outside the explicit executor
+    length = x.shape[1] * math.prod(mesh.shape[a] for a in sequence)
+    if axis is None:
+        positions = jnp.arange(length, dtype=jnp.int32)
+    elif _EXPLICIT:  # this device's block of the load-balanced order
+        order = ring_attention.balanced_order(length * ways, ways).reshape(ways, length)
+        positions = jnp.asarray(order, jnp.int32)[lax.axis_index(axis)]
+    else:
+        positions = jnp.asarray(ring_attention.balanced_order(length, ways), jnp.int32)
+    return jnp.broadcast_to(positions, (x.shape[0], length))
+
+
+def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A batch of whole sequences (leaves [batch, length, ...]) in the layout's sequence
+    order: under context parallelism the tokens are put in the load-balanced order, and
+    inside the explicit executor each device keeps its own two chunks. Unchanged otherwise.
+    The loss, a mean over all tokens, does not depend on their order."""
+    mesh, axis, ways = _context()
+    if axis is None:
+        return batch
+
+    def split(x: jax.Array) -> jax.Array:
+        order = ring_attention.balanced_order(x.shape[1], ways)
+        if _EXPLICIT:
+            order = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
+            return jnp.take(x, order, axis=1)
+        names = ("batch", "length") + (None,) * (x.ndim - 2)
+        return constrain(jnp.take(x, jnp.asarray(order), axis=1), names)
+
+    return {key: split(value) for key, value in batch.items()}
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.Array:
+    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
+    kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
+    attention over the context axis when it is split (context parallelism)."""
+    mesh, axis, ways = _context()
+    if axis is None:
+        return local(q, k, v)
+    if _EXPLICIT:
+        return ring_attention.ring_attention(q, k, v, axis, ways)
+    # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
+    spec = PartitionSpec(None, axis)
+    ring = jax.shard_map(
+        lambda q, k, v: ring_attention.ring_attention(q, k, v, axis, ways),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        axis_names={axis},
+        check_vma=True,
+    )
+    return ring(q, k, v)
+
+
 # Ops that only re-lay out their input: free to recompute, and saving one that reads a gathered
 # param (e.g. a norm scale broadcast to the activations' rank) would keep that param whole.
 _LAYOUT_OPS = ("broadcast_in_dim", "reshape", "transpose", "convert_element_type", "squeeze")
@@ -211,18 +315,28 @@ def layer_remat(policy: Any) -> Any:
 # The model calls `constrain(x, names)` on a few activations; it is a no-op unless a layout is
 # active (auto executor), so models stay runnable without any mesh.
 
-_ACTIVE_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules]] = []
+_ACTIVE_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 
 
 @contextlib.contextmanager
 def activation_layout(
-    mesh: jax.sharding.Mesh, zero_stage: int, exclude: tuple[str, ...] = ()
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    exclude: tuple[str, ...] = (),
+    sequence_parallel: bool | None = None,
 ) -> Iterator[None]:
     """Within this context, `constrain` pins activations to the layout's shardings. Mesh axes
-    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns)."""
-    table = rules.rules_for(zero_stage, "activations")
+    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns).
+    `sequence_parallel` None keeps the enclosing layout's setting (off when there is none)."""
+    if sequence_parallel is None:
+        sequence_parallel = bool(_ACTIVE_ACTIVATIONS) and _ACTIVE_ACTIVATIONS[-1][2]
+    table = rules.rules_for(zero_stage, "activations", sequence_parallel)
     _ACTIVE_ACTIVATIONS.append(
-        (mesh, {k: tuple(a for a in v if a not in exclude) for k, v in table.items()})
+        (
+            mesh,
+            {k: tuple(a for a in v if a not in exclude) for k, v in table.items()},
+            sequence_parallel,
+        )
     )
     try:
         yield
@@ -245,6 +359,6 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
     if not _ACTIVE_ACTIVATIONS:
         return x
-    mesh, table = _ACTIVE_ACTIVATIONS[-1]
+    mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,6 +1,6 @@
 """Parse a mesh string such as "dp=8,tp=8", check it against the devices, build the Mesh.
 
-The mesh always has the four axes of MESH_AXES (size-1 axes cost nothing), ordered so that
+The mesh always has the five axes of MESH_AXES (size-1 axes cost nothing), ordered so that
 `tensor` is innermost: neighbouring device ids share a tensor group, which keeps the chattiest
 collectives on the fastest links. On a CPU-only machine the devices a mesh needs can be
 simulated (`simulate_cpu_devices`), which must happen before JAX starts its backend.
@@ -21,7 +21,9 @@ from spmd.errors import UsageError
 
 # Outermost first. `data` is outermost so that, across hosts, plain replication (the cheapest
 # collective per step) is what crosses the slow links; `tensor` is innermost.
-MESH_AXES = ("data", "pipeline", "fsdp", "expert", "tensor")
+# `context` (context parallelism: every activation's length split, attention as a ring) sits
+# next to `tensor`: its ring sends key/value blocks every layer.
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 AXIS_ALIASES = {
     "data": "data",
@@ -33,6 +35,8 @@ AXIS_ALIASES = {
     "pp": "pipeline",
     "expert": "expert",
     "ep": "expert",
+    "context": "context",
+    "cp": "context",
 }
 
 # Mesh axes that split the batch (every data-parallel axis).
@@ -97,7 +101,14 @@ def resolve_mesh(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
 
 def format_mesh(sizes: dict[str, int]) -> str:
     """The short form of a mesh, e.g. "dp=2,fsdp=2,tp=2" (size-1 axes left out)."""
-    short = {"data": "dp", "fsdp": "fsdp", "tensor": "tp", "pipeline": "pp", "expert": "ep"}
+    short = {
+        "data": "dp",
+        "fsdp": "fsdp",
+        "tensor": "tp",
+        "pipeline": "pp",
+        "expert": "ep",
+        "context": "cp",
+    }
     parts = [f"{short[a]}={s}" for a, s in sizes.items() if s != 1]
     return ",".join(parts) or "dp=1"
 
@@ -188,7 +199,7 @@ def build_mesh(
     if dcn is not None and math.prod(dcn.values()) > 1:
         from jax.experimental import mesh_utils
 
-        dcn_shape = tuple(dcn[a] for a in MESH_AXES)
+        dcn_shape = tuple(dcn.get(a, 1) for a in MESH_AXES)
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
         grid = mesh_utils.create_hybrid_device_mesh(
             ici_shape, dcn_shape, devices, process_is_granule=True

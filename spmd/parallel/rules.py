@@ -35,7 +35,10 @@ BASE_RULES: Rules = {
     "kv_heads": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),
-    "length": (),
+    "length": ("context",),  # context parallelism: every activation's length
+    # the length of the residual stream between tensor-parallel matmuls (embedding output,
+    # norms, residual adds): split over `tensor` too under sequence parallelism
+    "residual_length": (),
     "head_dim": (),
     "embed": (),
     # An MoE layer's experts: split over the expert axis and, when fsdp > 1, over the fsdp
@@ -53,9 +56,10 @@ REPLICATE_WHEN_FEWER = ("kv_heads",)
 _FSDP_FROM_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 
 
-def rules_for(zero_stage: int, role: str) -> Rules:
+def rules_for(zero_stage: int, role: str, sequence_parallel: bool = False) -> Rules:
     """The logical -> mesh-axes table for one role ("params", "grads", "opt_state",
-    "activations") at a ZeRO stage (1, 2 or 3)."""
+    "activations") at a ZeRO stage (1, 2 or 3). With `sequence_parallel` (Megatron-SP) the
+    activations' `residual_length` is split over `tensor` as well as wherever `length` is."""
     if zero_stage not in ZERO_STAGES:
         raise UsageError(f"--zero {zero_stage} is not a ZeRO stage; use 1, 2 or 3")
     if role not in ROLES:
@@ -63,6 +67,9 @@ def rules_for(zero_stage: int, role: str) -> Rules:
     rules = dict(BASE_RULES)
     if role != "activations" and zero_stage >= _FSDP_FROM_STAGE[role]:
         rules["embed"] = ("fsdp",)
+    rules["residual_length"] = rules["length"]
+    if sequence_parallel and role == "activations":
+        rules["residual_length"] = (*rules["length"], "tensor")
     return rules
 
 

@@ -1,0 +1,130 @@
+"""Context parallelism (`cp=` mesh axis): every activation's length split over `context`,
+attention as a load-balanced causal ring (spmd.parallel.ring_attention). One compiled program
+per layout, shared by the tests here:
+
+- fp32 20-step loss and final-params parity with one device: cp=2 and dp=2,cp=2,tp=2 (with
+  sequence parallelism) under `explicit`, cp=4 under `auto` at length 256;
+- the explicit steps' collective-permutes are theory's: cp−1 key and value blocks per layer
+  in the forward, as many gradients back; the gradient all-reduce spans `context`;
+- compiled temp memory per device at cp=4 ≤ 0.35 x cp=1 where attention dominates (the
+  same length-256 programs);
+- the ring's order and the flags' checks.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from spmd.checks import check_sequence_split
+from spmd.errors import UsageError
+from spmd.estimate import hlo, theory
+from spmd.io import data
+from spmd.parallel.ring_attention import balanced_order
+from tests import trainer
+
+BATCH, SEQ = trainer.BATCH, trainer.SEQ_LEN
+LAYOUTS = [  # (mesh, executor, sequence parallel)
+    ("cp=2", "explicit", False),
+    ("dp=2,cp=2,tp=2", "explicit", True),
+]
+# cp=4 runs where attention dominates the activations: length 256, 8 heads (8 x 256
+# probabilities per token against about 600 other floats); its program serves parity too.
+LONG_BATCH, LONG_SEQ = 1, 256
+
+
+@functools.cache
+def compiled(
+    mesh: str, executor: str, sequence_parallel: bool = False, batch: int = BATCH, seq: int = SEQ
+):
+    lay = dataclasses.replace(trainer.layout(mesh), sequence_parallel=sequence_parallel)
+    prog = trainer.program(lay, 1, executor)
+    return prog, prog.compile_train_step(batch, seq)
+
+
+def long_losses(mesh: str) -> tuple[np.ndarray, dict]:
+    """20 steps of the tiny model on LONG_BATCH x LONG_SEQ batches (auto executor)."""
+    prog, step = compiled(mesh, "auto", False, LONG_BATCH, LONG_SEQ)
+    state = jax.tree.map(
+        lambda x, target: jax.device_put(x, target.sharding),
+        tuple(trainer.initial_state()),
+        (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale),
+    )
+    win, losses = trainer.windows(LONG_SEQ), []
+    for i in range(trainer.STEPS):
+        ids = data.train_window_ids(0, i, LONG_BATCH, win.n_train)
+        *state, metrics = step(*state, data.global_batch(win, ids, prog.layout.batch_sharding()))
+        losses.append(metrics["loss"])
+    return np.asarray(jax.device_get(losses)), jax.device_get(state[0])
+
+
+def test_balanced_order_gives_device_i_chunks_i_and_its_mirror():
+    order = balanced_order(16, 4).reshape(4, 2, 2)  # 4 devices x 2 chunks of 2 tokens
+    assert order[0].tolist() == [[0, 1], [14, 15]]
+    assert order[3].tolist() == [[6, 7], [8, 9]]
+    assert sorted(balanced_order(48, 3).tolist()) == list(range(48))
+
+
+def _program_and_step(layout: tuple) -> tuple:
+    prog, step = compiled(*layout)
+    return prog, trainer.STEPS, trainer.initial_state(), step
+
+
+def test_loss_and_params_match_one_device():
+    ref = trainer.train_losses(
+        trainer.compiled("dp=1")[0],
+        trainer.STEPS,
+        trainer.initial_state(),
+        trainer.compiled("dp=1")[1],
+    )
+    runs = [(layout, ref, trainer.train_losses(*_program_and_step(layout))) for layout in LAYOUTS]
+    runs.append(("cp=4", long_losses("dp=1"), long_losses("cp=4")))
+    for layout, (ref_losses, ref_params), (losses, params) in runs:
+        assert ref_losses[-1] < ref_losses[0] - 0.3, layout
+        assert trainer.max_relative_difference(losses, ref_losses) <= 1e-4, layout
+        leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref_params)
+        for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+            np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_explicit_ring_sends_match_theory(layout):
+    prog, step = compiled(*layout)
+    colls = hlo.collectives(step, prog.layout.mesh)
+    measured = hlo.collective_summary(colls)
+    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    expected = theory.collectives(prog, shape, BATCH, SEQ)
+    assert set(measured) == set(expected)
+    for kind, want in expected.items():
+        assert measured[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01), kind
+        assert measured[kind]["count"] <= want["count"], kind
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    assert {c.axes for c in permutes} == {("context",)}
+    cp, n_layers = prog.layout.mesh.shape["context"], trainer.tiny_config().n_layers
+    # forward: cp-1 key blocks and cp-1 value blocks per layer; backward: their gradients
+    block = permutes[0].bytes  # one key (or value) block [rows, SEQ/cp, kv_heads, head_dim]
+    assert sum(c.bytes * c.count for c in permutes) == 4 * (cp - 1) * n_layers * block
+    grads = max((c for c in colls if c.kind == "all-reduce"), key=lambda c: c.bytes)
+    assert "context" in grads.axes  # the params' gradients are averaged over context too
+
+
+def test_temp_memory_at_cp4_is_at_most_035_of_one_device():
+    one, cp4 = (compiled(m, "auto", False, LONG_BATCH, LONG_SEQ)[1] for m in ("dp=1", "cp=4"))
+    temps = [hlo.memory(c)["temp"] for c in (one, cp4)]
+    assert temps[1] <= 0.35 * temps[0], temps
+
+
+def test_bad_context_flags_name_the_value():
+    with pytest.raises(UsageError, match="--seq-len 36 must be a multiple of 2 x cp = 8"):
+        check_sequence_split(36, {"context": 4}, False)
+    with pytest.raises(UsageError, match="pp > 1"):
+        check_sequence_split(64, {"context": 2, "pipeline": 2}, False)
+    check_sequence_split(64, {"context": 4, "tensor": 2}, True)
+    with pytest.raises(UsageError, match="MoE model"):
+        check_sequence_split(64, {"context": 2}, False, moe=True)
+    with pytest.raises(UsageError, match="ring attention does not mask documents"):
+        check_sequence_split(64, {"context": 2}, False, document_mask=True)
+    with pytest.raises(UsageError, match="--accum 2 with cp > 1 needs --collectives explicit"):
+        trainer.program(trainer.layout("dp=2,cp=2"), 2, "auto")
