@@ -60,6 +60,7 @@ def build(
     accum: int = 1,
     seed: int = 0,
     pipeline: Any = None,
+    bucket_mb: float = 0.0,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
@@ -82,6 +83,10 @@ def build(
       the mesh's pipeline axis is over 1; the model then provides `embed_tokens(tokens)`,
       `apply_blocks(x)` and `head_logits(x)`, as models/llama.py does.
 
+    - bucket_mb: under the explicit executor, reduce the gradients in buckets of about this
+      many MiB, one collective each (0: one per param). Under auto XLA's combine thresholds
+      decide; they are XLA flags, set before JAX starts (spmd.parallel.xla_flags).
+
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). Returns a Program: `init()` -> TrainState sharded on the mesh, `step(state, batch)`
     -> (state, metrics: loss, grad_norm, loss_scale, skipped_steps), `eval_step(params,
@@ -98,6 +103,7 @@ def build(
         policy=precision.get(precision_policy, grad_reduce),
         executor=executor,
         pipeline=pipeline,
+        bucket_mb=bucket_mb,
     )
 
 

@@ -109,8 +109,12 @@ def run(argv: list[str] | None) -> int:
     sections = resolve_sections(argv)
     train, model_cfg = sections["train"], sections["model"]
     check_choices(train, model_cfg)
+    from spmd.parallel import xla_flags
+
+    flags = xla_flags.apply(train.xla_preset, train.bucket_mb, train.collectives)  # before JAX
     n_processes = start_processes(train)
     say(config.format_config(sections))
+    say(xla_flags.describe(flags))
     checkpointing = bool(train.checkpoint_dir) and not train.dry_run
     if checkpointing:
         check_checkpoint_dir(train)
@@ -129,12 +133,14 @@ def run(argv: list[str] | None) -> int:
         say(f"LR x{guard.lr_factor:g} after {guard.rollbacks} rollback(s), as saved")
         program = with_lr_factor(guard.lr_factor)
     compiled, facts = compile_step(train, model_cfg, program)
+    facts["xla_flags"] = flags
     if train.dry_run:
-        from spmd.estimate import theory
+        from spmd.estimate import hlo, theory
         from spmd.observe.observer import dry_run_report
 
         shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
         say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+        say(hlo.format_grad_reductions(hlo.collectives(compiled, program.layout.mesh)))
         say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
@@ -237,6 +243,7 @@ def build_run_program(train: TrainConfig, model_cfg: llama.LlamaConfig, mesh: An
             accum=train.accum,
             seed=train.seed,
             pipeline=pipe,
+            bucket_mb=train.bucket_mb,
         )
 
     return with_lr_factor(1.0), pipe_report, with_lr_factor
@@ -297,6 +304,7 @@ def write_config_record(
         memory_per_device=facts["memory"],
         batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
+        xla_flags=facts.get("xla_flags"),
     )
 
 

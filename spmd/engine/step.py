@@ -322,6 +322,7 @@ def build_program(
     policy: precision.Policy = precision.POLICIES["fp32"],
     executor: str = "auto",
     pipeline: Any = None,
+    bucket_mb: float = 0.0,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -337,6 +338,10 @@ def build_program(
 
     With a `pipeline` (spmd.parallel.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the
     loss and its gradients come from that pipeline schedule instead of `loss_fn`.
+
+    `bucket_mb` > 0: the explicit executor reduces the gradients in buckets of about that many
+    MiB, one collective each (spmd.parallel.buckets); the auto executor ignores it (there
+    XLA's combine thresholds decide, spmd.parallel.xla_flags).
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
@@ -386,7 +391,16 @@ def build_program(
 
     if executor == "explicit":
         train_step, eval_step = explicit_steps(
-            graphdef, loss_fn, tx, mesh, zero, shardings, step_accum, policy, local_loss
+            graphdef,
+            loss_fn,
+            tx,
+            mesh,
+            zero,
+            shardings,
+            step_accum,
+            policy,
+            local_loss,
+            bucket_bytes=int(bucket_mb * 2**20),
         )
     else:
         train_step, eval_step = auto_steps(loss_of, tx, layout, shardings, step_accum, policy)

@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
-from spmd.parallel import collectives, hooks
+from spmd.parallel import buckets, collectives, hooks
 from spmd.parallel.mesh import BATCH_AXES
 
 
@@ -114,6 +114,7 @@ def explicit_steps(
     accum: int,
     policy: precision.Policy = precision.POLICIES["fp32"],
     local_loss: Callable | None = None,
+    bucket_bytes: int = 0,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
@@ -121,8 +122,9 @@ def explicit_steps(
     "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
     "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
     scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
-    blocks (a pipeline schedule's loss). The steps' signatures are those of spmd.engine.step's
-    auto steps."""
+    blocks (a pipeline schedule's loss). `bucket_bytes` > 0 reduces the gradients in buckets of
+    that many bytes (spmd.parallel.buckets); 0: one collective per param. The steps' signatures
+    are those of spmd.engine.step's auto steps."""
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -143,11 +145,12 @@ def explicit_steps(
             # Gradients come out, are accumulated and reduced in the reduce dtype.
             varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
             loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
-            grads = jax.tree.map(
-                lambda g, p, s: collectives.reduce_grad(g, p, s, batch_axes),
-                grads,
-                specs["params"],
-                specs["grads"],
+            # Buckets run in the reverse order of the forward pass's first use of each param.
+            order = None
+            if bucket_bytes > 0:
+                order = buckets.first_use_order(local_loss, varying, batch)
+            grads = buckets.reduce_grads(
+                grads, specs["params"], specs["grads"], batch_axes, bucket_bytes, order
             )
             loss = lax.pmean(loss, batch_axes) if batch_axes else loss
             grads = precision.cast(grads, policy.master_dtype)
