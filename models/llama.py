@@ -28,6 +28,7 @@ from spmd.parallel.hooks import (
     constrain,
     gather,
     layer_remat,
+    note,
     tp_enter,
     tp_max,
     tp_rank,
@@ -98,12 +99,24 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
     length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32.
 
-    jax.nn.dot_product_attention, except for fp16 inputs: for those it requests the fp32-logit
-    dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to compile, so fp16 takes
-    `grouped_causal_attention`, the same math with the default dot algorithm."""
+    On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
+    implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
+    multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
+    else XLA's. fp16 on XLA takes `grouped_causal_attention`: jax.nn.dot_product_attention asks
+    for the fp32-logit dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to
+    compile. The choice is recorded with `note("attention", ...)` for the run's report."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            note("attention", "cudnn")
+            return out
+        except (ValueError, NotImplementedError, RuntimeError) as why:
+            note("attention", f"xla (cudnn declined: {why})")
+    else:
+        note("attention", "xla")
     if q.dtype == jnp.float16:
         return grouped_causal_attention(q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
 def grouped_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -71,7 +71,10 @@ def run(argv: list[str] | None) -> int:
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
     checks.check_choices(cfg, model_cfg)
+    from spmd.parallel import xla_flags
     from spmd.parallel.mesh import setup_mesh
+
+    say(xla_flags.describe(xla_flags.apply(cfg.xla_preset, cfg.bucket_mb, cfg.collectives)))
 
     mesh = setup_mesh(cfg.mesh, cfg.devices)
 
@@ -96,6 +99,8 @@ def run(argv: list[str] | None) -> int:
         layout,
         seed=cfg.seed,
         accum=cfg.accum,
+        executor=cfg.collectives,
+        bucket_mb=cfg.bucket_mb,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.batch, cfg.seq_len)

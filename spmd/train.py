@@ -269,7 +269,11 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         f"{state_bytes['opt_state'] / 2**20:.2f} MiB, temp {memory.get('temp', 0) / 2**20:.2f} "
         f"MiB with --remat {model_cfg.remat} (activations kept for the backward pass)"
     )
+    from spmd.parallel.hooks import notes
+
+    say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
     facts = {
+        "model_notes": notes(),
         "compile_s": compile_s,
         "state_bytes": state_bytes,
         "memory": memory,
@@ -305,6 +309,7 @@ def write_config_record(
         batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
         xla_flags=facts.get("xla_flags"),
+        model_notes=facts["model_notes"],
     )
 
 

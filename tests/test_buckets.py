@@ -125,8 +125,9 @@ def test_buckets_count_bytes_and_losses():
 
 
 def test_dry_run_shows_the_buckets_compiled():
-    """spmd.train sets the XLA flags before JAX starts: on CPU it turns off the all-reduce
-    combiner, so the compiled step keeps the buckets, and the dry run lists them."""
+    """spmd.train sets the XLA flags before JAX starts, after the user's own: on CPU it turns
+    off the all-reduce combiner, so the compiled step keeps the buckets, and the dry run lists
+    them."""
     args = ("--model", "tiny", "--devices", "8", "--mesh", "dp=8", "--collectives", "explicit")
     args += ("--bucket-mb", "0.25", "--dry-run", "--batch", "16", "--seq-len", "32")
     env = {**os.environ, "PYTHONPATH": str(cli.ROOT), "XDG_CACHE_HOME": cli.CACHE_HOME}
@@ -142,6 +143,8 @@ def test_dry_run_shows_the_buckets_compiled():
     assert result.returncode == 0, result.stderr
     assert "--xla_disable_hlo_passes=cpu-all-reduce-combiner" in result.stdout
     assert "all-reduce over data: 5 (256.00 KiB x4, 66.25 KiB; 1.06 MiB in all)" in result.stdout
+    # On CPU attention is XLA's (cuDNN's fused kernel is tried on GPUs only), and it says so.
+    assert "model choices while tracing: {'attention': 'xla'}" in result.stdout
 
 
 def test_xla_flags_user_wins_and_presets():

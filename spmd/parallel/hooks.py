@@ -9,6 +9,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
     layer_remat(policy)       the scanned layer's remat policy (never saves gathered params)
+    note(what, choice)        record a choice made while tracing (which attention kernel ran)
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -216,3 +217,17 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh, table = _ACTIVE_ACTIVATIONS[-1]
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_NOTES: dict[str, str] = {}
+
+
+def note(what: str, choice: str) -> None:
+    """Record a choice the model made while being traced (e.g. which attention kernel ran), so
+    the run can report it; the latest trace wins."""
+    _NOTES[what] = choice
+
+
+def notes() -> dict[str, str]:
+    """The choices `note` recorded so far, e.g. {"attention": "cudnn"}."""
+    return dict(_NOTES)
