@@ -29,6 +29,7 @@ from spmd.parallel.hooks import (
     constrain,
     gather,
     layer_remat,
+    note,
     token_positions,
     tp_enter,
     tp_max,
@@ -108,13 +109,27 @@ def causal_attention(
     length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
     `segments` [batch, length] (document ids), a position attends only within its document.
 
-    jax.nn.dot_product_attention, except for fp16 inputs: for those it requests the fp32-logit
-    dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to compile, so fp16 takes
-    `grouped_causal_attention`, the same math with the default dot algorithm."""
+    On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
+    implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
+    multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
+    else XLA's. fp16 on XLA takes `grouped_causal_attention`: jax.nn.dot_product_attention asks
+    for the fp32-logit dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to
+    compile. The choice is recorded with `note("attention", ...)` for the run's report."""
+    if segments is not None:  # document masks go through XLA's attention (a general mask)
+        note("attention", "xla (document mask)")
+    elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            note("attention", "cudnn")
+            return out
+        except (ValueError, NotImplementedError, RuntimeError) as why:
+            note("attention", f"xla (cudnn declined: {why})")
+    else:
+        note("attention", "xla")
     if q.dtype == jnp.float16:
         return grouped_causal_attention(q, k, v, segments)
     mask = None if segments is None else same_document(segments)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
 
 def same_document(segments: jax.Array) -> jax.Array:

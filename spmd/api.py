@@ -61,6 +61,7 @@ def build(
     seed: int = 0,
     pipeline: Any = None,
     sequence_parallel: bool = False,
+    bucket_mb: float = 0.0,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
@@ -84,6 +85,10 @@ def build(
       `apply_blocks(x)` (`apply_blocks(x, segments)` for batches with segment ids) and
       `head_logits(x)`, as models/llama.py does.
 
+    - bucket_mb: under the explicit executor, reduce the gradients in buckets of about this
+      many MiB, one collective each (0: one per param). Under auto XLA's combine thresholds
+      decide; they are XLA flags, set before JAX starts (spmd.parallel.xla_flags).
+
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). `sequence_parallel` (tp > 1): Megatron-SP, the residual stream (embedding output,
     norms, residual adds) split along length over `tensor`. Returns a Program: `init()` ->
@@ -102,6 +107,7 @@ def build(
         policy=precision.get(precision_policy, grad_reduce),
         executor=executor,
         pipeline=pipeline,
+        bucket_mb=bucket_mb,
     )
 
 

@@ -82,7 +82,10 @@ def run(argv: list[str] | None) -> int:
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
     checks.check_choices(cfg, model_cfg)
+    from spmd.parallel import xla_flags
     from spmd.parallel.mesh import setup_mesh
+
+    say(xla_flags.describe(xla_flags.apply(cfg.xla_preset, cfg.bucket_mb, cfg.collectives)))
 
     mesh = setup_mesh(cfg.mesh, cfg.devices)
 
@@ -116,6 +119,7 @@ def run(argv: list[str] | None) -> int:
         accum=cfg.accum,
         policy=policy,
         executor=cfg.collectives,
+        bucket_mb=cfg.bucket_mb,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.batch, cfg.seq_len)

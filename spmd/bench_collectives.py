@@ -2,12 +2,18 @@
 
     python -m spmd.bench_collectives [--model tiny] [--batch 16] [--seq-len 128] [--steps 30]
                                      [--devices 8] [--layouts ddp,zero3,...]
+                                     [--bucket-mb 0.25,1,4,25]
 
 For each named layout of meshes/ (on --devices simulated CPU devices, or the accelerators
 present) both executors' train steps are compiled with the same model, batch and initial
 state, then run alternately, step by step, so that both see the same machine noise. Printed:
 median step time of each (ms), explicit / auto, and the collective bytes per device of each
-compiled step. A benchmark, not a test: nothing is asserted.
+compiled step. With --bucket-mb the explicit executor's step is compiled once per bucket size
+instead (spmd.parallel.buckets) and those run alternately: median step time per bucket size
+side by side, with the number of gradient reductions each compiled step holds. The XLA flags of
+the largest bucket size are set first (spmd.parallel.xla_flags: on CPU that turns XLA's
+all-reduce combiner off, so bucket size 0 there means one all-reduce per param). A benchmark,
+not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per executor")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--layouts", default="", help="comma-separated preset names (all)")
+    parser.add_argument(
+        "--bucket-mb", default="", help="comma-separated bucket sizes in MiB (explicit only)"
+    )
     return parser.parse_args(argv)
 
 
@@ -43,10 +52,18 @@ def run(args: argparse.Namespace) -> int:
     presets = [meshes.get(n) for n in names]
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} must be a positive number of steps")
+    buckets = _bucket_sizes(args.bucket_mb)
+    if buckets:
+        from spmd.parallel import xla_flags
+
+        print(xla_flags.describe(xla_flags.apply("throughput", max(buckets), "explicit")))
     if mesh_lib.cpu_only():
         mesh_lib.simulate_cpu_devices(args.devices)
 
     import jax
+
+    if buckets:
+        return run_buckets(args, presets, buckets)
 
     print(
         f"{'layout':<9}{'mesh':<20}{'auto ms':>9}{'explicit ms':>13}{'ratio':>7}"
@@ -54,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        times, volume = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
+        times, volume, _ = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
         auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
         print(
             f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
@@ -64,14 +81,51 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise UsageError(f"--bucket-mb {text!r} should be sizes in MiB such as 0.25,1,4") from None
+    if any(s < 0 for s in sizes):
+        raise UsageError(f"--bucket-mb {text!r}: sizes must be 0 (one per param) or positive")
+    return sizes
+
+
+def run_buckets(args: argparse.Namespace, presets: list, buckets: list[float]) -> int:
+    """The explicit step per bucket size, per layout: median ms and gradient reductions."""
+    import jax
+
+    from spmd.parallel import mesh as mesh_lib
+
+    heads = "".join(f"{f'{b:g} MiB':>16}" for b in buckets)
+    print(f"{'layout':<9}{'mesh':<20}{heads}   (median ms per step / gradient reductions)")
+    for preset in presets:
+        sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
+        variants = {f"{b:g}": {"executor": "explicit", "bucket_mb": b} for b in buckets}
+        times, _, counts = bench_layout(
+            args, sizes, preset.zero, preset.sequence_parallel, variants
+        )
+        cells = "".join(
+            f"{statistics.median(times[k]) * 1e3:>10.1f} / {counts[k]:<3}" for k in variants
+        )
+        print(f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{cells}", flush=True)
+    return 0
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
 def bench_layout(
-    args: argparse.Namespace, sizes: dict[str, int], zero: int, sequence_parallel: bool = False
+    args: argparse.Namespace,
+    sizes: dict[str, int],
+    zero: int,
+    sequence_parallel: bool = False,
+    variants: dict | None = None,
 ):
-    """({executor: [step seconds]}, {executor: collective bytes per device per step})."""
+    """({variant: [step seconds]}, {variant: collective bytes per device per step}, {variant:
+    gradient reductions (all-reduces / reduce-scatters run once per step on more than a
+    scalar)}). `variants`: {name: build_program keywords}; default: the two executors."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -94,30 +148,33 @@ def bench_layout(
         "inputs": jax.device_put(tokens[:, :-1], layout.batch_sharding()),
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
-    steps, states, volume = {}, {}, {}
-    for executor in EXECUTORS:
+    variants = variants or {e: {"executor": e} for e in EXECUTORS}
+    steps, states, volume, counts = {}, {}, {}, {}
+    for name, keywords in variants.items():
         program = build_program(
             lambda seed: llama.create(model, seed),
             llama.lm_loss,
             lambda names: make_optimizer(train, names),
             layout,
-            executor=executor,
+            **keywords,
         )
-        steps[executor] = program.compile_train_step(args.batch, args.seq_len)
-        summary = hlo.collective_summary(hlo.collectives(steps[executor], layout.mesh))
-        volume[executor] = sum(row["bytes"] for row in summary.values())
-        # One initial state for both (same shardings); copies, since each step donates its own.
-        states[executor] = jax.tree.map(jnp.copy, states["auto"]) if states else program.init()
-    times: dict[str, list[float]] = {e: [] for e in EXECUTORS}
+        steps[name] = program.compile_train_step(args.batch, args.seq_len)
+        colls = hlo.collectives(steps[name], layout.mesh)
+        volume[name] = sum(row["bytes"] for row in hlo.collective_summary(colls).values())
+        counts[name] = len(hlo.grad_reductions(colls))
+        # One initial state for all (same shardings); copies, since each step donates its own.
+        first = next(iter(states.values()), None)
+        states[name] = jax.tree.map(jnp.copy, first) if first else program.init()
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(args.steps + 2):  # the first two steps warm up
-        for executor in EXECUTORS:
+        for name in variants:
             started = time.perf_counter()
-            *state, metrics = steps[executor](*states[executor], batch)
+            *state, metrics = steps[name](*states[name], batch)
             jax.block_until_ready(metrics)
             if i >= 2:
-                times[executor].append(time.perf_counter() - started)
-            states[executor] = tuple(state)
-    return times, volume
+                times[name].append(time.perf_counter() - started)
+            states[name] = tuple(state)
+    return times, volume, counts
 
 
 if __name__ == "__main__":

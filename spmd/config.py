@@ -39,6 +39,10 @@ class TrainConfig:
     zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
     collectives: str = "auto"  # auto: XLA inserts them (jit); explicit: hand-written (shard_map)
     sequence_parallel: bool = False  # Megatron-SP (tp > 1): norms/residuals split along length
+    # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
+    # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
+    bucket_mb: float = 0.0
+    xla_preset: str = "throughput"  # XLA flags spmd sets on GPU (yours win): throughput | none
     pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
     microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
     pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)

@@ -116,8 +116,12 @@ def run(argv: list[str] | None) -> int:
     train, model_cfg = sections["train"], sections["model"]
     check_choices(train, model_cfg)
     run_data.check_choices(train)
+    from spmd.parallel import xla_flags
+
+    flags = xla_flags.apply(train.xla_preset, train.bucket_mb, train.collectives)  # before JAX
     n_processes = start_processes(train)
     say(config.format_config(sections))
+    say(xla_flags.describe(flags))
     checkpointing = bool(train.checkpoint_dir) and not train.dry_run
     if checkpointing:
         check_checkpoint_dir(train)
@@ -138,8 +142,9 @@ def run(argv: list[str] | None) -> int:
         say(f"LR x{guard.lr_factor:g} after {guard.rollbacks} rollback(s), as saved")
         program = with_lr_factor(guard.lr_factor)
     compiled, facts = compile_step(train, model_cfg, program)
+    facts["xla_flags"] = flags
     if train.dry_run:
-        from spmd.estimate import measure, theory
+        from spmd.estimate import hlo, measure, theory
         from spmd.observe.observer import dry_run_report
 
         held = facts["state_bytes"]
@@ -147,6 +152,7 @@ def run(argv: list[str] | None) -> int:
         shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
         if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
             say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+        say(hlo.format_grad_reductions(hlo.collectives(compiled, program.layout.mesh)))
         say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
@@ -263,6 +269,7 @@ def build_run_program(
             seed=train.seed,
             pipeline=pipe,
             sequence_parallel=train.sequence_parallel,
+            bucket_mb=train.bucket_mb,
         )
         program.batch_fields = windows.fields  # segment ids, loss weights: as the data has
         return program
@@ -290,7 +297,11 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         f"{state_bytes['opt_state'] / 2**20:.2f} MiB, temp {memory.get('temp', 0) / 2**20:.2f} "
         f"MiB with --remat {model_cfg.remat} (activations kept for the backward pass)"
     )
+    from spmd.parallel.hooks import notes
+
+    say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
     facts = {
+        "model_notes": notes(),
         "compile_s": compile_s,
         "state_bytes": state_bytes,
         "memory": memory,
@@ -333,6 +344,8 @@ def write_config_record(
         batch_arithmetic=batch_arithmetic(train, program.layout.data_parallel),
         pipeline=pipe_report,
         dcn_traffic=facts.get("dcn_traffic"),  # --dcn-sync diloco: cross-host bytes per step
+        xla_flags=facts.get("xla_flags"),
+        model_notes=facts["model_notes"],
     )
 
 

@@ -19,8 +19,7 @@ LAYOUTS = [
 
 
 def losses_of(mesh: str, zero: int = 3, executor: str = "auto") -> tuple:
-    program, step = trainer.compiled(mesh, zero, executor)
-    return trainer.train_losses(program, trainer.STEPS, trainer.initial_state(), step)
+    return trainer.losses(mesh, zero, executor)
 
 
 @pytest.fixture(scope="module")

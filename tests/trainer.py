@@ -109,5 +109,13 @@ def train_losses(
     return np.asarray(jax.device_get(losses)), jax.device_get(params)
 
 
+@functools.cache
+def losses(mesh: str, zero: int = 3, executor: str = "auto") -> tuple[np.ndarray, dict]:
+    """`train_losses` of the shared compiled program of (mesh, zero, executor) from the shared
+    initial state, computed once per test session (the parity and bucketing tests share it)."""
+    program, step = compiled(mesh, zero, executor)
+    return train_losses(program, STEPS, initial_state(), step)
+
+
 def max_relative_difference(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))

@@ -348,6 +348,7 @@ def build_program(
     executor: str = "auto",
     pipeline: Any = None,
     exclude_axes: tuple[str, ...] = (),
+    bucket_mb: float = 0.0,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -366,6 +367,10 @@ def build_program(
 
     `exclude_axes`: mesh axes that the auto executor's activation rules leave to an enclosing
     vmap (spmd.engine.diloco); `Program.train_fn` is then the step to vmap.
+
+    `bucket_mb` > 0: the explicit executor reduces the gradients in buckets of about that many
+    MiB, one collective each (spmd.parallel.buckets); the auto executor ignores it (there
+    XLA's combine thresholds decide, spmd.parallel.xla_flags).
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
@@ -433,6 +438,7 @@ def build_program(
             policy,
             local_loss,
             sequence_parallel=layout.sequence_parallel,
+            bucket_bytes=int(bucket_mb * 2**20),
         )
     else:
         train_step, eval_step = auto_steps(

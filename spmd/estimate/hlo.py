@@ -361,3 +361,36 @@ def instructions(compiled: Any) -> list[tuple[str, str, str, str, str, int]]:
         for comp, instrs in comps.items()
         for name, shape, opcode, attrs in instrs
     ]
+
+
+def grad_reductions(colls: list[Collective]) -> list[Collective]:
+    """The all-reduces and reduce-scatters that run once per step (outside loops) on more than
+    a scalar (the loss and norm psums): the gradient reductions, one per bucket with buckets."""
+    return [
+        c
+        for c in colls
+        if c.kind in ("all-reduce", "reduce-scatter") and c.count == 1 and c.bytes > 8
+    ]
+
+
+def format_grad_reductions(colls: list[Collective]) -> str:
+    """The step's gradient reductions (all-reduces and reduce-scatters that run once per step
+    on more than a scalar), per kind and axes: how many and their sizes per device, e.g.
+    "all-reduce over data: 5 (256.00 KiB x4, 66.25 KiB)". With --bucket-mb these are the
+    buckets."""
+    groups: dict[str, list[int]] = {}
+    for c in grad_reductions(colls):
+        groups.setdefault(f"{c.kind} over {'+'.join(c.axes) or '?'}", []).append(c.bytes)
+    lines = []
+    for what, sizes in groups.items():
+        runs: list[list[int]] = []
+        for size in sizes:  # consecutive equal sizes shown once, with a count
+            if runs and runs[-1][0] == size:
+                runs[-1][1] += 1
+            else:
+                runs.append([size, 1])
+        shown = ", ".join(_human(s) + (f" x{n}" if n > 1 else "") for s, n in runs)
+        lines.append(f"  {what}: {len(sizes)} ({shown}; {_human(sum(sizes))} in all)")
+    return "gradient reductions per step (one each per bucket):\n" + (
+        "\n".join(lines) or "  none outside the layer loop"
+    )

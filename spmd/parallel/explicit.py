@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
-from spmd.parallel import collectives, hooks
+from spmd.parallel import buckets, collectives, hooks
 from spmd.parallel.mesh import BATCH_AXES
 
 
@@ -115,6 +115,7 @@ def explicit_steps(
     policy: precision.Policy = precision.POLICIES["fp32"],
     local_loss: Callable | None = None,
     sequence_parallel: bool = False,
+    bucket_bytes: int = 0,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
@@ -123,8 +124,9 @@ def explicit_steps(
     "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
     scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
     blocks (a pipeline schedule's loss). `sequence_parallel` splits the residual stream along
-    length over `tensor` (the model's tp hooks become all_gather / psum_scatter). The steps'
-    signatures are those of spmd.engine.step's auto steps."""
+    length over `tensor` (the model's tp hooks become all_gather / psum_scatter). `bucket_bytes`
+    > 0 reduces the gradients in buckets of that many bytes (spmd.parallel.buckets); 0: one
+    collective per param. The steps' signatures are those of spmd.engine.step's auto steps."""
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -150,11 +152,12 @@ def explicit_steps(
             # Gradients come out, are accumulated and reduced in the reduce dtype.
             varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
             loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
-            grads = jax.tree.map(
-                lambda g, p, s: collectives.reduce_grad(g, p, s, batch_axes),
-                grads,
-                specs["params"],
-                specs["grads"],
+            # Buckets run in the reverse order of the forward pass's first use of each param.
+            order = None
+            if bucket_bytes > 0:
+                order = buckets.first_use_order(local_loss, varying, batch)
+            grads = buckets.reduce_grads(
+                grads, specs["params"], specs["grads"], batch_axes, bucket_bytes, order
             )
             loss = lax.pmean(loss, batch_axes) if batch_axes else loss
             grads = precision.cast(grads, policy.master_dtype)

@@ -15,6 +15,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
+    note(what, choice)        record a choice made while tracing (which attention kernel ran)
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -362,3 +363,17 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_NOTES: dict[str, str] = {}
+
+
+def note(what: str, choice: str) -> None:
+    """Record a choice the model made while being traced (e.g. which attention kernel ran), so
+    the run can report it; the latest trace wins."""
+    _NOTES[what] = choice
+
+
+def notes() -> dict[str, str]:
+    """The choices `note` recorded so far, e.g. {"attention": "cudnn"}."""
+    return dict(_NOTES)
