@@ -90,7 +90,7 @@ def build(
     from spmd.parallel import mesh as mesh_lib
 
     check_engine_can_build(s)
-    sizes = {**s.mesh, "data": s.data_parallel, "fsdp": 1} if s.zero == 0 else dict(s.mesh)
+    sizes = dict(s.sharding_mesh)
     mesh = mesh_lib.build_mesh(sizes, devices)
     zero = max(s.zero, 1)
     optimizer_cfg = dataclasses.replace(train, mesh=format_mesh(sizes), zero=zero)
