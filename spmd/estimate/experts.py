@@ -78,15 +78,19 @@ def active_mlp_params(model: Any) -> int:
     return model.embed_dim * n + routed * 3 * model.embed_dim * width
 
 
-def padding_flops_per_token(model: Any, seq_len: int) -> float:
-    """Forward FLOPs per token and layer that an MoE layer executes beyond its active params
-    (models/moe.py's fixed-shape routing): each expert runs all `capacity` slots of every
-    sequence, used or not (E x capacity / seq_len slots per token instead of k: in dropless
-    mode E / k times the active experts' work), and the one-hot dispatch and combine einsums
-    cost 2 x E x capacity x embed each. 0 without experts."""
+def padding_flops_per_token(model: Any, seq_len: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs per token and layer that an MoE layer executes beyond its
+    active params (models/moe.py's fixed-shape routing): each expert runs all `capacity`
+    slots of every sequence, used or not (E x capacity / seq_len slots per token instead of k:
+    in dropless mode E / k times the active experts' work; backward twice the forward), and
+    the one-hot dispatch and combine einsums, 2 x E x capacity x embed each forward; backward,
+    the dispatch's gradient flows to the tokens only (its one-hots carry none), the combine's
+    to both operands (its weights are the router's). (0, 0) without experts."""
     n = getattr(model, "n_experts", 0)
     if not n:
-        return 0.0
+        return 0.0, 0.0
     width, e = model.expert_mlp_dim or model.mlp_dim, model.embed_dim
     slots = n * capacity(model, seq_len) / seq_len
-    return 6 * e * width * (slots - model.experts_per_token) + 4 * n * capacity(model, seq_len) * e
+    experts = 6 * e * width * (slots - model.experts_per_token)
+    einsum = 2 * n * capacity(model, seq_len) * e
+    return experts + 2 * einsum, 2 * experts + 3 * einsum

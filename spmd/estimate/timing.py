@@ -45,8 +45,8 @@ def executed_flops(s: cost.Setup) -> float:
     layer = f["blocks"] + f["attention"]
     replays = layer * (s.pipelined + (s.remat == "full"))
     replays += f["attention"] * (s.remat == "dots_saveable")
-    padding = s.shape.n_layers * experts.padding_flops_per_token(s.shape, s.seq_len)
-    replays += padding * (3 + s.pipelined + (s.remat == "full"))
+    forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len)
+    replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     return model_flops(s) + s.batch * s.seq_len * replays
 
 
