@@ -27,7 +27,7 @@ import sys
 import typing
 from typing import Any
 
-from models import llama
+from models import llama, moe
 from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
@@ -80,7 +80,7 @@ def _own_fields(cls: type, taken: type) -> type:
 
 
 PLAN_SECTION = _own_fields(PlanConfig, TrainConfig)
-SECTIONS = {"model": llama.LlamaConfig, "train": TrainConfig, "plan": PLAN_SECTION}
+SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig, "plan": PLAN_SECTION}
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
@@ -146,7 +146,7 @@ def _help_parser() -> argparse.ArgumentParser:
         ],
     )
     sections = {"plan": PLAN_SECTION, "training run (every spmd.train flag is accepted)": view}
-    sections["model (with --params only --remat applies)"] = llama.LlamaConfig
+    sections["model (with --params only --remat applies)"] = moe.MoEConfig
     parser = config.build_parser("python -m spmd.plan", sections, __doc__.split("\n\n")[1])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     defaults = {
@@ -328,9 +328,18 @@ def _recommend(
             f"and accumulation); drop it, or drop --recommend to plan it as given"
         )
     cost.check_setup(dataclasses.replace(base, batch=search.batch_for(space, base.seq_len, 1)))
+    named = _named_axes(mesh, given) or {}
+    if named.get("expert", 1) > 1:  # the search's meshes are dp, fsdp, tp, pp
+        raise UsageError(
+            f"--recommend does not search ep (its experts are split over fsdp); drop "
+            f"ep={named['expert']} from --mesh, or drop --recommend to plan the layout as given"
+        )
+    if getattr(base.shape, "aux_loss_coef", 0) or getattr(base.shape, "z_loss_coef", 0):
+        if getattr(base.shape, "n_experts", 0):  # models.moe.check_layout: no pipeline
+            named = {"pipeline": 1, **named}
     space = dataclasses.replace(
         space,
-        mesh=_named_axes(mesh, given),
+        mesh=named or None,
         zero=base.zero if "zero" in given else None,
         remat=base.remat if "--remat" in {a.split("=")[0] for a in argv} else None,
         schedule=base.schedule if "pp_schedule" in given else None,
@@ -360,8 +369,8 @@ def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
         build_kwargs["pipeline"] = pipe
     return measure.measure(
         dataclasses.replace(s, n_params=float(built.n_params())),
-        lambda seed, dtype: llama.create(built, seed, dtype),
-        llama.lm_loss,
+        lambda seed, dtype: moe.create(built, seed, dtype),  # llama.create without experts
+        moe.lm_loss,
         train,
         **build_kwargs,
     )
@@ -371,11 +380,13 @@ def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) 
     """(shape, parameter count, description, spmd.train model flags) of the preset, or of
     --params' Llama shape."""
     if not plan.params:
-        preset = config.build(llama.LlamaConfig, config.preset(train.model), "preset")
-        changed = [f for f in FIELDS if getattr(model_cfg, f) != getattr(preset, f)]
+        preset = config.build(moe.MoEConfig, config.preset(train.model), "preset")
+        moe.check(model_cfg)
+        fields = (*FIELDS, *MOE_FIELDS) if model_cfg.n_experts or preset.n_experts else FIELDS
+        changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f)]
         args = ["--model", train.model, *_shape_flags(model_cfg, changed)]
         return model_cfg, float(model_cfg.n_params()), f"{train.model} preset", args
-    arch = {f.name for f in dataclasses.fields(llama.LlamaConfig)} - {"remat"}
+    arch = {f.name for f in dataclasses.fields(moe.MoEConfig)} - {"remat"}
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     clash = sorted(given & (arch | {"model"}))
     if clash:
@@ -389,6 +400,16 @@ def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) 
         f"{shape.n_layers} layers, {shape.n_heads} heads, mlp {shape.mlp_dim})"
     )
     return shape, plan.params, described, _shape_flags(shape, FIELDS)
+
+
+# An MoE's shape fields beyond the Llama's, as spmd.train flags take them.
+MOE_FIELDS = (
+    "n_experts",
+    "experts_per_token",
+    "expert_mlp_dim",
+    "shared_expert",
+    "capacity_factor",
+)
 
 
 def _shape_flags(shape: Any, fields: Any) -> list[str]:

@@ -16,11 +16,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from models import llama
+from models import llama, moe
 from spmd import config, plan, train
 from spmd.config import TrainConfig
 from spmd.engine.step import sharded_bytes
-from spmd.estimate import cost, measure, memory, plot, search, shape, timing
+from spmd.estimate import cost, measure, memory, plot, search, shape, theory, timing
+from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
 
@@ -270,6 +271,9 @@ def test_recommend_when_nothing_fits(capsys):
         (["--overlap", "2"], "--overlap 2"),
         (["--gpu", "tpu"], "--gpu 'tpu'"),
         (["--model", "tiny", "--mesh", "pp=2", "--pp-schedule", "zigzag"], "'zigzag'"),
+        (["--model", "moe-small", "--mesh", "ep=3", "--batch", "6"], "n_experts=8"),
+        (["--model", "tiny", "--mesh", "ep=2", "--batch", "2"], "ep=2"),
+        (["--model", "moe-small", "--mesh", "ep=2,fsdp=-1", "--recommend"], "not search ep"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, named):
@@ -498,3 +502,77 @@ def test_measure_a_recommended_layout():
         assert measured["rows"][row]["ratio"] == pytest.approx(1.0, rel=1e-3)
     comm = [row for name, row in measured["rows"].items() if name.endswith("bytes/step")]
     assert comm and all(row["ratio"] == pytest.approx(1.0, rel=0.05) for row in comm)
+
+
+MOE_LAYOUTS = [("ep=4", 1), ("fsdp=4,ep=2", 3), ("fsdp=2,ep=2,tp=2", 1), ("dp=2,ep=2", 2)]
+
+
+@pytest.mark.parametrize("mesh, zero", MOE_LAYOUTS)
+def test_moe_plan_splits_the_experts_and_counts_the_all_to_all(mesh, zero):
+    """The routed experts' params per device are total / (ep x fsdp x tp), whatever the ZeRO
+    stage; the all-to-all bytes per MoE layer are theory's formula (checked against compiled
+    HLO in tests/test_moe.py) and its closed form 4 x E x rows x capacity x embed x bytes."""
+    cfg = config.build(moe.MoEConfig, config.preset("moe-small"), "moe-small")
+    out = planned("--model", "moe-small", "--mesh", mesh, "--zero", str(zero), "--batch", "16",
+                  "--seq-len", "64", "--precision", "fp32")  # fmt: skip
+    sizes = {**dict.fromkeys(MESH_AXES, 1), **parse_mesh(mesh)}
+    assert out["mesh"] == sizes
+    x = out["experts"]
+    ways = sizes["expert"] * sizes["fsdp"] * sizes["tensor"]
+    assert x["expert_params"] == cfg.n_layers * cfg.n_experts * 3 * cfg.embed_dim * cfg.mlp_dim
+    assert x["expert_params_per_device"] == x["expert_params"] / ways
+    assert x["expert_bytes_per_device"] == 16 * x["expert_params"] / ways  # fp32 + 2 moments
+    rows = 16 // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    closed_form = 4 * cfg.n_experts * rows * 64 * cfg.embed_dim * 4  # dropless: capacity 64
+    expected = theory.expert_all_to_all(
+        theory.shape_of(cfg, "float32"), types.SimpleNamespace(shape=sizes), 16, 64
+    )
+    assert x["all_to_all_bytes_per_layer"] == expected["bytes_per_layer"] == closed_form
+    all_to_all = [c for c in out["collectives"] if c["kind"] == "all-to-all"]
+    assert [c["bytes"] for c in all_to_all] == [closed_form * cfg.n_layers]  # per step
+    # Compute counts active params only: 6 x active x tokens + attention (spmd.estimate.flops).
+    assert out["flops_per_step"] == pytest.approx(16 * 64 * decoder_flops_per_token(cfg, 64))
+
+
+def test_a_dense_plan_has_an_expert_axis_of_one_and_no_expert_figures():
+    out = planned("--model", "tiny", "--mesh", "dp=2,fsdp=2", "--batch", "8", "--seq-len", "64")
+    assert out["mesh"]["expert"] == 1 and "experts" not in out
+    assert "all-to-all" not in out["comm_bytes_per_step"]
+
+
+@pytest.mark.parametrize("mesh, zero", [("ep=4", 1), ("fsdp=2,ep=2", 3)])
+def test_measure_agrees_for_moe(mesh, zero):
+    """--measure builds the MoE through models/moe.create: params, master + optimizer state
+    and all-to-all bytes per device equal the compiled step's within 1%."""
+    out = planned("--model", "moe-tiny", "--mesh", mesh, "--zero", str(zero), "--batch", "8",
+                  "--seq-len", "32", "--precision", "fp32", "--measure")  # fmt: skip
+    rows = out["measured"]["rows"]
+    assert out["measured"]["n_params"] == out["n_params"]
+    for row in ("params", "master + optimizer state", "all-to-all bytes/step"):
+        assert rows[row]["ratio"] == pytest.approx(1.0, rel=0.01), row
+
+
+def test_recommend_for_moe_splits_experts_over_fsdp_without_a_pipeline():
+    """--recommend does not search ep; with the router losses on it keeps pp = 1."""
+    out = planned("--model", "moe-small", "--devices", "8", "--batch", "16", "--seq-len", "128",
+                  "--recommend")  # fmt: skip
+    assert out["mesh"].get("expert", 1) == 1 and out["mesh"]["pipeline"] == 1
+    assert out["experts"]["expert_params_per_device"] * out["mesh"]["fsdp"] * (
+        out["mesh"]["tensor"]
+    ) == pytest.approx(out["experts"]["expert_params"])
+
+
+def test_moe_executed_flops_match_the_compiled_dots():
+    """The planner's executed FLOPs of an MoE (active params + the routing padding: every
+    capacity slot, the one-hot dispatch and combine) equal the compiled step's dot FLOPs
+    within 1% (moe-tiny, ep=4, dropless; model FLOPs alone are 1.89x fewer)."""
+    cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
+    s = setup_2b(shape=cfg, n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
+                 mesh={**dict.fromkeys(MESH_AXES, 1), "expert": 4})  # fmt: skip
+    program, _ = measure.build(
+        s, lambda seed, dtype: moe.create(cfg, seed, dtype), moe.lm_loss, TrainConfig(),
+        jax.devices()[:4],
+    )  # fmt: skip
+    dots = hlo_dot_flops(program.compile_train_step(16, 32)) * s.devices
+    assert timing.executed_flops(s) == pytest.approx(dots, rel=0.01)
+    assert dots / timing.model_flops(s) > 1.8

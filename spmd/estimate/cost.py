@@ -20,7 +20,8 @@ import math
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.estimate.shape import param_groups, shape_params
+from spmd.estimate import experts as experts_math
+from spmd.estimate.shape import EXPERT_AXES, param_groups, shape_params
 from spmd.parallel import schedules
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -80,8 +81,17 @@ class Setup:
 
     @property
     def data_parallel(self) -> int:
-        """Ways the batch is split: data x fsdp."""
-        return self.mesh["data"] * self.mesh["fsdp"]
+        """Ways the batch is split: data x fsdp x expert (the expert devices split the tokens
+        too; 1 without experts)."""
+        return self.mesh["data"] * self.mesh["fsdp"] * self.mesh.get("expert", 1)
+
+    @property
+    def sharding_mesh(self) -> dict[str, int]:
+        """The mesh as the state's shardings see it: under ZeRO 0 the fsdp devices only
+        replicate, so they count as `data` (as the engine builds it)."""
+        if self.zero or self.mesh["fsdp"] == 1:
+            return self.mesh
+        return {**self.mesh, "data": self.mesh["data"] * self.mesh["fsdp"], "fsdp": 1}
 
     @property
     def pipelined(self) -> bool:
@@ -171,6 +181,20 @@ def check_setup(s: Setup) -> None:
     splits = [(tensor, "tp", "n_heads"), (tensor, "tp", "n_kv_heads"), (tensor, "tp", "mlp_dim")]
     splits += [(tensor, "tp", "vocab_size"), (pipeline * s.virtual, "pp", "n_layers")]
     splits += [(fsdp, "fsdp", "embed_dim")]
+    if getattr(s.shape, "n_experts", 0):
+        ways, n = s.mesh.get("expert", 1) * s.sharded_fsdp, s.shape.n_experts
+        if n % ways:
+            good = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+            raise UsageError(
+                f"--mesh ep={ways // s.sharded_fsdp},fsdp={s.sharded_fsdp} splits the experts "
+                f"{ways} ways, which does not divide n_experts={n}; ep x fsdp must be one of {good}"
+            )
+        splits += [(tensor, "tp", "expert_mlp_dim" if s.shape.expert_mlp_dim else "mlp_dim")]
+    elif s.mesh.get("expert", 1) > 1:
+        raise UsageError(
+            f"--mesh ep={s.mesh['expert']} splits experts, but the model has none; use ep=1 or "
+            f"an MoE model (--n-experts, e.g. --model moe-small)"
+        )
     for ways, axis, field in splits:
         size = getattr(s.shape, field)
         if size % ways:
@@ -178,15 +202,23 @@ def check_setup(s: Setup) -> None:
             raise UsageError(f"--mesh {axis}={ways} does not divide {field}={size}; use {good}")
 
 
-def params_per_device(s: Setup, fsdp_shards: bool, layers: bool | None = None) -> float:
-    """Parameters one device holds (scalars); `fsdp_shards`: the role is sharded over fsdp.
-    `layers` True counts only the stacked block params, False only the others, None all."""
+def params_per_device(
+    s: Setup, fsdp_shards: bool, layers: bool | None = None, experts: bool | None = None
+) -> float:
+    """Parameters one device holds (scalars); `fsdp_shards`: the role is sharded over fsdp
+    (the routed experts are split over fsdp whatever the role). `layers` True counts only the
+    stacked block params, False only the others, None all; `experts` likewise for an MoE's
+    routed experts."""
     scale = s.n_params / shape_params(s.shape)
     fsdp = s.sharded_fsdp if fsdp_shards else 1
     return sum(
-        count * scale / (math.prod(s.mesh[a] for a in axes) * fsdp)
+        count
+        * scale
+        / math.prod(s.sharding_mesh.get(a, 1) for a in axes)
+        / (fsdp ** ("fsdp" not in axes))
         for count, axes in param_groups(s.shape)
-        if layers is None or layers == ("pipeline" in axes)
+        if (layers is None or layers == ("pipeline" in axes))
+        and (experts is None or experts == (axes == EXPERT_AXES))
     )
 
 
@@ -242,23 +274,25 @@ def collectives(s: Setup) -> list[Comm]:
     """
     mesh, n, pipeline = s.mesh, s.micro_steps, s.mesh["pipeline"]
     data, fsdp, tensor = mesh["data"], s.sharded_fsdp, mesh["tensor"]
-    local = params_per_device(s, fsdp_shards=False)
-    blocks = params_per_device(s, fsdp_shards=False, layers=True)
+    local = params_per_device(s, fsdp_shards=False, experts=False)
+    blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
     grads, weights = local * s.bytes_of("grads"), local * s.bytes_of("weights")
+    replicas = data * mesh.get("expert", 1)  # the expert axis replicates the other params
+    outer = tuple(a for a in ("data", "expert") if mesh.get(a, 1) > 1)
     out = []
     if fsdp == 1:
-        axes = tuple(a for a in ("data", "fsdp") if mesh[a] > 1)
+        axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.get(a, 1) > 1)
         if s.data_parallel > 1:
             out.append(Comm("all-reduce", axes, s.data_parallel, grads, 1, "gradients", True))
     else:
         if s.zero == 1:
-            axes = ("data", "fsdp") if data > 1 else ("fsdp",)
-            out.append(Comm("all-reduce", axes, data * fsdp, grads, 1, "gradients", True))
+            axes = (*outer[:1], "fsdp", *outer[1:])
+            out.append(Comm("all-reduce", axes, replicas * fsdp, grads, 1, "gradients", True))
         else:
             out.append(Comm("reduce-scatter", ("fsdp",), fsdp, grads / fsdp, n, "gradients", True))
-            if data > 1:
+            if replicas > 1:
                 out.append(
-                    Comm("all-reduce", ("data",), data, grads / fsdp, 1, "grad shards", True)
+                    Comm("all-reduce", outer, replicas, grads / fsdp, 1, "grad shards", True)
                 )
         if s.zero == 3:
             uses = n * (2 + s.pipelined)
@@ -275,6 +309,7 @@ def collectives(s: Setup) -> list[Comm]:
         per_block = 4 + (s.remat != "none") + 2 * s.pipelined
         count = n * (per_block * stage_layers + 2)
         out.append(Comm("all-reduce", ("tensor",), tensor, activation, count, "activations"))
+    out += expert_collectives(s)
     if s.pipelined:
         sends = 2 * pipeline_ticks(s)
         out.append(Comm("collective-permute", ("pipeline",), 2, activation, sends, "stage sends"))
@@ -287,6 +322,28 @@ def collectives(s: Setup) -> list[Comm]:
     return diloco_collectives(s, out) if s.sync_every and data > 1 else out
 
 
+def expert_collectives(s: Setup) -> list[Comm]:
+    """An MoE's expert traffic: the token all-to-alls over the axes that split the experts
+    (spmd.estimate.experts.all_to_all, the formula theory checks against compiled HLO; on the
+    critical path) and the all-reduce over data of the experts' gradients (replicated only
+    there)."""
+    if not getattr(s.shape, "n_experts", 0):
+        return []
+    out = []
+    mesh = s.sharding_mesh
+    moved = experts_math.all_to_all(
+        s.shape, mesh, s.batch, s.seq_len, s.micro_steps, s.remat != "none", s.bytes_of("compute")
+    )
+    if moved:
+        axes = tuple(experts_math.expert_axes(mesh))
+        each = moved["bytes"] / moved["count"]
+        out.append(Comm("all-to-all", axes, moved["group"], each, moved["count"], "tokens"))
+    if mesh["data"] > 1:
+        grads = params_per_device(s, fsdp_shards=False, experts=True) * s.bytes_of("grads")
+        out.append(Comm("all-reduce", ("data",), mesh["data"], grads, 1, "expert grads", True))
+    return out
+
+
 def diloco_collectives(s: Setup, out: list[Comm]) -> list[Comm]:
     """`out` under --dcn-sync diloco (spmd.engine.diloco): the gradient reductions stay inside
     a replica (the data axis drops out of them), and once per round of `sync_every` steps one
@@ -294,7 +351,7 @@ def diloco_collectives(s: Setup, out: list[Comm]) -> list[Comm]:
     pseudo-gradient."""
     data, kept = s.mesh["data"], []
     for c in out:
-        if c.purpose in ("gradients", "grad shards") and "data" in c.axes:
+        if c.purpose in ("gradients", "grad shards", "expert grads") and "data" in c.axes:
             axes = tuple(a for a in c.axes if a != "data")
             if not axes:
                 continue
@@ -307,8 +364,8 @@ def diloco_collectives(s: Setup, out: list[Comm]) -> list[Comm]:
 
 def wire_bytes(c: Comm) -> float:
     """Bytes one device sends per execution in a ring (all-reduce 2(N-1)/N * S; all-gather
-    (N-1)/N * S of the gathered S; reduce-scatter (N-1)/N * S of the input S = N x shard;
-    permute S)."""
+    (N-1)/N * S of the gathered S; all-to-all (N-1)/N * S of its buffer S; reduce-scatter
+    (N-1)/N * S of the input S = N x shard; permute S)."""
     full = c.bytes * c.group if c.kind == "reduce-scatter" else c.bytes
     if c.kind == "collective-permute":
         return full
@@ -320,8 +377,8 @@ def ring_time(kind: str, size: float, group: int, bandwidth: float, latency: flo
     """Seconds for one ring collective of `size` bytes (all-reduce buffer, all-gather result,
     reduce-scatter input, permute message) over `group` devices at `bandwidth` bytes/s with
     `latency` seconds per step: all-reduce 2(N-1)/N * S/B + 2(N-1)*alpha (a reduce-scatter then
-    an all-gather); all-gather and reduce-scatter (N-1)/N * S/B + (N-1)*alpha; permute S/B +
-    alpha."""
+    an all-gather); all-gather, reduce-scatter and all-to-all (N-1)/N * S/B + (N-1)*alpha;
+    permute S/B + alpha."""
     if kind == "collective-permute":
         return size / bandwidth + latency
     if group <= 1:
@@ -332,11 +389,11 @@ def ring_time(kind: str, size: float, group: int, bandwidth: float, latency: flo
 
 def link_bandwidth(s: Setup, axes: tuple[str, ...], net: Network) -> float:
     """Bytes/s of a collective over `axes`: intra-node when the devices its group spans fit in
-    a node. Mesh axes are laid out data, pipeline, fsdp, tensor (tensor innermost), so a group
-    spans the product of its outermost axis and every axis inside it."""
-    order = ("data", "pipeline", "fsdp", "tensor")
+    a node. Mesh axes are laid out data, pipeline, fsdp, expert, tensor (tensor innermost), so
+    a group spans the product of its outermost axis and every axis inside it."""
+    order = ("data", "pipeline", "fsdp", "expert", "tensor")
     outermost = min(order.index(a) for a in axes)
-    span = math.prod(s.mesh[a] for a in order[outermost:])
+    span = math.prod(s.mesh.get(a, 1) for a in order[outermost:])
     return net.intra_bandwidth if span <= net.devices_per_node else net.inter_bandwidth
 
 

@@ -90,7 +90,7 @@ def build(
     from spmd.parallel import mesh as mesh_lib
 
     check_engine_can_build(s)
-    sizes = {**s.mesh, "data": s.data_parallel, "fsdp": 1} if s.zero == 0 else dict(s.mesh)
+    sizes = dict(s.sharding_mesh)
     mesh = mesh_lib.build_mesh(sizes, devices)
     zero = max(s.zero, 1)
     optimizer_cfg = dataclasses.replace(train, mesh=format_mesh(sizes), zero=zero)
@@ -159,7 +159,8 @@ def measure(
             "buffer; the analytic reduce-scatters are counted that way here"
         )
     if devices[0].platform == "cpu" and s.precision == "bf16":  # seen on jax 0.10.2
-        notes.append("XLA:CPU runs bf16 all-reduces in f32: twice the activation bytes")
+        kinds = "all-reduces and all-to-alls" if "all-to-all" in predicted else "all-reduces"
+        notes.append(f"XLA:CPU runs bf16 {kinds} in f32: twice the activation bytes")
     return {
         "device": f"{len(devices)} simulated {devices[0].platform} devices",
         "executor": executor,

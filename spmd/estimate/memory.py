@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd.estimate import cost
+from spmd.estimate import cost, experts
 
 ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
 SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
@@ -34,13 +34,17 @@ def bytes_per_param(s: cost.Setup) -> dict[str, int]:
 
 def model_state_bytes(s: cost.Setup) -> dict[str, float]:
     """Bytes per device of params, grads and master + optimizer state, and their sum
-    ("model_state")."""
+    ("model_state"); for an MoE also "experts", the routed experts' part of model_state."""
     per_param = bytes_per_param(s)
     out = {
         role: per_param[role] * cost.params_per_device(s, s.zero >= SHARDED_FROM[role])
         for role in ROLES
     }
     out["model_state"] = sum(out.values())
+    if getattr(s.shape, "n_experts", 0):  # of which the routed experts' (split over ep x fsdp)
+        out["experts"] = sum(
+            per_param[role] * cost.params_per_device(s, True, experts=True) for role in ROLES
+        )
     return out
 
 
@@ -52,13 +56,24 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         and outputs; q, k, v; attention output; gate, up, silu(gate), their product; the
         softmax probabilities of every head);
       dots_saveable: b*t*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
-      full: b*t*e (the block input only)."""
+      full: b*t*e (the block input only).
+    An MoE block replaces 4m (2m) by its buffers: per token E x capacity / t slots of the
+    dispatched input and expert output (2e), gate, up, silu, product (4m, m the expert width
+    / tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
+    estimate: --measure does not check activations."""
     shape, tensor = s.shape, s.mesh["tensor"]
     b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
     h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
+    mlp_none, mlp_dots = 4 * m, 2 * m
+    if getattr(shape, "n_experts", 0):  # per token: the expert buffers' slots, not k
+        width = (shape.expert_mlp_dim or shape.mlp_dim) / tensor
+        slots = shape.n_experts * experts.capacity(shape, t) / t
+        shared = 4 * width if shape.shared_expert else 0
+        mlp_none = slots * (2 * e + 4 * width + 2) + shared
+        mlp_dots = slots * (e + 2 * width) + shared / 2
     return {
-        "none": b * t * (4 * e + (h + 2 * k) * d + h * d + 4 * m) + b * h * t * t,
-        "dots_saveable": b * t * (3 * e + (h + 2 * k) * d + 2 * m),
+        "none": b * t * (4 * e + (h + 2 * k) * d + h * d + mlp_none) + b * h * t * t,
+        "dots_saveable": b * t * (3 * e + (h + 2 * k) * d + mlp_dots),
         "full": b * t * e,
     }
 
@@ -66,14 +81,15 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
 def activation_bytes(s: cost.Setup) -> float:
     """Peak bytes of activations and working buffers on one device.
 
-    The layers that run at once keep _layer_elements each: all n_layers / pp of a stage
-    without a pipeline; with one, a single chunk of n_layers / (pp v) while its backward slot
-    recomputes it, plus the schedule's stashed chunk inputs and output gradients (each one
-    micro-batch's [b, t, embed]: gpipe 2M, 1f1b at most 2p, spmd.estimate.cost.stashed_inputs).
-    With remat, one layer's no-remat set is live while it is replayed. Outside the blocks: the
-    embedding output and final norm (2*b*t*e) and the fp32 logits and their softmax
-    (2*b*t*vocab/tp*4 bytes). Under ZeRO-3 one layer's params gathered whole over fsdp.
-    Activations are in the compute dtype.
+        The layers that run at once keep _layer_elements each: all n_layers / pp of a stage
+        without a pipeline; with one, a single chunk of n_layers / (pp v) while its backward slot
+        recomputes it, plus the schedule's stashed chunk inputs and output gradients (each one
+        micro-batch's [b, t, embed]: gpipe 2M, 1f1b at most 2p, spmd.estimate.cost.stashed_inputs).
+        With remat, one layer's no-remat set is live while it is replayed. Outside the blocks: the
+        embedding output and final norm (2*b*t*e) and the fp32 logits and their softmax
+        (2*b*t*vocab/tp*4 bytes). Under ZeRO-3 one layer's params gathered whole over fsdp (an
+    MoE's experts stay split: the tokens travel to them).
+        Activations are in the compute dtype.
     """
     shape, c = s.shape, s.bytes_of("compute")
     b, t, e = s.micro_batch, s.seq_len, shape.embed_dim
@@ -85,7 +101,7 @@ def activation_bytes(s: cost.Setup) -> float:
     gathered = 0.0
     if s.zero == 3 and s.sharded_fsdp > 1:
         stage_layers = shape.n_layers // s.mesh["pipeline"]
-        blocks = cost.params_per_device(s, fsdp_shards=False, layers=True)
+        blocks = cost.params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         gathered = blocks / stage_layers * s.bytes_of("weights")
     return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + gathered
 

@@ -10,6 +10,8 @@ import math
 import types
 from typing import Any, Protocol
 
+from spmd.estimate import experts
+
 
 class ModelShape(Protocol):
     """The Llama architecture fields the planner needs (models.llama.LlamaConfig has them)."""
@@ -38,20 +40,34 @@ FIELDS = (
 
 
 def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
-    """(parameter count, mesh axes other than fsdp that split it) for each kind of param,
+    """(parameter count, mesh axes other than ZeRO's fsdp that split it) for each kind of param,
     following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline.
-    Every param has an `embed` dim, which ZeRO shards over fsdp. The embedding and head stay
-    whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The counts add up
-    to n_params()."""
+    Every param has an `embed` dim, which ZeRO shards over fsdp, except an MoE's routed
+    experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The embedding and head
+    stay whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The counts
+    add up to n_params()."""
     e, layers = shape.embed_dim, shape.n_layers
     attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
     tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
-    return [
-        (layers * (attention + 3 * e * shape.mlp_dim), ("tensor", "pipeline")),
+    n_experts = getattr(shape, "n_experts", 0)
+    mlp = 3 * e * shape.mlp_dim
+    if n_experts:  # the shared expert (if any) is split like a dense MLP
+        mlp = (3 * e * (shape.expert_mlp_dim or shape.mlp_dim)) if shape.shared_expert else 0
+    groups = [
+        (layers * (attention + mlp), ("tensor", "pipeline")),
         (layers * 2 * e, ("pipeline",)),  # the two RMSNorm scales of each block
         (tables, ("tensor",)),  # embedding and output head: vocab over tensor
         (e, ()),  # final norm
     ]
+    if n_experts:  # MoE: each block's router [embed, experts], then the routed experts
+        groups.append((layers * e * n_experts, ("pipeline",)))
+        groups.append((experts.expert_params(shape), EXPERT_AXES))
+    return groups
+
+
+# The routed experts' axes: their `expert` dim over (expert, fsdp) at every ZeRO stage
+# (spmd.parallel.rules), their mlp dim over tensor, their layers over pipeline.
+EXPERT_AXES = ("expert", "fsdp", "tensor", "pipeline")
 
 
 def shape_params(shape: ModelShape) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from spmd.config import TrainConfig
 from spmd.engine.optim import peak_lr
-from spmd.estimate import cost, memory, search, timing
+from spmd.estimate import cost, experts, memory, search, timing
 from spmd.estimate.recommend import ms
 from spmd.parallel.mesh import format_mesh
 
@@ -40,6 +40,52 @@ def collective_rows(s: cost.Setup, net: cost.Network) -> list[dict]:
             "hideable": c.hideable,
         }
         for c in cost.collectives(s)
+    ]
+
+
+def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
+    """An MoE's figures: experts, top-k, capacity per sequence, active params per token, the
+    routed experts' params and model-state bytes per device, and the token all-to-all bytes
+    per MoE layer per step on one device (spmd.estimate.experts.all_to_all)."""
+    shape = s.shape
+    moved = experts.all_to_all(
+        shape,
+        s.sharding_mesh,
+        s.batch,
+        s.seq_len,
+        s.micro_steps,
+        s.remat != "none",
+        s.bytes_of("compute"),
+    )
+    return {
+        "n_experts": shape.n_experts,
+        "experts_per_token": shape.experts_per_token,
+        "capacity": experts.capacity(shape, s.seq_len),
+        "active_params": shape.n_active_params(),
+        "expert_params": experts.expert_params(shape),
+        "expert_params_per_device": cost.params_per_device(s, True, experts=True),
+        "expert_bytes_per_device": round(mem["experts"]),
+        "all_to_all_bytes_per_layer": moved.get("bytes_per_layer", 0),
+        "all_to_all_count_per_layer": moved.get("count", 0) // shape.n_layers,
+    }
+
+
+def _expert_lines(r: dict) -> list[str]:
+    if "experts" not in r:
+        return []
+    x = r["experts"]
+    ways = x["expert_params"] / x["expert_params_per_device"]
+    return [
+        "",
+        f"experts: {x['n_experts']} per layer, top-{x['experts_per_token']}, capacity "
+        f"{x['capacity']} per sequence, {x['active_params'] / 1e6:,.2f} M active params per token",
+        f"  experts' params per device{si(x['expert_params_per_device'], ''):>14} "
+        f"(1/{ways:g} of {si(x['expert_params'], '')}), their model state "
+        f"{si(x['expert_bytes_per_device'])} of the {si(r['model_state_bytes_per_device'])} above",
+        f"  all-to-all per MoE layer  {si(x['all_to_all_bytes_per_layer']):>14} per step "
+        f"({x['all_to_all_count_per_layer']} calls: dispatch and combine, forward and backward)"
+        if x["all_to_all_count_per_layer"]
+        else "  no all-to-all: no mesh axis splits the experts (ep = fsdp = 1)",
     ]
 
 
@@ -101,6 +147,8 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         }
         for v in memory.zero_stages(s)
     ]
+    if getattr(s.shape, "n_experts", 0):
+        out["experts"] = expert_figures(s, mem)
     if s.pipelined:
         out["pipeline"] = {
             "schedule": s.schedule,
@@ -292,7 +340,7 @@ def _measured_lines(m: dict) -> list[str]:
 
 def format_report(r: dict) -> str:
     """The plan as a table (decimal units: 1 GB = 1e9 bytes, not GiB)."""
-    lines = _header(r) + _memory_lines(r) + _time_lines(r)
+    lines = _header(r) + _memory_lines(r) + _expert_lines(r) + _time_lines(r)
     if "measured" in r:
         lines += _measured_lines(r["measured"])
     if r.get("plot"):

@@ -54,6 +54,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.estimate import experts as experts_math
 from spmd.estimate import hlo
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
@@ -93,29 +94,19 @@ def shape_of(model: Any, compute_dtype: Any) -> Transformer:
 
 
 def expert_capacity(model: Transformer, seq_len: int) -> int:
-    """(token, choice) pairs one expert takes per sequence: the sequence length when dropless,
-    else ceil(capacity_factor x seq_len x k / E), at most seq_len."""
-    if model.capacity_factor <= 0:
-        return seq_len
-    wanted = model.capacity_factor * seq_len * model.experts_per_token / model.n_experts
-    return min(seq_len, math.ceil(wanted))
+    """(token, choice) pairs one expert takes per sequence (spmd.estimate.experts.capacity)."""
+    return experts_math.capacity(model, seq_len)
 
 
 def expert_all_to_all(
     model: Transformer, mesh: Any, global_batch: int, seq_len: int, accum: int = 1
 ) -> dict[str, int]:
-    """{"count", "bytes", "bytes_per_layer"} of the MoE token all-to-alls of one step per
-    device ({} without experts or when no mesh axis splits them). Each one moves a buffer of
-    experts x rows x capacity x embed elements (rows: this device's sequences per
-    micro-batch), 4 per layer and micro-batch (dispatch and combine, forward and backward)."""
-    axes = [a for a in rules.BASE_RULES["expert"] if mesh.shape[a] > 1]
-    if not model.n_experts or not axes:
-        return {}
-    rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
-    buffer = model.n_experts * rows * expert_capacity(model, seq_len) * model.embed_dim
-    per_layer = accum * (4 + (2 if model.remat else 0)) * buffer * model.activation_bytes
-    count = accum * (4 + (2 if model.remat else 0)) * model.n_layers
-    return {"count": count, "bytes": per_layer * model.n_layers, "bytes_per_layer": per_layer}
+    """{"count", "bytes", "bytes_per_layer", "group"} of the MoE token all-to-alls of one step
+    per device ({} without experts or when no mesh axis splits them): the formula of
+    spmd.estimate.experts.all_to_all, which the planner uses too."""
+    return experts_math.all_to_all(
+        model, mesh.shape, global_batch, seq_len, accum, model.remat, model.activation_bytes
+    )
 
 
 def report(

@@ -6,23 +6,27 @@ matmul parameter and 4 * layers * seq_len * heads * head_dim for attention in th
 three times that for forward + backward ("model FLOPs"). What the devices execute adds the
 recomputation: remat "full" replays each block's forward, "dots_saveable" replays attention
 only (the weight matmuls' outputs are kept), and a pipeline stage re-runs its chunk's forward
-inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only). Units: FLOPs,
+inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only); an MoE's fixed-
+shape routing runs every capacity slot. Units: FLOPs,
 seconds, FLOP/s.
 """
 
 from __future__ import annotations
 
-from spmd.estimate import cost
-from spmd.estimate.shape import param_groups, shape_params
+from spmd.estimate import cost, experts
+from spmd.estimate.shape import shape_params
 
 
 def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
     """Forward FLOPs of one token: "blocks" (the layers' matmuls), "attention" (scores and
-    values, causal counted in full) and "head" (the output projection)."""
+    values, causal counted in full) and "head" (the output projection). An MoE's blocks count
+    active params only: the router and the k routed experts (and the shared one)."""
     shape = s.shape
     scale = s.n_params / shape_params(shape)
+    attention = shape.embed_dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
+    active = shape.n_layers * (attention + experts.active_mlp_params(shape))
     return {
-        "blocks": 2 * param_groups(shape)[0][0] * scale,
+        "blocks": 2 * active * scale,
         "attention": 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim,
         "head": 2 * shape.vocab_size * shape.embed_dim * scale,
     }
@@ -34,11 +38,15 @@ def model_flops(s: cost.Setup) -> float:
 
 
 def executed_flops(s: cost.Setup) -> float:
-    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards."""
+    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards,
+    plus an MoE's routing padding (spmd.estimate.experts.padding_flops_per_token), forward and
+    backward."""
     f = forward_flops_per_token(s)
     layer = f["blocks"] + f["attention"]
     replays = layer * (s.pipelined + (s.remat == "full"))
     replays += f["attention"] * (s.remat == "dots_saveable")
+    forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len)
+    replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     return model_flops(s) + s.batch * s.seq_len * replays
 
 
