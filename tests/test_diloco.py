@@ -5,7 +5,6 @@ no gradient crosses them in between; a resume in the middle of a round is bitwis
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -150,10 +149,6 @@ def test_cli_refuses_diloco_on_one_process_without_the_replicas_axis():
     assert "--diloco-axis data" in result.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.skipif(
-    not os.environ.get("SPMD_SLOW_TESTS"),
-    reason="about 60 s (two launches); set SPMD_SLOW_TESTS=1 to run it",
-)
 def test_two_processes_as_two_replicas_train_like_one_process(tmp_path):
     """Real processes (spmd.launch, gloo): each process is one replica (--dcn-mesh dp=2), and
     the run matches one process holding both replicas on the same global mesh."""
