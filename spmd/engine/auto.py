@@ -1,0 +1,69 @@
+"""The `auto` executor's train and eval steps: plain JAX under the layout's activation
+constraints, inside the jit that spmd.engine.step builds; XLA's SPMD partitioner inserts the
+collectives (spmd.parallel.explicit is the hand-written counterpart)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from spmd.engine import precision
+from spmd.engine.accumulate import accumulated_grads
+from spmd.parallel import hooks
+
+
+def auto_steps(
+    loss_of: Callable,
+    tx: optax.GradientTransformation,
+    layout: Any,
+    shardings: dict[str, Any],
+    accum: int,
+    policy: precision.Policy,
+    exclude: tuple[str, ...] = (),
+) -> tuple[Callable, Callable]:
+    """(train_step, eval_step) of the `auto` executor, not yet jitted, for `layout` (a
+    spmd.engine.step.Layout). `loss_of(params, batch)` is the loss of the global batch; with
+    accum > 1 the step loops over micro-batches. Mesh axes in `exclude` are left out of the
+    activation rules (an enclosing vmap owns them)."""
+    mesh, zero, sp = layout.mesh, layout.zero_stage, layout.sequence_parallel
+
+    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
+        grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
+        # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
+        # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
+        grad_params = precision.cast(params, policy.reduce_dtype)
+        with hooks.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp):
+            if accum == 1:
+                loss, grads = grad_fn(grad_params, batch)
+            else:
+                loss, grads = accumulated_grads(
+                    grad_fn,
+                    grad_params,
+                    batch,
+                    accum,
+                    mesh,
+                    zero,
+                    shardings["grads"],
+                    policy.reduce_dtype,
+                    exclude,
+                )
+        grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
+        params, opt_state, loss_scale, grads = precision.apply_gradients(
+            tx, grads, params, opt_state, loss_scale, policy
+        )
+        metrics = {
+            "loss": loss.astype(policy.output_dtype),
+            "grad_norm": optax.tree.norm(grads),
+            "loss_scale": loss_scale["scale"],
+            "skipped_steps": loss_scale["skipped_steps"],
+        }
+        return params, opt_state, loss_scale, metrics
+
+    def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        with hooks.activation_layout(mesh, zero, sequence_parallel=sp):
+            return loss_of(params, batch)
+
+    return train_step, eval_step
