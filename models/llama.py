@@ -238,14 +238,16 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """Decoder-only LM: tokens [batch, length] int32 -> logits [batch, length, vocab] fp32."""
 
+    block_type: type = Block  # what each layer is (models/moe.py swaps in its MoE block)
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         self.cfg, self.dtype = cfg, dtype
         self.embed = _param(rngs, 0.02, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"))
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
+            return type(self).block_type(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)

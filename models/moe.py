@@ -195,19 +195,7 @@ class Block(nnx.Module):
 class MoELlama(llama.Llama):
     """llama.Llama with MoE blocks: tokens [batch, length] -> logits [batch, length, vocab]."""
 
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
-        self.cfg, self.dtype = cfg, dtype
-        self.embed = _param(rngs, 0.02, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"))
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
-        if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
+    block_type = Block  # the rest (embedding, stacked layers, head) is llama.Llama's
 
     def forward(
         self, tokens: jax.Array, segments: jax.Array | None = None

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
-from spmd.engine.step import Layout, Program, TrainState, build_program
+from spmd.engine.step import Layout, Program, TrainState, build_program, optimizer_shardings
 from spmd.errors import UsageError
 
 AXIS = "data"  # the mesh axis whose ways are the replicas
@@ -224,14 +224,7 @@ def build(
     master_abs = inner.abstract_master
     param_sh = _shardings(master_abs)
     outer_opt_shapes = jax.eval_shape(outer_tx.init, master_abs)
-    outer_opt_sh = optax.tree_map_params(
-        outer_tx,
-        lambda _, sharding: sharding,
-        outer_opt_shapes,
-        param_sh,
-        transform_non_params=lambda _: layout.replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    outer_opt_sh = optimizer_shardings(outer_tx, outer_opt_shapes, param_sh, layout.replicated)
     abstract_params = _stack_abstract(inner.abstract_params, replicas)
     abstract_opt_state = {
         "inner": _stack_abstract(inner.abstract_opt_state, replicas),

@@ -225,15 +225,23 @@ def opt_state_shardings(
     shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
     per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
     _, inner_shapes = precision.split_opt_state(master, shapes, policy)
-    inner = optax.tree_map_params(
+    inner = optimizer_shardings(tx, inner_shapes, per_param, layout.replicated)
+    return shapes, precision.join_opt_state(per_param, inner, policy)
+
+
+def optimizer_shardings(
+    tx: optax.GradientTransformation, opt_shapes: Any, per_param: Any, replicated: Any
+) -> Any:
+    """Shardings of `tx`'s state `opt_shapes`: its param-shaped leaves (e.g. Adam's m and v)
+    take the param's sharding from `per_param`, the rest (step counts) `replicated`."""
+    return optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
-        inner_shapes,
+        opt_shapes,
         per_param,
-        transform_non_params=lambda _: layout.replicated,
+        transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return shapes, precision.join_opt_state(per_param, inner, policy)
 
 
 def sharded_bytes(abstract: Any) -> int:
