@@ -10,10 +10,9 @@ Mixed into one table for a model of P params trained with fp32 Adam on N devices
     ZeRO-3         4P / N        4P / N        8P / N
 
 The compiled column is read from the shardings the compiled train step takes its params and
-optimizer state in (spmd.engine.step.state_bytes_per_device); the gradients live only inside the
-step,
-in XLA's temp buffers, so that column shows the compiled temp size instead. The script checks
-that params + Adam state agree with the formula to within Adam's 4-byte step counter.
+optimizer state in (spmd.engine.state_layout.state_bytes_per_device); the gradients live only inside
+the step, in XLA's temp buffers, so that column shows the compiled temp size instead. The script
+checks that params + Adam state agree with the formula to within Adam's 4-byte step counter.
 
     python examples/memory_fit.py [--model small] [--devices 8]
 """
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from models import llama
     from spmd import config
-    from spmd.engine.step import state_bytes_per_device
+    from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
     cfg = llama.LlamaConfig(**config.preset(args.model))

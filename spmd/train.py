@@ -144,53 +144,71 @@ def run(argv: list[str] | None) -> int:
     compiled, facts = compile_step(train, model_cfg, program)
     facts["xla_flags"] = flags
     if train.dry_run:
-        from spmd.estimate import hlo, measure, theory
-        from spmd.observe.observer import dry_run_report
-
-        held = facts["state_bytes"]
-        say(measure.state_against_formula(train, model_cfg, dict(mesh.shape), held))
-        shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
-        if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
-            say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
-        say(hlo.format_grad_reductions(hlo.collectives(compiled, program.layout.mesh)))
-        say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
+        report_dry_run(train, model_cfg, program, compiled, facts, pipe_report)
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
     write_config_record(log, sections, program, facts, pipe_report)
-    from spmd.engine.loop import Run, train_loop
-    from spmd.io.preemption import StopSignals
+    from spmd.engine.loop import Run
 
     def recompile(lr_factor: float) -> Any:
         return with_lr_factor(lr_factor).compile_train_step(train.batch, train.seq_len)
 
+    def make_run(stop: Any) -> Run:
+        return Run(
+            train=train,
+            sections=sections,
+            program=program,
+            compiled=compiled,
+            log=log,
+            windows=windows,
+            token_file=token_file,
+            manager=manager,
+            stop=stop,
+            observer=facts["observer"],
+            guard=guard,
+            recompile=recompile,
+            eval_sets=eval_sets,
+        )
+
+    return train_until_stopped(make_run, restored, closing=(manager, log))
+
+
+def report_dry_run(
+    train: TrainConfig, model_cfg: Any, program: Any, compiled: Any, facts: dict, pipe_report: Any
+) -> None:
+    """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
+    compiled collectives against theory, the gradient reductions and the memory report."""
+    from spmd.estimate import hlo, measure, theory
+    from spmd.observe.observer import dry_run_report
+
+    mesh = program.layout.mesh
+    say(measure.state_against_formula(train, model_cfg, dict(mesh.shape), facts["state_bytes"]))
+    shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
+    if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
+        say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
+    say(hlo.format_grad_reductions(hlo.collectives(compiled, mesh)))
+    say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
+
+
+def train_until_stopped(make_run: Any, restored: Any, closing: tuple[Any, MetricsLog]) -> int:
+    """Train the spmd.engine.loop.Run that `make_run(stop signals)` makes from the restored
+    checkpoint (or the start) to the end or a stop; the exit status. `closing` (the checkpoint
+    manager or None, the metrics log) are closed after the last save is written."""
+    from spmd.engine.loop import train_loop
+    from spmd.io.preemption import StopSignals
+
     # Open until the last save is written: a stop signal during the final eval or save is noted
     # (and the run ends as planned) instead of killing the process mid-save.
-    code = 0
+    manager, log = closing
     with StopSignals() as stop:
         try:
-            loop_run = Run(
-                train,
-                sections,
-                program,
-                compiled,
-                log,
-                windows,
-                token_file,
-                manager,
-                stop,
-                facts["observer"],
-                guard,
-                recompile,
-                eval_sets,
-            )
+            loop_run = make_run(stop)
             start = initial_state(loop_run, restored)
-            if start is not None:
-                code = train_loop(loop_run, *start)
+            return 0 if start is None else train_loop(loop_run, *start)
         finally:
             if manager is not None:
                 manager.close()  # waits for a save still being written
             log.close()
-    return code
 
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
@@ -282,7 +300,7 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
     compile time and per-device memory."""
     import jax
 
-    from spmd.engine.step import state_bytes_per_device
+    from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
     from spmd.observe.observer import make_observer, model_metrics
 

@@ -13,7 +13,8 @@ import pytest
 
 from models import llama
 from spmd.engine import diloco, precision
-from spmd.engine.step import TrainState, build_program, sharded_bytes
+from spmd.engine.state_layout import sharded_bytes
+from spmd.engine.step import TrainState, build_program
 from spmd.errors import UsageError
 from spmd.estimate import hlo
 from spmd.io import checkpoint, data

@@ -14,7 +14,7 @@ import pytest
 
 from models import llama
 from spmd.config import resolve
-from spmd.engine.step import state_bytes_per_device
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import hlo, theory
 from spmd.parallel import mesh

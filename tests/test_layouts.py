@@ -3,7 +3,7 @@ params + optimizer state one device holds."""
 
 import pytest
 
-from spmd.engine.step import state_bytes_per_device
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.estimate import hlo
 from tests import trainer
 

@@ -9,7 +9,7 @@ import pytest
 
 import spmd
 from spmd.engine import precision
-from spmd.engine.step import state_bytes_per_device
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.estimate import hlo
 from tests.tiny_run import BATCH, EXECUTORS, SEQ_LEN, batch_at, text_windows, tiny_program
 

@@ -21,7 +21,8 @@ from models import llama, moe
 from spmd import config, train
 from spmd.config import TrainConfig
 from spmd.engine.optim import make_optimizer
-from spmd.engine.step import build_program, sharded_bytes
+from spmd.engine.state_layout import sharded_bytes
+from spmd.engine.step import build_program
 from spmd.estimate import flops, hlo, theory
 from spmd.io import data
 from spmd.observe.observer import model_metrics

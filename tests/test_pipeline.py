@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from models import llama
-from spmd.engine.step import state_bytes_per_device
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import hlo
 from spmd.io import data

@@ -33,7 +33,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
-from spmd.engine.step import Layout, Program, TrainState, build_program, optimizer_shardings
+from spmd.engine.state_layout import optimizer_shardings
+from spmd.engine.step import Layout, Program, TrainState, build_program
 from spmd.errors import UsageError
 
 AXIS = "data"  # the mesh axis whose ways are the replicas
@@ -219,33 +220,68 @@ def build(
     inner = build_program(
         make_model, loss_fn, tx, layout, seed, accum, policy, executor, exclude_axes=(AXIS,)
     )
-    mesh, replicas = layout.mesh, layout.mesh.shape[AXIS]
     outer_tx = outer_optimizer(sync)
+    abstract = _abstract_state(inner, outer_tx, layout)
+    state_sh = TrainState(*(_shardings(a) for a in abstract))
+    init, start, from_checkpoint = _state_makers(inner, outer_tx, layout.mesh.shape[AXIS])
+    local_step, synced_step, eval_step = _steps(inner, outer_tx, layout)
+    batch_sh, replicated = layout.batch_sharding(ndim=1), layout.replicated
+    step_in = (*state_sh, batch_sh)
+    step_out = (*state_sh, replicated)
+    return DilocoProgram(
+        inner=inner,
+        sync=sync,
+        replicas=layout.mesh.shape[AXIS],
+        abstract_params=abstract.params,
+        abstract_opt_state=abstract.opt_state,
+        abstract_loss_scale=abstract.loss_scale,
+        init=jax.jit(init, out_shardings=state_sh),
+        start=jax.jit(start, out_shardings=state_sh),
+        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh),
+        local_step=jax.jit(
+            local_step, in_shardings=step_in, out_shardings=step_out, donate_argnums=(0, 1, 2)
+        ),
+        synced_step=jax.jit(
+            synced_step, in_shardings=step_in, out_shardings=step_out, donate_argnums=(0, 1, 2)
+        ),
+        eval_step=jax.jit(
+            eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated
+        ),
+    )
+
+
+def _abstract_state(
+    inner: Program, outer_tx: optax.GradientTransformation, layout: Layout
+) -> TrainState:
+    """The DiLoCo state as ShapeDtypeStructs with shardings: the inner state stacked over the
+    replicas; beside the inner optimizer state, the outer one (the start-of-round fp32 params
+    and the outer momentum, sharded like the params)."""
+    replicas = layout.mesh.shape[AXIS]
     master_abs = inner.abstract_master
     param_sh = _shardings(master_abs)
     outer_opt_shapes = jax.eval_shape(outer_tx.init, master_abs)
     outer_opt_sh = optimizer_shardings(outer_tx, outer_opt_shapes, param_sh, layout.replicated)
-    abstract_params = _stack_abstract(inner.abstract_params, replicas)
-    abstract_opt_state = {
-        "inner": _stack_abstract(inner.abstract_opt_state, replicas),
-        "outer": {
-            "params": master_abs,
-            "opt": jax.tree.map(
-                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                outer_opt_shapes,
-                outer_opt_sh,
-            ),
-        },
-    }
-    abstract_loss_scale = _stack_abstract(inner.abstract_loss_scale, replicas)
-    state_sh = TrainState(
-        _shardings(abstract_params),
-        _shardings(abstract_opt_state),
-        _shardings(abstract_loss_scale),
+    outer_opt = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        outer_opt_shapes,
+        outer_opt_sh,
     )
-    master_sh = jax.tree.map(_stacked, param_sh)
+    return TrainState(
+        _stack_abstract(inner.abstract_params, replicas),
+        {
+            "inner": _stack_abstract(inner.abstract_opt_state, replicas),
+            "outer": {"params": master_abs, "opt": outer_opt},
+        },
+        _stack_abstract(inner.abstract_loss_scale, replicas),
+    )
+
+
+def _state_makers(
+    inner: Program, outer_tx: optax.GradientTransformation, replicas: int
+) -> tuple[Callable, Callable, Callable]:
+    """(init, start(master weights), from_checkpoint(saved tree)) of the DiLoCo state: every
+    replica starts from the same inner state; the outer state starts at the master weights."""
     policy = inner.policy
-    within = tuple(a for a in ("fsdp",) if mesh.shape[a] > 1)
 
     def start(master: Any) -> TrainState:
         master = precision.cast(master, jnp.float32)
@@ -269,6 +305,18 @@ def build(
         params = precision.cast(rep["params"], policy.param_dtype)
         return TrainState(params, opt_state, rep["loss_scale"])
 
+    return init, start, from_checkpoint
+
+
+def _steps(
+    inner: Program, outer_tx: optax.GradientTransformation, layout: Layout
+) -> tuple[Callable, Callable, Callable]:
+    """(local_step, synced_step, eval_step) before jit: an inner step on every replica at once;
+    the same followed by the outer step; the loss of the replicas' mean params."""
+    mesh, replicas, policy = layout.mesh, layout.mesh.shape[AXIS], inner.policy
+    param_sh = _shardings(inner.abstract_master)
+    master_sh = jax.tree.map(_stacked, param_sh)
+    within = tuple(a for a in ("fsdp",) if mesh.shape[a] > 1)
     per_replica = jax.vmap(inner.train_fn, spmd_axis_name=AXIS)
 
     def split_rows(x: jax.Array) -> jax.Array:
@@ -314,29 +362,7 @@ def build(
         mean = jax.tree.map(lambda p: p.astype(jnp.float32).mean(0).astype(p.dtype), params)
         return inner.eval_step(mean, batch)
 
-    batch_sh, replicated = layout.batch_sharding(ndim=1), layout.replicated
-    step_in = (*state_sh, batch_sh)
-    step_out = (*state_sh, replicated)
-    return DilocoProgram(
-        inner=inner,
-        sync=sync,
-        replicas=replicas,
-        abstract_params=abstract_params,
-        abstract_opt_state=abstract_opt_state,
-        abstract_loss_scale=abstract_loss_scale,
-        init=jax.jit(init, out_shardings=state_sh),
-        start=jax.jit(start, out_shardings=state_sh),
-        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh),
-        local_step=jax.jit(
-            local_step, in_shardings=step_in, out_shardings=step_out, donate_argnums=(0, 1, 2)
-        ),
-        synced_step=jax.jit(
-            synced_step, in_shardings=step_in, out_shardings=step_out, donate_argnums=(0, 1, 2)
-        ),
-        eval_step=jax.jit(
-            eval_step, in_shardings=(state_sh.params, batch_sh), out_shardings=replicated
-        ),
-    )
+    return local_step, synced_step, eval_step
 
 
 def from_config(

@@ -22,11 +22,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.engine import precision
+from spmd.engine import precision, state_layout
+from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
 from spmd.errors import UsageError
-from spmd.observe.metrics import say
-from spmd.parallel import hooks, rules
+from spmd.parallel import hooks
 from spmd.parallel.explicit import explicit_steps
 from spmd.parallel.mesh import BATCH_AXES
 
@@ -142,58 +142,6 @@ def check_executor(executor: str) -> None:
         raise UsageError(f"--collectives {executor!r} is not an executor; use auto or explicit")
 
 
-def unnamed_model_names(names: Any, shapes: Any, layout: Layout, executor: str) -> Any:
-    """`names` as given when any param names a logical axis. For a model that names none, the
-    data-parallel fallback: each param's largest dimension that the fsdp axis divides is called
-    `embed` (the dimension the ZeRO stage's rules split over fsdp), and one line says what was
-    split. UsageError where the mesh needs names (tensor or pipeline axes over 1)."""
-    leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
-    if any(name is not None for leaf in leaves for name in leaf):
-        return names
-    mesh = layout.mesh
-    needs_names = [f"{a}={mesh.shape[a]}" for a in ("tensor", "pipeline") if mesh.shape[a] > 1]
-    if needs_names:
-        raise UsageError(
-            f"the model names no logical axes, so it can only be split over data and fsdp, "
-            f"not {', '.join(needs_names)}; give its params logical names (nnx.Param(..., "
-            f"out_sharding=('embed', 'mlp'))) or drop those axes from the mesh"
-        )
-    ways = mesh.shape["fsdp"]
-    if ways == 1:
-        return names
-    if executor == "explicit" and layout.zero_stage == 3:
-        raise UsageError(
-            "--collectives explicit with ZeRO-3 needs a model that reads its params through "
-            "spmd.gather and names their logical axes; this model names none: use the auto "
-            "executor, or ZeRO 1 or 2"
-        )
-
-    def fallback(shape: jax.ShapeDtypeStruct) -> tuple[str | None, ...]:
-        divisible = [d for d, size in enumerate(shape.shape) if size % ways == 0]
-        if not divisible:
-            return (None,) * len(shape.shape)
-        largest = max(divisible, key=lambda d: shape.shape[d])
-        return tuple("embed" if d == largest else None for d in range(len(shape.shape)))
-
-    new_names = jax.tree.map(fallback, shapes)
-    shape_leaves = jax.tree.leaves(shapes)
-    name_leaves = jax.tree.leaves(new_names, is_leaf=_is_names)
-    split = [
-        math.prod(s.shape) for s, n in zip(shape_leaves, name_leaves, strict=True) if "embed" in n
-    ]
-    total = sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
-    say(
-        f"spmd: the model names no logical axes: fsdp={ways} splits the largest divisible "
-        f"dimension of {len(split)} of {len(leaves)} params ({sum(split):,} of {total:,} "
-        f"scalars, ZeRO-{layout.zero_stage}); the rest are replicated"
-    )
-    return new_names
-
-
-def _is_names(x: Any) -> bool:
-    return isinstance(x, tuple)
-
-
 def check_batch(global_batch: int, layout: Layout, accum: int) -> None:
     """UsageError unless the global batch splits evenly into accum micro-batches per device."""
     if accum < 1:
@@ -204,82 +152,6 @@ def check_batch(global_batch: int, layout: Layout, accum: int) -> None:
             f"--batch {global_batch} is not divisible by data-parallel size "
             f"{layout.data_parallel} x accum {accum} = {ways}; use a multiple of {ways}"
         )
-
-
-def _with_sharding(shapes: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-    )
-
-
-def opt_state_shardings(
-    tx: optax.GradientTransformation,
-    master: Any,
-    names: Any,
-    layout: Layout,
-    policy: precision.Policy,
-) -> tuple[Any, Any]:
-    """(abstract opt state, its shardings) for master weights `master` (ShapeDtypeStructs):
-    the master copy and the param-shaped leaves of the optimizer (Adam's m and v) follow the
-    opt_state rules; scalars such as the step count are replicated."""
-    shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
-    per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
-    _, inner_shapes = precision.split_opt_state(master, shapes, policy)
-    inner = optimizer_shardings(tx, inner_shapes, per_param, layout.replicated)
-    return shapes, precision.join_opt_state(per_param, inner, policy)
-
-
-def optimizer_shardings(
-    tx: optax.GradientTransformation, opt_shapes: Any, per_param: Any, replicated: Any
-) -> Any:
-    """Shardings of `tx`'s state `opt_shapes`: its param-shaped leaves (e.g. Adam's m and v)
-    take the param's sharding from `per_param`, the rest (step counts) `replicated`."""
-    return optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        opt_shapes,
-        per_param,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-
-
-def sharded_bytes(abstract: Any) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(abstract):
-        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
-        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-    return total
-
-
-def state_bytes_per_device(compiled: Any, program: Program) -> dict[str, int]:
-    """Bytes of params and of optimizer state one device holds, read from the shardings the
-    compiled train step takes them in."""
-    (param_sh, opt_sh, *_), _ = compiled.input_shardings
-    return {
-        "params": sharded_bytes(_with_sharding(program.abstract_params, param_sh)),
-        "opt_state": sharded_bytes(_with_sharding(program.abstract_opt_state, opt_sh)),
-    }
-
-
-def abstract_model(
-    make_model: Callable[[int], nnx.Module],
-    seed: int,
-    layout: Layout,
-    policy: precision.Policy,
-    executor: str,
-) -> tuple[Any, Any, Any]:
-    """(graphdef, logical names, param ShapeDtypeStructs in the master dtype) of the model
-    `make_model(seed)` builds, traced without allocating anything."""
-    with nnx.use_eager_sharding(False):
-        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
-    names = rules.logical_axes(abstract_state)
-    shapes = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, policy.param_dtype),
-        nnx.to_pure_dict(abstract_state),
-    )
-    return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
 
 
 def _in_sequence_order(loss_fn: Callable) -> Callable:
@@ -333,16 +205,95 @@ def build_program(
     loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
-    mesh, zero = layout.mesh, layout.zero_stage
-    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
-    opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, names, layout, policy)
-    shardings = {
-        "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
-        "grads": rules.tree_shardings(names, shapes, mesh, zero, "grads"),
-        "opt_state": opt_sh,
-        "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
-        "batch": layout.batch_sharding(ndim=1),  # a prefix: splits dim 0 of any batch leaf
-    }
+    shardings, opt_shapes = state_layout.state_shardings(tx, names, shapes, layout, policy)
+    losses = _losses(graphdef, names, loss_fn, layout, executor, policy, accum, pipeline)
+    if executor == "explicit":
+        train_step, eval_step = explicit_steps(
+            graphdef,
+            loss_fn,
+            tx,
+            layout.mesh,
+            layout.zero_stage,
+            shardings,
+            losses.step_accum,
+            policy,
+            losses.local_loss,
+            sequence_parallel=layout.sequence_parallel,
+            bucket_bytes=int(bucket_mb * 2**20),
+        )
+    else:
+        train_step, eval_step = auto_steps(
+            losses.global_loss, tx, layout, shardings, losses.step_accum, policy, exclude_axes
+        )
+    abstract = state_layout.abstract_state(shapes, opt_shapes, shardings, layout, policy)
+    makers = _state_makers(make_model, seed, tx, policy)
+    return Program(
+        layout=layout,
+        graphdef=graphdef,
+        names=names,
+        accum=accum,
+        policy=policy,
+        train_fn=train_step,
+        **abstract,
+        **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
+    )
+
+
+class _Losses(NamedTuple):
+    global_loss: Callable  # (params, batch) -> mean loss, for the auto executor's jit
+    local_loss: Callable | None  # the explicit executor's per-device loss, when not loss_fn's
+    step_accum: int  # micro-batches the step itself loops over
+
+
+def _losses(
+    graphdef: Any,
+    names: Any,
+    loss_fn: Callable,
+    layout: Layout,
+    executor: str,
+    policy: precision.Policy,
+    accum: int,
+    pipeline: Any,
+) -> _Losses:
+    """The losses the executors differentiate: `loss_fn` on the merged model, or with pp > 1
+    the pipeline schedule's (which accumulates the micro-batches itself)."""
+    mesh = layout.mesh
+
+    def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, params), batch)
+
+    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1:
+        # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
+        raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
+    if pipeline is None or mesh.shape["pipeline"] == 1:
+        return _Losses(loss_of, None, accum)
+    from spmd.parallel import pipeline as pp
+
+    if mesh.shape["context"] > 1 or layout.sequence_parallel:
+        raise UsageError("pp > 1 does not compose with cp > 1 or --sequence-parallel yet; use pp=1")
+    pp.check_composition(executor, policy, pipeline)
+    # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
+    pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)
+    return _Losses(
+        pp.pipelined_loss(graphdef, names, layout, pipeline),
+        pp.manual_pipelined_loss(graphdef, names, pipeline, mesh.shape["pipeline"]),
+        1,
+    )
+
+
+class _StateMakers(NamedTuple):
+    init: Callable[[], TrainState]
+    start: Callable[[Any], TrainState]
+    from_checkpoint: Callable[[dict], TrainState]
+
+
+def _state_makers(
+    make_model: Callable[[int], nnx.Module],
+    seed: int,
+    tx: optax.GradientTransformation,
+    policy: precision.Policy,
+) -> _StateMakers:
+    """The functions that make a TrainState: fresh, from master weights, from a checkpoint."""
 
     def start(master: Any) -> TrainState:
         master = precision.cast(master, policy.master_dtype)
@@ -359,69 +310,36 @@ def build_program(
         params = precision.cast(saved["params"], policy.param_dtype)
         return TrainState(params, opt_state, saved["loss_scale"])
 
-    def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(nnx.merge(graphdef, params), batch)
+    return _StateMakers(init, start, from_checkpoint)
 
-    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1:
-        # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
-        raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
-    step_accum = accum  # micro-batches the step itself loops over
-    local_loss = None  # the explicit executor's per-device loss, when not loss_fn's
-    if pipeline is not None and mesh.shape["pipeline"] > 1:
-        from spmd.parallel import pipeline as pp
 
-        if mesh.shape["context"] > 1 or layout.sequence_parallel:
-            raise UsageError(
-                "pp > 1 does not compose with cp > 1 or --sequence-parallel yet; use pp=1"
-            )
-        pp.check_composition(executor, policy, pipeline)
-        # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
-        pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)
-        step_accum = 1
-        loss_of = pp.pipelined_loss(graphdef, names, layout, pipeline)  # noqa: F811
-        local_loss = pp.manual_pipelined_loss(graphdef, names, pipeline, mesh.shape["pipeline"])
-
-    if executor == "explicit":
-        train_step, eval_step = explicit_steps(
-            graphdef,
-            loss_fn,
-            tx,
-            mesh,
-            zero,
-            shardings,
-            step_accum,
-            policy,
-            local_loss,
-            sequence_parallel=layout.sequence_parallel,
-            bucket_bytes=int(bucket_mb * 2**20),
+def _jitted(
+    abstract: dict[str, Any],
+    makers: _StateMakers,
+    train_step: Callable,
+    eval_step: Callable,
+    batch_sharding: NamedSharding,
+    replicated: NamedSharding,
+) -> dict[str, Callable]:
+    """The Program's jitted functions: the state comes back in the shardings of `abstract`
+    (state_layout.abstract_state), and the train step donates the state buffers."""
+    state_sh = TrainState(
+        *(
+            jax.tree.map(lambda s: s.sharding, abstract[f"abstract_{role}"])
+            for role in ("params", "opt_state", "loss_scale")
         )
-    else:
-        train_step, eval_step = auto_steps(
-            loss_of, tx, layout, shardings, step_accum, policy, exclude_axes
-        )
-    param_sh, batch_sh, replicated = shardings["params"], shardings["batch"], layout.replicated
-    scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
-    scale_sh = jax.tree.map(lambda _: replicated, scale_shapes)
-    state_sh = TrainState(param_sh, opt_sh, scale_sh)
-    return Program(
-        layout=layout,
-        graphdef=graphdef,
-        names=names,
-        abstract_params=_with_sharding(shapes, param_sh),
-        abstract_opt_state=_with_sharding(opt_shapes, opt_sh),
-        abstract_loss_scale=_with_sharding(scale_shapes, scale_sh),
-        abstract_master=_with_sharding(master_shapes, param_sh),
-        init=jax.jit(init, out_shardings=state_sh),
-        start=jax.jit(start, out_shardings=state_sh),
-        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh),
-        train_step=jax.jit(
+    )
+    return {
+        "init": jax.jit(makers.init, out_shardings=state_sh),
+        "start": jax.jit(makers.start, out_shardings=state_sh),
+        "from_checkpoint": jax.jit(makers.from_checkpoint, out_shardings=state_sh),
+        "train_step": jax.jit(
             train_step,
-            in_shardings=(param_sh, opt_sh, scale_sh, batch_sh),
-            out_shardings=(param_sh, opt_sh, scale_sh, replicated),
+            in_shardings=(*state_sh, batch_sharding),
+            out_shardings=(*state_sh, replicated),
             donate_argnums=(0, 1, 2),
         ),
-        eval_step=jax.jit(eval_step, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
-        accum=accum,
-        policy=policy,
-        train_fn=train_step,
-    )
+        "eval_step": jax.jit(
+            eval_step, in_shardings=(state_sh.params, batch_sharding), out_shardings=replicated
+        ),
+    }

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from spmd.engine.step import sharded_bytes
+from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import hlo
 from spmd.parallel import rules
 

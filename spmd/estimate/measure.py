@@ -3,9 +3,9 @@
 Builds and compiles the real train step (spmd.engine.step, AOT: nothing runs) for a planned
 layout on simulated CPU devices and puts the figures of spmd.estimate.memory and .cost beside
 the compiled ones: bytes of params and of master + optimizer state per device (from the
-shardings the step takes its state in, spmd.engine.step.state_bytes_per_device), the compiled
-peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo). All
-figures are bytes per device.
+shardings the step takes its state in, spmd.engine.state_layout.state_bytes_per_device), the
+compiled peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo).
+All figures are bytes per device.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def measure(
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
     import jax
 
-    from spmd.engine.step import state_bytes_per_device
+    from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
     check_engine_can_build(s)
@@ -181,8 +181,9 @@ def state_against_formula(
     train: TrainConfig, model_cfg: Any, mesh_sizes: dict[str, int], held: dict[str, int]
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
-    compiled step takes (`held`, from spmd.engine.step.state_bytes_per_device) beside the ZeRO
-    paper's formula for the same layout (spmd.estimate.memory), with compiled/formula ratios.
+    compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
+    the ZeRO paper's formula for the same layout (spmd.estimate.memory), with compiled/formula
+    ratios.
     `model_cfg` is the run's model config (a Llama-shaped config with n_params())."""
     s = cost.Setup(
         shape=model_cfg,

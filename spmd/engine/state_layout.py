@@ -1,0 +1,115 @@
+"""Where a run's state lives: the shardings of params, gradients and optimizer state for a
+layout (the rules of spmd.parallel.rules at its ZeRO stage), and the bytes a device holds of
+them. `layout` arguments are spmd.engine.step.Layout's, `program` ones its Program's."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from spmd.engine import precision
+from spmd.parallel import rules
+
+
+def state_shardings(
+    tx: optax.GradientTransformation,
+    names: Any,
+    shapes: Any,
+    layout: Any,
+    policy: precision.Policy,
+) -> tuple[dict[str, Any], Any]:
+    """(the layout's shardings by role, the optimizer state's ShapeDtypeStructs): "params",
+    "grads", "opt_state", "opt_state_per_param" (the optimizer layout of each param-shaped
+    leaf) and "batch" (a prefix sharding splitting dim 0 of any batch leaf)."""
+    mesh, zero = layout.mesh, layout.zero_stage
+    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
+    opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, names, layout, policy)
+    shardings = {
+        "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
+        "grads": rules.tree_shardings(names, shapes, mesh, zero, "grads"),
+        "opt_state": opt_sh,
+        "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
+        "batch": layout.batch_sharding(ndim=1),
+    }
+    return shardings, opt_shapes
+
+
+def with_sharding(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+
+def opt_state_shardings(
+    tx: optax.GradientTransformation,
+    master: Any,
+    names: Any,
+    layout: Any,
+    policy: precision.Policy,
+) -> tuple[Any, Any]:
+    """(abstract opt state, its shardings) for master weights `master` (ShapeDtypeStructs):
+    the master copy and the param-shaped leaves of the optimizer (Adam's m and v) follow the
+    opt_state rules; scalars such as the step count are replicated."""
+    shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
+    per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
+    _, inner_shapes = precision.split_opt_state(master, shapes, policy)
+    inner = optimizer_shardings(tx, inner_shapes, per_param, layout.replicated)
+    return shapes, precision.join_opt_state(per_param, inner, policy)
+
+
+def optimizer_shardings(
+    tx: optax.GradientTransformation, opt_shapes: Any, per_param: Any, replicated: Any
+) -> Any:
+    """Shardings of `tx`'s state `opt_shapes`: its param-shaped leaves (e.g. Adam's m and v)
+    take the param's sharding from `per_param`, the rest (step counts) `replicated`."""
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        opt_shapes,
+        per_param,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def sharded_bytes(abstract: Any) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def state_bytes_per_device(compiled: Any, program: Any) -> dict[str, int]:
+    """Bytes of params and of optimizer state one device holds, read from the shardings the
+    compiled train step takes them in."""
+    (param_sh, opt_sh, *_), _ = compiled.input_shardings
+    return {
+        "params": sharded_bytes(with_sharding(program.abstract_params, param_sh)),
+        "opt_state": sharded_bytes(with_sharding(program.abstract_opt_state, opt_sh)),
+    }
+
+
+def abstract_state(
+    shapes: Any, opt_shapes: Any, shardings: dict[str, Any], layout: Any, policy: precision.Policy
+) -> dict[str, Any]:
+    """The Program's abstract state on the mesh (ShapeDtypeStructs with shardings): params,
+    optimizer state, loss scale (replicated scalars) and the fp32 master weights laid out
+    like the params (e.g. to load them)."""
+    param_sh = shardings["params"]
+    scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
+    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
+    return {
+        "abstract_params": with_sharding(shapes, param_sh),
+        "abstract_opt_state": with_sharding(opt_shapes, shardings["opt_state"]),
+        "abstract_loss_scale": jax.tree.map(
+            lambda s: s.update(sharding=layout.replicated), scale_shapes
+        ),
+        "abstract_master": with_sharding(master_shapes, param_sh),
+    }
