@@ -16,7 +16,8 @@ ran. Inside, each device sees its local blocks:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -133,7 +134,6 @@ def explicit_steps(
         "opt_state": _specs(shardings["opt_state"]),
         "opt_per_param": _specs(shardings["opt_state_per_param"]),
     }
-    batch_spec = PartitionSpec(shardings["batch"].spec[0])  # a prefix for every batch leaf
     # Gradients are averaged over every axis that splits the tokens: the batch axes and
     # `context` (each of its devices holds a share of every sequence).
     batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
@@ -143,25 +143,28 @@ def explicit_steps(
 
     local_loss = local_loss or model_loss
 
-    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
+    @contextlib.contextmanager
+    def traced_on_devices() -> Iterator[None]:
+        # the hooks become collectives; the auto executor's activation constraints are off
         with (
             hooks.explicit_layout(mesh, zero_stage, sequence_parallel),
             hooks.no_activation_layout(),
         ):
-            grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
-            # Gradients come out, are accumulated and reduced in the reduce dtype.
-            varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
-            loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
-            # Buckets run in the reverse order of the forward pass's first use of each param.
-            order = None
-            if bucket_bytes > 0:
-                order = buckets.first_use_order(local_loss, varying, batch)
-            grads = buckets.reduce_grads(
-                grads, specs["params"], specs["grads"], batch_axes, bucket_bytes, order
+            yield
+
+    def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
+        with traced_on_devices():
+            loss, grads = reduced_grads(
+                local_loss,
+                params,
+                loss_scale,
+                batch,
+                accum,
+                policy,
+                specs,
+                batch_axes,
+                bucket_bytes,
             )
-            loss = lax.pmean(loss, batch_axes) if batch_axes else loss
-            grads = precision.cast(grads, policy.master_dtype)
-            grads = precision.unscale(grads, loss_scale, policy)
             grad_norm = collectives.global_norm(grads)
             params, opt_state, loss_scale = sliced_update(
                 tx, params, grads, opt_state, loss_scale, grad_norm, specs, policy
@@ -175,13 +178,23 @@ def explicit_steps(
             return params, opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with (
-            hooks.explicit_layout(mesh, zero_stage, sequence_parallel),
-            hooks.no_activation_layout(),
-        ):
+        with traced_on_devices():
             loss = local_loss(params, batch)
             return lax.pmean(loss, batch_axes) if batch_axes else loss
 
+    return _shard_mapped(train_step, eval_step, mesh, specs, shardings["batch"])
+
+
+def _shard_mapped(
+    train_step: Callable,
+    eval_step: Callable,
+    mesh: jax.sharding.Mesh,
+    specs: dict[str, Any],
+    batch_sharding: NamedSharding,
+) -> tuple[Callable, Callable]:
+    """The per-device steps as shard_maps over the whole mesh (vma checked: without it the
+    tensor-parallel gradients are silently wrong)."""
+    batch_spec = PartitionSpec(batch_sharding.spec[0])  # a prefix for every batch leaf
     train = jax.shard_map(
         train_step,
         mesh=mesh,
@@ -197,3 +210,31 @@ def explicit_steps(
         check_vma=True,
     )
     return train, evaluate
+
+
+def reduced_grads(
+    local_loss: Callable,
+    params: Any,
+    loss_scale: Any,
+    batch: dict[str, jax.Array],
+    accum: int,
+    policy: precision.Policy,
+    specs: dict[str, Any],
+    batch_axes: tuple[str, ...],
+    bucket_bytes: int,
+) -> tuple[jax.Array, Any]:
+    """(the loss averaged over `batch_axes`, the gradients in the layout of specs["grads"],
+    in the master dtype, unscaled): each device's local gradients of `local_loss`, summed over
+    the micro-batches, then reduced once per param or per bucket."""
+    grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
+    # Gradients come out, are accumulated and reduced in the reduce dtype.
+    varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
+    loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
+    # Buckets run in the reverse order of the forward pass's first use of each param.
+    order = buckets.first_use_order(local_loss, varying, batch) if bucket_bytes > 0 else None
+    grads = buckets.reduce_grads(
+        grads, specs["params"], specs["grads"], batch_axes, bucket_bytes, order
+    )
+    loss = lax.pmean(loss, batch_axes) if batch_axes else loss
+    grads = precision.cast(grads, policy.master_dtype)
+    return loss, precision.unscale(grads, loss_scale, policy)
