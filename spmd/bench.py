@@ -7,7 +7,8 @@ rounds so machine noise hits both alike:
   spmd: the framework's compiled step fed by its data pipeline (host batch assembly included);
   bare: a hand-written `jax.jit` step of the same math (same model, loss and optax chain, same
         param shardings, a fixed device-resident batch, donated buffers), i.e. zero overhead.
-Reports the median step time of each, their ratio, tokens/s and compile times.
+Reports the median step time of each, their ratio, tokens/s, model TFLOP/s and MFU per device
+(where the device's peak is known) and compile times.
 """
 
 from __future__ import annotations
@@ -82,27 +83,35 @@ def run(argv: list[str] | None) -> int:
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
     checks.check_choices(cfg, model_cfg)
-    from spmd.parallel import xla_flags
-    from spmd.parallel.mesh import setup_mesh
-
-    say(xla_flags.describe(xla_flags.apply(cfg.xla_preset, cfg.bucket_mb, cfg.collectives)))
-
-    mesh = setup_mesh(cfg.mesh, cfg.devices)
-
-    import jax
-
-    from spmd.engine import precision
-    from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout, build_program, check_batch
-    from spmd.parallel.mesh import format_mesh
-
-    layout = Layout(mesh, cfg.zero)
-    check_batch(cfg.batch, layout, cfg.accum)
     if cfg.precision == "fp16":
         raise UsageError(
             "--precision fp16 is not benchmarked: its loss scaling has no bare counterpart; "
             "use fp32 or bf16"
         )
+    from spmd.parallel import xla_flags
+    from spmd.parallel.mesh import setup_mesh
+
+    say(xla_flags.describe(xla_flags.apply(cfg.xla_preset, cfg.bucket_mb, cfg.collectives)))
+    mesh = setup_mesh(cfg.mesh, cfg.devices)
+    steps, compile_s, program = compiled_pair(cfg, model_cfg, mesh)
+    per_round = max(cfg.steps // rounds, 1)
+    times = time_alternating(steps, rounds, per_round)
+    report(cfg, model_cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
+    return 0
+
+
+def compiled_pair(cfg: Any, model_cfg: Any, mesh: Any) -> tuple[dict, dict, Any]:
+    """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program): the
+    framework's compiled step fed by its data pipeline, and the bare jit step on a fixed
+    device-resident batch, each with its own initial state."""
+    import jax
+
+    from spmd.engine import precision
+    from spmd.engine.optim import make_optimizer
+    from spmd.engine.step import Layout, build_program, check_batch
+
+    layout = Layout(mesh, cfg.zero)
+    check_batch(cfg.batch, layout, cfg.accum)
     policy = precision.get(cfg.precision, cfg.grad_reduce)
     txs: list = []
 
@@ -123,12 +132,12 @@ def run(argv: list[str] | None) -> int:
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.batch, cfg.seq_len)
-    spmd_compile_s = time.perf_counter() - started
+    compile_s = {"spmd": time.perf_counter() - started}
     batch_abstract = program.abstract_batch(cfg.batch, cfg.seq_len)
-    bare = bare_step_fn(program, txs[-1])
     started = time.perf_counter()
+    bare = bare_step_fn(program, txs[-1])
     bare = bare.lower(program.abstract_params, program.abstract_opt_state, batch_abstract).compile()
-    bare_compile_s = time.perf_counter() - started
+    compile_s["bare"] = time.perf_counter() - started
 
     token_file = tokens.open_tokens(cfg.data, cfg.tokenizer, cfg.data_cache)
     windows = data.TokenWindows(token_file.load(), cfg.seq_len, 0.0)
@@ -156,31 +165,55 @@ def run(argv: list[str] | None) -> int:
         jax.block_until_ready(loss)
         state["bare"] = (params, opt_state, loss_scale)
 
-    spmd_steps(2)  # warm-up: first-call allocation and transfer paths
-    bare_steps(2)
-    per_round = max(cfg.steps // rounds, 1)
-    times: dict[str, list[float]] = {"spmd": [], "bare": []}
+    return {"spmd": spmd_steps, "bare": bare_steps}, compile_s, program
+
+
+def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict[str, list]:
+    """Seconds per step of each program in each round; the programs take turns within every
+    round (after two warm-up steps each), so machine noise hits them alike."""
+    for run_steps in steps.values():
+        run_steps(2)  # warm-up: first-call allocation and transfer paths
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
-        times["spmd"].append(time_round(spmd_steps, per_round))
-        times["bare"].append(time_round(bare_steps, per_round))
+        for name, run_steps in steps.items():
+            times[name].append(time_round(run_steps, per_round))
+    return times
+
+
+def report(
+    cfg: Any, model_cfg: Any, program: Any, times: dict, compile_s: dict, rounds: str
+) -> None:
+    """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
+    formula the training records use; MFU only where the device's peak is known) and compile
+    time of each program, then their ratio."""
+    import jax
+
+    from spmd.estimate import flops
+    from spmd.parallel.mesh import format_mesh
+
+    mesh = program.layout.mesh
+    device_kind = jax.devices()[0].device_kind
     tokens_per_step = cfg.batch * cfg.seq_len
-    spmd_s, bare_s = statistics.median(times["spmd"]), statistics.median(times["bare"])
+    flops_per_step = flops.decoder_flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
+    peak = flops.peak_tflops(device_kind, cfg.precision, cfg.peak_tflops)
     say(
-        f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
+        f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {device_kind}), "
         f"zero {cfg.zero}, {cfg.precision}, --collectives {cfg.collectives}, model "
-        f"{cfg.model} ({model_cfg.n_params() / 1e6:.2f} M params), "
-        f"batch {cfg.batch} x {cfg.seq_len} tokens, {rounds} rounds x {per_round} steps"
+        f"{cfg.model} ({model_cfg.n_params() / 1e6:.2f} M params), remat {model_cfg.remat}, "
+        f"batch {cfg.batch} x {cfg.seq_len} tokens, {rounds}"
     )
-    say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'compile':>10}")
-    for name, step_s, compile_s in (
-        ("spmd", spmd_s, spmd_compile_s),
-        ("bare", bare_s, bare_compile_s),
-    ):
+    say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'TFLOP/s':>10}{'MFU':>8}{'compile':>10}")
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, step_s in medians.items():
+        tflops = flops_per_step / step_s / mesh.size / 1e12
+        mfu = f"{tflops / peak:.1%}" if peak else "-"
         say(
-            f"{name:6}{step_s * 1e3:>11.2f} ms{tokens_per_step / step_s:>14,.0f}{compile_s:>8.1f} s"
+            f"{name:6}{step_s * 1e3:>11.2f} ms{tokens_per_step / step_s:>14,.0f}"
+            f"{tflops:>10.2f}{mfu:>8}{compile_s[name]:>8.1f} s"
         )
-    say(f"spmd / bare step time: {spmd_s / bare_s:.3f}")
-    return 0
+    say(f"spmd / bare step time: {medians['spmd'] / medians['bare']:.3f}")
+    if not peak:
+        say(f"MFU: no peak known for {device_kind!r} (--peak-tflops sets one)")
 
 
 if __name__ == "__main__":
