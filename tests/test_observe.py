@@ -187,9 +187,14 @@ def test_op_categories_and_the_sweep():
     assert row["all-gather"] == pytest.approx(1.5e-3 / 2)
     assert row["idle"] == pytest.approx(2e-3 / 2)
     assert row["step"] == pytest.approx(5e-3) and row["comm_fraction"] == pytest.approx(0.3)
+    # exposed: the kinds' 3 ms; hidden: the all-reduce's 2-4 beside compute (not in the step)
+    assert row["exposed_comm"] == pytest.approx(3e-3 / 2)
+    assert row["hidden_comm"] == pytest.approx(2e-3 / 2)
     assert table["1"]["step"] == pytest.approx(1e-3) and table["1"]["comm_fraction"] == 0
+    assert table["1"]["hidden_comm"] == 0
     text = profile.format_breakdown(table)
     assert "all-reduce" in text and "30.0%" in text and text.splitlines()[-1].startswith("mean")
+    assert "exposed" in text.splitlines()[1] and "hidden" in text.splitlines()[1]
 
 
 def test_profile_window_must_lie_within_the_run():

@@ -18,7 +18,8 @@ device's own plane ("/device:GPU:0"), which then names the device (not verified 
 Accounting, per device, over the window from its first to its last traced op of the module:
 an instant is compute if any non-collective op runs, else communication (shared equally by the
 collective kinds running), else idle (host stalls between steps included). Communication that
-overlaps compute is therefore hidden, and the communication fraction is the exposed share.
+overlaps compute is therefore hidden: it is reported apart ("hidden"), beside the exposed total,
+and the communication fraction is the exposed share.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def read_trace(trace_dir: str | Path) -> list[OpEvent]:
 
 
 def breakdown(events: list[OpEvent], module: str, steps: int) -> dict[str, dict[str, float]]:
-    """Per device: seconds per step in "compute", each collective kind of hlo.KINDS, "idle",
-    their sum "step", and "comm_fraction" (collective seconds / step seconds).
+    """Per device: seconds per step in "compute", each collective kind of hlo.KINDS (exposed:
+    no compute ran meanwhile), "idle", their sum "step", "exposed_comm" (the kinds' sum),
+    "hidden_comm" (seconds a collective ran while compute ran too: overlapped), and
+    "comm_fraction" (exposed collective seconds / step seconds).
 
     Only events of `module` (e.g. "jit_train_step") count; `steps` is how many executions of
     it the trace holds."""
@@ -108,22 +111,26 @@ def breakdown(events: list[OpEvent], module: str, steps: int) -> dict[str, dict[
     table = {}
     for device in sorted(per_device, key=_natural):
         seconds = _sweep(per_device[device])
+        hidden = seconds.pop("hidden_comm") / steps / 1e9
         row = {k: v / steps / 1e9 for k, v in seconds.items()}
         row["step"] = sum(row.values())
         comm = sum(row[k] for k in hlo.KINDS)
+        row["exposed_comm"], row["hidden_comm"] = comm, hidden
         row["comm_fraction"] = comm / row["step"] if row["step"] > 0 else 0.0
         table[device] = row
     return table
 
 
 def _sweep(intervals: list[tuple[float, float, str]]) -> dict[str, float]:
-    """Nanoseconds of compute / each collective / idle between the first start and last end."""
+    """Nanoseconds of compute / each collective / idle between the first start and last end,
+    which add up to that span, and "hidden_comm": the nanoseconds during which a collective ran
+    beside compute (counted as compute above)."""
     boundaries = []
     for start, end, category in intervals:
         if category != "control":
             boundaries += [(start, 1, category), (end, -1, category)]
     boundaries.sort(key=lambda b: (b[0], b[1]))
-    totals = dict.fromkeys(("compute", *hlo.KINDS, "idle"), 0.0)
+    totals = dict.fromkeys(("compute", *hlo.KINDS, "idle", "hidden_comm"), 0.0)
     active: dict[str, int] = {}
     first = min(start for start, _, _ in intervals)
     last = max(end for _, end, _ in intervals)
@@ -134,6 +141,8 @@ def _sweep(intervals: list[tuple[float, float, str]]) -> dict[str, float]:
             running = [k for k, n in active.items() if n > 0]
             if "compute" in running:
                 totals["compute"] += span
+                if len(running) > 1:  # a collective ran beside it: hidden by the overlap
+                    totals["hidden_comm"] += span
             elif running:
                 for kind in running:
                     totals[kind] += span / len(running)
@@ -156,9 +165,13 @@ def mean_row(table: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def format_breakdown(table: dict[str, dict[str, float]]) -> str:
-    """A table of milliseconds per step per device, the mean, and the communication share."""
+    """A table of milliseconds per step per device and the mean: compute, the exposed time of
+    each collective kind, idle; then communication exposed and hidden behind compute, and the
+    exposed share of the step."""
     short = {"reduce-scatter": "red-scatter", "collective-permute": "coll-permute"}
     widths = {"step": 9, "compute": 9, **dict.fromkeys(hlo.KINDS, 13), "idle": 9}
+    widths |= {"exposed_comm": 9, "hidden_comm": 9}
+    short |= {"exposed_comm": "exposed", "hidden_comm": "hidden"}
     header = f"{'device':<8}" + "".join(f"{short.get(c, c):>{w}}" for c, w in widths.items())
     lines = [f"{'ms per step':<8}", header + f"{'comm':>8}"]
     for name, row in [*table.items(), ("mean", mean_row(table))]:
