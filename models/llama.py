@@ -28,8 +28,8 @@ from spmd.parallel.hooks import (
     attention,
     constrain,
     gather,
-    layer_remat,
     note,
+    scan_layers,
     token_positions,
     tp_enter,
     tp_max,
@@ -283,10 +283,7 @@ class Llama(nnx.Module):
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
             return nnx.merge(block_def, state)(x, positions, segments), None
 
-        policy = layer_remat(REMAT_POLICIES[self.cfg.remat])
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, block_state)
+        x, _ = scan_layers(layer, x, block_state, REMAT_POLICIES[self.cfg.remat])
         return x
 
     def head_logits(self, x: jax.Array) -> jax.Array:

@@ -40,7 +40,7 @@ from spmd.parallel.hooks import (
     constrain,
     from_experts,
     gather,
-    layer_remat,
+    scan_layers,
     to_experts,
     token_positions,
     tp_enter,
@@ -224,10 +224,7 @@ class MoELlama(llama.Llama):
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
             return nnx.merge(block_def, state)(x, positions, segments)
 
-        policy = layer_remat(REMAT_POLICIES[self.cfg.remat])
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        return jax.lax.scan(layer, x, block_state)
+        return scan_layers(layer, x, block_state, REMAT_POLICIES[self.cfg.remat])
 
 
 def create(cfg: MoEConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:

@@ -8,7 +8,9 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     tp_enter(x, name)         Megatron's f: identity forward, psum over `tensor` in backward
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
-    layer_remat(policy)       the scanned layer's remat policy (never saves gathered params)
+    scan_layers(layer, ...)   run the stacked layers (a scan) under the layer remat policy;
+                              explicit ZeRO-3 prefetches the next layer's params
+                              (spmd.parallel.layer_scan)
     to_experts / from_experts an MoE layer's token dispatch and combine: all_to_all over the
                               mesh axes that split `expert` (explicit); a resharding (auto)
     batch_mean(x)             mean over the data-parallel shards of a per-shard mean
@@ -38,14 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import ring_attention, rules
-
-# checkpoint_name of a param gathered for use; the layer remat policy never saves it, so the
-# backward pass gathers it again instead of keeping every layer whole (ZeRO-3's memory).
-GATHERED = "spmd_gathered_param"
+from spmd.parallel import layer_scan, ring_attention, rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +50,25 @@ class _Layout:
     mesh: jax.sharding.Mesh
     param_rules: rules.Rules
     compute_rules: rules.Rules
+    prefetch: bool = False  # ZeRO-3: gather layer i+1 while layer i computes
 
 
 _EXPLICIT: list[_Layout] = []
+_ALREADY_GATHERED: list[bool] = []  # inside a prefetched layer: its params arrive whole
 
 
 @contextlib.contextmanager
 def explicit_layout(
-    mesh: jax.sharding.Mesh, zero_stage: int, sequence_parallel: bool = False
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    sequence_parallel: bool = False,
+    prefetch: bool = False,
 ) -> Iterator[None]:
-    """While tracing inside a shard_map over `mesh`, make the hooks below real collectives."""
+    """While tracing inside a shard_map over `mesh`, make the hooks below real collectives.
+    `prefetch`: scan_layers gathers each layer's params one layer ahead (ZeRO-3)."""
     param_rules = rules.rules_for(zero_stage, "params")
     compute = rules.rules_for(zero_stage, "activations", sequence_parallel)
-    _EXPLICIT.append(_Layout(mesh, param_rules, compute))
+    _EXPLICIT.append(_Layout(mesh, param_rules, compute, prefetch))
     try:
         yield
     finally:
@@ -111,20 +114,34 @@ def gather(variable: Any) -> jax.Array:
     reduce-scatter of the gradient. Names are read from the end: a stacked `layers` dim is
     scanned away by the time a layer uses its params."""
     value = variable[...]
-    if not _EXPLICIT:
+    if not _EXPLICIT or _ALREADY_GATHERED:
         return value
+    return _gather_value(value, logical_names(variable))
+
+
+def _gathered_axes(names: tuple[str | None, ...]) -> list[tuple[str, ...]]:
+    """Per dim of a param with logical `names`: the mesh axes it is gathered over before use
+    (stored split, computed whole; empty where nothing is gathered)."""
     layout = _EXPLICIT[-1]
-    names = logical_names(variable)[-value.ndim :]
     used: set[str] = set()
-    gathered = False
-    for dim, name in enumerate(names):
+    out = []
+    for name in names:
         stored = tuple(a for a in _mesh_axes(layout, layout.param_rules, name) if a not in used)
         used.update(stored)
-        axes = tuple(a for a in stored if a not in _mesh_axes(layout, layout.compute_rules, name))
+        out.append(
+            tuple(a for a in stored if a not in _mesh_axes(layout, layout.compute_rules, name))
+        )
+    return out
+
+
+def _gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = True) -> jax.Array:
+    """`value` all_gathered over `_gathered_axes(names)`, tagged for the remat policy (`tag`)."""
+    gathered = False
+    for dim, axes in enumerate(_gathered_axes(names[-value.ndim :])):
         if axes:
             value = lax.all_gather(value, axes, axis=dim, tiled=True)
             gathered = True
-    return checkpoint_name(value, GATHERED) if gathered else value
+    return layer_scan.tag_gathered(value) if gathered and tag else value
 
 
 def _sequence_axes(name: str) -> tuple[str, ...]:
@@ -278,38 +295,53 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.
     return ring(q, k, v)
 
 
-# Ops that only re-lay out their input: free to recompute, and saving one that reads a gathered
-# param (e.g. a norm scale broadcast to the activations' rank) would keep that param whole.
-_LAYOUT_OPS = ("broadcast_in_dim", "reshape", "transpose", "convert_element_type", "squeeze")
-
-
-def _not_saved(primitive: Any, params: dict) -> bool:
-    if primitive.name == "name":
-        return params.get("name") == GATHERED
-    return primitive.name in ("all_gather", "all_gather_invariant", *_LAYOUT_OPS)
-
-
-def layer_remat(policy: Any) -> Any:
-    """The remat policy for a scanned layer (None: no remat). While params are gathered per
-    layer (explicit ZeRO-3) it is `policy` minus the gathered params: the backward pass
-    gathers them again, so only one layer is ever whole."""
+def _gathering() -> bool:
+    """Whether the layout being traced gathers params per layer (explicit ZeRO-3)."""
     if not _EXPLICIT:
-        return policy
+        return False
     layout = _EXPLICIT[-1]
-    gathering = any(
+    return any(
         set(_mesh_axes(layout, layout.param_rules, n))
         - set(_mesh_axes(layout, layout.compute_rules, n))
         for n in layout.param_rules
     )
-    if not gathering:
-        return policy
 
-    def saveable(primitive: Any, *avals: Any, **params: Any) -> bool:
-        if _not_saved(primitive, params):
-            return False
-        return True if policy is None else policy(primitive, *avals, **params)
 
-    return saveable
+@contextlib.contextmanager
+def _params_arrive_whole() -> Iterator[None]:
+    _ALREADY_GATHERED.append(True)
+    try:
+        yield
+    finally:
+        _ALREADY_GATHERED.pop()
+
+
+def scan_layers(
+    layer: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    stacked: Any,
+    remat: Callable | None,
+) -> tuple[Any, Any]:
+    """`lax.scan(layer, carry, stacked)` over a model's stacked layers: `layer(carry, state_i)
+    -> (carry, y)` on the i-th slice of `stacked` (an nnx.State with a leading `layers` dim),
+    rematerialised by `remat` (a jax.checkpoint policy, None: none) minus gathered params.
+    Under explicit ZeRO-3 with prefetch, each layer's params are gathered while the layer
+    before it computes (spmd.parallel.layer_scan.prefetched_scan)."""
+    gathering = _gathering()
+    policy = layer_scan.remat_policy(remat, gathering)
+    n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if not (gathering and _EXPLICIT[-1].prefetch and n_layers >= 2):
+        return layer_scan.plain_scan(layer, carry, stacked, policy)
+    is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
+    names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
+
+    def gather_layer(shards: list[jax.Array]) -> list[jax.Array]:
+        # untagged: these arrive as inputs of the layer, which its remat never saves anyway
+        return [_gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)]
+
+    return layer_scan.prefetched_scan(
+        layer, carry, stacked, policy, gather_layer, _params_arrive_whole
+    )
 
 
 # --- activation constraints -------------------------------------------------------------
