@@ -62,6 +62,7 @@ def build(
     pipeline: Any = None,
     sequence_parallel: bool = False,
     bucket_mb: float = 0.0,
+    prefetch: bool = True,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
@@ -89,6 +90,10 @@ def build(
       many MiB, one collective each (0: one per param). Under auto XLA's combine thresholds
       decide; they are XLA flags, set before JAX starts (spmd.parallel.xla_flags).
 
+    - prefetch: under the explicit executor with ZeRO-3, all-gather each layer's params while
+      the layer before it computes, forward and backward (spmd.parallel.layer_scan); False
+      gathers each layer's params inside its own iteration.
+
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). `sequence_parallel` (tp > 1): Megatron-SP, the residual stream (embedding output,
     norms, residual adds) split along length over `tensor`. Returns a Program: `init()` ->
@@ -108,6 +113,7 @@ def build(
         executor=executor,
         pipeline=pipeline,
         bucket_mb=bucket_mb,
+        prefetch=prefetch,
     )
 
 

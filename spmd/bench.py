@@ -129,6 +129,7 @@ def compiled_pair(cfg: Any, model_cfg: Any, mesh: Any) -> tuple[dict, dict, Any]
         policy=policy,
         executor=cfg.collectives,
         bucket_mb=cfg.bucket_mb,
+        prefetch=cfg.prefetch,
     )
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.batch, cfg.seq_len)

@@ -2,7 +2,7 @@
 
     python -m spmd.bench_collectives [--model tiny] [--batch 16] [--seq-len 128] [--steps 30]
                                      [--devices 8] [--layouts ddp,zero3,...]
-                                     [--bucket-mb 0.25,1,4,25]
+                                     [--bucket-mb 0.25,1,4,25] [--prefetch]
 
 For each named layout of meshes/ (on --devices simulated CPU devices, or the accelerators
 present) both executors' train steps are compiled with the same model, batch and initial
@@ -12,8 +12,10 @@ compiled step. With --bucket-mb the explicit executor's step is compiled once pe
 instead (spmd.parallel.buckets) and those run alternately: median step time per bucket size
 side by side, with the number of gradient reductions each compiled step holds. The XLA flags of
 the largest bucket size are set first (spmd.parallel.xla_flags: on CPU that turns XLA's
-all-reduce combiner off, so bucket size 0 there means one all-reduce per param). A benchmark,
-not a test: nothing is asserted.
+all-reduce combiner off, so bucket size 0 there means one all-reduce per param). With
+--prefetch the explicit step is compiled with ZeRO-3's prefetching layer scan off and on
+(spmd.parallel.layer_scan) for the layouts with ZeRO-3 and those run alternately: median step
+time and the all-gathers per step of each. A benchmark, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", default="", help="comma-separated preset names (all)")
     parser.add_argument(
         "--bucket-mb", default="", help="comma-separated bucket sizes in MiB (explicit only)"
+    )
+    parser.add_argument(
+        "--prefetch", action="store_true", help="explicit ZeRO-3: prefetch off vs on"
     )
     return parser.parse_args(argv)
 
@@ -64,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     if buckets:
         return run_buckets(args, presets, buckets)
+    if args.prefetch:
+        return run_prefetch(args, [p for p in presets if p.zero == 3])
 
     print(
         f"{'layout':<9}{'mesh':<20}{'auto ms':>9}{'explicit ms':>13}{'ratio':>7}"
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        times, volume, _ = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
+        times, volume, _, _ = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
         auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
         print(
             f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
@@ -102,11 +109,35 @@ def run_buckets(args: argparse.Namespace, presets: list, buckets: list[float]) -
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
         variants = {f"{b:g}": {"executor": "explicit", "bucket_mb": b} for b in buckets}
-        times, _, counts = bench_layout(
+        times, _, counts, _ = bench_layout(
             args, sizes, preset.zero, preset.sequence_parallel, variants
         )
         cells = "".join(
             f"{statistics.median(times[k]) * 1e3:>10.1f} / {counts[k]:<3}" for k in variants
+        )
+        print(f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{cells}", flush=True)
+    return 0
+
+
+def run_prefetch(args: argparse.Namespace, presets: list) -> int:
+    """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout: median
+    ms and all-gathers per step."""
+    import jax
+
+    from spmd.parallel import mesh as mesh_lib
+
+    variants = {f"prefetch {int(on)}": {"executor": "explicit", "prefetch": on} for on in (0, 1)}
+    heads = "".join(f"{name:>22}" for name in variants)
+    print(f"{'layout':<9}{'mesh':<20}{heads}   (median ms per step / all-gathers per step)")
+    for preset in presets:
+        sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
+        if sizes["fsdp"] == 1:
+            continue  # nothing is gathered per layer
+        times, _, _, gathers = bench_layout(
+            args, sizes, preset.zero, preset.sequence_parallel, variants
+        )
+        cells = "".join(
+            f"{statistics.median(times[k]) * 1e3:>14.1f} / {gathers[k]:<5}" for k in variants
         )
         print(f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{cells}", flush=True)
     return 0
@@ -125,7 +156,8 @@ def bench_layout(
 ):
     """({variant: [step seconds]}, {variant: collective bytes per device per step}, {variant:
     gradient reductions (all-reduces / reduce-scatters run once per step on more than a
-    scalar)}). `variants`: {name: build_program keywords}; default: the two executors."""
+    scalar)}, {variant: all-gathers per step}). `variants`: {name: build_program keywords};
+    default: the two executors."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -149,7 +181,7 @@ def bench_layout(
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
     variants = variants or {e: {"executor": e} for e in EXECUTORS}
-    steps, states, volume, counts = {}, {}, {}, {}
+    steps, states, volume, counts, gathers = {}, {}, {}, {}, {}
     for name, keywords in variants.items():
         program = build_program(
             lambda seed: llama.create(model, seed),
@@ -162,6 +194,7 @@ def bench_layout(
         colls = hlo.collectives(steps[name], layout.mesh)
         volume[name] = sum(row["bytes"] for row in hlo.collective_summary(colls).values())
         counts[name] = len(hlo.grad_reductions(colls))
+        gathers[name] = sum(c.count for c in colls if c.kind == "all-gather")
         # One initial state for all (same shardings); copies, since each step donates its own.
         first = next(iter(states.values()), None)
         states[name] = jax.tree.map(jnp.copy, first) if first else program.init()
@@ -174,7 +207,7 @@ def bench_layout(
             if i >= 2:
                 times[name].append(time.perf_counter() - started)
             states[name] = tuple(state)
-    return times, volume, counts
+    return times, volume, counts, gathers
 
 
 if __name__ == "__main__":

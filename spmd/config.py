@@ -42,6 +42,9 @@ class TrainConfig:
     # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
     # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
     bucket_mb: float = 0.0
+    # explicit ZeRO-3: all-gather layer i+1's params while layer i computes (forward and
+    # backward); 0: each layer gathers its own params when it starts
+    prefetch: bool = True
     xla_preset: str = "throughput"  # XLA flags spmd sets on GPU (yours win): throughput | none
     pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
     microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp

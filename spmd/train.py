@@ -288,6 +288,7 @@ def build_run_program(
             pipeline=pipe,
             sequence_parallel=train.sequence_parallel,
             bucket_mb=train.bucket_mb,
+            prefetch=train.prefetch,
         )
         program.batch_fields = windows.fields  # segment ids, loss weights: as the data has
         return program

@@ -48,10 +48,11 @@ def program(
     accum: int = 1,
     executor: str = "auto",
     pipeline: object = None,
+    prefetch: bool = True,
     **model_overrides: object,
 ) -> Program:
     """The tiny model's program on `lay`; `pipeline` (spmd.parallel.pipeline.Pipeline) pipelines
-    it."""
+    it; `prefetch` as build_program's (explicit ZeRO-3)."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(
@@ -63,16 +64,17 @@ def program(
         accum=accum,
         executor=executor,
         pipeline=pipeline,
+        prefetch=prefetch,
     )
 
 
 @functools.cache
 def compiled(
-    mesh: str, zero: int = 3, executor: str = "auto", accum: int = 1
+    mesh: str, zero: int = 3, executor: str = "auto", accum: int = 1, prefetch: bool = True
 ) -> tuple[Program, object]:
     """(program, AOT-compiled train step for BATCH x SEQ_LEN) of the tiny model on `mesh`,
     made once per test session: the parity, layout and explicit-collective tests share them."""
-    prog = program(layout(mesh, zero), accum, executor)
+    prog = program(layout(mesh, zero), accum, executor, prefetch=prefetch)
     return prog, prog.compile_train_step(BATCH, SEQ_LEN)
 
 
@@ -110,10 +112,12 @@ def train_losses(
 
 
 @functools.cache
-def losses(mesh: str, zero: int = 3, executor: str = "auto") -> tuple[np.ndarray, dict]:
+def losses(
+    mesh: str, zero: int = 3, executor: str = "auto", prefetch: bool = True
+) -> tuple[np.ndarray, dict]:
     """`train_losses` of the shared compiled program of (mesh, zero, executor) from the shared
     initial state, computed once per test session (the parity and bucketing tests share it)."""
-    program, step = compiled(mesh, zero, executor)
+    program, step = compiled(mesh, zero, executor, prefetch=prefetch)
     return train_losses(program, STEPS, initial_state(), step)
 
 

@@ -92,6 +92,8 @@ class Program:
     # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
     batch_fields: tuple[str, ...] = ("inputs", "targets")
     train_fn: Callable | None = None  # train_step before jit (spmd.engine.diloco vmaps it)
+    # the explicit executor's ZeRO-3 layer scan gathers one layer ahead (spmd.parallel.layer_scan)
+    prefetch: bool = False
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -176,6 +178,7 @@ def build_program(
     pipeline: Any = None,
     exclude_axes: tuple[str, ...] = (),
     bucket_mb: float = 0.0,
+    prefetch: bool = True,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -199,6 +202,9 @@ def build_program(
     MiB, one collective each (spmd.parallel.buckets); the auto executor ignores it (there
     XLA's combine thresholds decide, spmd.parallel.xla_flags).
 
+    `prefetch`: the explicit executor's ZeRO-3 gathers each layer's params while the layer
+    before it computes (spmd.parallel.layer_scan); the auto executor leaves that to XLA.
+
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
     graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
@@ -220,6 +226,7 @@ def build_program(
             losses.local_loss,
             sequence_parallel=layout.sequence_parallel,
             bucket_bytes=int(bucket_mb * 2**20),
+            prefetch=prefetch,
         )
     else:
         train_step, eval_step = auto_steps(
@@ -234,6 +241,7 @@ def build_program(
         accum=accum,
         policy=policy,
         train_fn=train_step,
+        prefetch=prefetch and executor == "explicit",
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )

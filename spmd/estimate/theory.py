@@ -18,7 +18,9 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   batch axes (DDP, ZeRO-1; HSDP's `data`);
 - params: all-gather after the update where the optimizer state is split and the params are
   not (ZeRO-1/2); with ZeRO-3, all-gather before use: a layer's params in the forward and again
-  in the backward (remat), the embedding, final norm and head once;
+  in the backward (remat), the embedding, final norm and head once; the explicit executor's
+  prefetching layer scan keeps the last layer whole from forward to backward (2L - 1 layer
+  gathers per micro-batch instead of 2L);
 - tensor parallel (Megatron): per layer and micro-batch, all-reduces of one activation
   [batch, length, embed] after the attention and MLP row-parallel matmuls (forward) and at
   their column-parallel inputs (backward), plus the vocab-parallel embedding (forward) and head
@@ -238,7 +240,11 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
             whole = _whole(param, batch_axes, leaf_names)
             gathered = _local_bytes(leaf.shape, gather_dtype, whole, mesh)
             passes = 2 * accum if layers > 1 else 1
-            add("all-gather", passes * layers, passes * gathered)
+            gathers = passes * layers
+            if layers > 1 and getattr(program, "prefetch", False):
+                # the prefetching layer scan keeps the last layer whole for the backward pass
+                gathers = accum * (2 * layers - 1)
+            add("all-gather", gathers, gathers * gathered // layers)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
             add("reduce-scatter", 1, grad_bytes)

@@ -117,6 +117,7 @@ def explicit_steps(
     local_loss: Callable | None = None,
     sequence_parallel: bool = False,
     bucket_bytes: int = 0,
+    prefetch: bool = True,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
@@ -127,7 +128,9 @@ def explicit_steps(
     blocks (a pipeline schedule's loss). `sequence_parallel` splits the residual stream along
     length over `tensor` (the model's tp hooks become all_gather / psum_scatter). `bucket_bytes`
     > 0 reduces the gradients in buckets of that many bytes (spmd.parallel.buckets); 0: one
-    collective per param. The steps' signatures are those of spmd.engine.step's auto steps."""
+    collective per param. `prefetch`: under ZeRO-3 the model's layer scan gathers each layer's
+    params while the layer before it computes (spmd.parallel.layer_scan). The steps' signatures
+    are those of spmd.engine.step's auto steps."""
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -147,7 +150,7 @@ def explicit_steps(
     def traced_on_devices() -> Iterator[None]:
         # the hooks become collectives; the auto executor's activation constraints are off
         with (
-            hooks.explicit_layout(mesh, zero_stage, sequence_parallel),
+            hooks.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch),
             hooks.no_activation_layout(),
         ):
             yield
