@@ -65,10 +65,14 @@ def test_each_layer_loop_issues_its_gathers_before_its_matmuls():
     for body in loops:
         last_gather = max(i for i, name in enumerate(body) if name == "all_gather")
         assert last_gather < body.index("dot_general")
-    # Without prefetch a layer gathers each param right before its own matmul.
-    for body in _layer_loops(prefetch=False):
-        last_gather = max(i for i, name in enumerate(body) if name == "all_gather")
-        assert last_gather > body.index("dot_general")
+    # Without prefetch the forward loop gathers each param right before its own matmul (the
+    # backward's remat replays the gathers first, but of the layer it is differentiating:
+    # test_compiled_loops_only_carry_the_gathered_params_to_the_next_layer tells them apart).
+    interleaved = [
+        max(i for i, name in enumerate(body) if name == "all_gather") > body.index("dot_general")
+        for body in _layer_loops(prefetch=False)
+    ]
+    assert any(interleaved)
 
 
 # Ops that pass a value on unchanged, on its way to the loop's next iteration.
@@ -118,7 +122,7 @@ def test_layer_gathers_equal_theory(prefetch):
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))[GATHER]
     shape = theory.shape_of(trainer.tiny_config(), np.float32)
     expected = theory.collectives(program, shape, trainer.BATCH, trainer.SEQ_LEN)[GATHER]
-    assert measured == {"count": expected["count"], "bytes": expected["bytes"]}
+    assert (measured["count"], measured["bytes"]) == (expected["count"], expected["bytes"])
     layers = trainer.tiny_config().n_layers
     per_layer = len(jax.tree.leaves(program.abstract_params["blocks"]))
     outside = len(jax.tree.leaves(program.abstract_params)) - per_layer  # embed, norm, head

@@ -20,7 +20,8 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   not (ZeRO-1/2); with ZeRO-3, all-gather before use: a layer's params in the forward and again
   in the backward (remat), the embedding, final norm and head once; the explicit executor's
   prefetching layer scan keeps the last layer whole from forward to backward (2L - 1 layer
-  gathers per micro-batch instead of 2L);
+  gathers per micro-batch instead of 2L; with accumulation the first gather of each pass is
+  the same for every micro-batch and XLA hoists it out of their loop: accum (2L - 3) + 2);
 - tensor parallel (Megatron): per layer and micro-batch, all-reduces of one activation
   [batch, length, embed] after the attention and MLP row-parallel matmuls (forward) and at
   their column-parallel inputs (backward), plus the vocab-parallel embedding (forward) and head
@@ -242,8 +243,10 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
             passes = 2 * accum if layers > 1 else 1
             gathers = passes * layers
             if layers > 1 and getattr(program, "prefetch", False):
-                # the prefetching layer scan keeps the last layer whole for the backward pass
-                gathers = accum * (2 * layers - 1)
+                # the prefetching layer scan keeps the last layer whole for the backward pass;
+                # its first gathers (layer 0 forward, layer L-2 backward) read the params only,
+                # so XLA hoists them out of the micro-batch loop
+                gathers = accum * (2 * layers - 3) + 2
             add("all-gather", gathers, gathers * gathered // layers)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
