@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        times, volume, _, _ = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
+        measured = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
+        times, volume = measured["times"], measured["volume"]
         auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
         print(
             f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
@@ -100,44 +101,35 @@ def _bucket_sizes(text: str) -> list[float]:
 
 def run_buckets(args: argparse.Namespace, presets: list, buckets: list[float]) -> int:
     """The explicit step per bucket size, per layout: median ms and gradient reductions."""
-    import jax
-
-    from spmd.parallel import mesh as mesh_lib
-
-    heads = "".join(f"{f'{b:g} MiB':>16}" for b in buckets)
-    print(f"{'layout':<9}{'mesh':<20}{heads}   (median ms per step / gradient reductions)")
-    for preset in presets:
-        sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        variants = {f"{b:g}": {"executor": "explicit", "bucket_mb": b} for b in buckets}
-        times, _, counts, _ = bench_layout(
-            args, sizes, preset.zero, preset.sequence_parallel, variants
-        )
-        cells = "".join(
-            f"{statistics.median(times[k]) * 1e3:>10.1f} / {counts[k]:<3}" for k in variants
-        )
-        print(f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{cells}", flush=True)
-    return 0
+    variants = {f"{b:g} MiB": {"executor": "explicit", "bucket_mb": b} for b in buckets}
+    return run_variants(args, presets, variants, "reductions", "gradient reductions")
 
 
 def run_prefetch(args: argparse.Namespace, presets: list) -> int:
-    """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout: median
-    ms and all-gathers per step."""
+    """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout whose
+    fsdp axis gathers layers: median ms and all-gathers per step."""
+    variants = {f"prefetch {int(on)}": {"executor": "explicit", "prefetch": on} for on in (0, 1)}
+    gathering = [p for p in presets if p.zero == 3 and "fsdp" in p.mesh]
+    return run_variants(args, gathering, variants, "gathers", "all-gathers")
+
+
+def run_variants(
+    args: argparse.Namespace, presets: list, variants: dict, count: str, counted: str
+) -> int:
+    """Per layout, the steps of `variants` ({name: build_program keywords}) run alternately:
+    median ms per step and `count` (a measure of bench_layout's) per step of each."""
     import jax
 
     from spmd.parallel import mesh as mesh_lib
 
-    variants = {f"prefetch {int(on)}": {"executor": "explicit", "prefetch": on} for on in (0, 1)}
-    heads = "".join(f"{name:>22}" for name in variants)
-    print(f"{'layout':<9}{'mesh':<20}{heads}   (median ms per step / all-gathers per step)")
+    heads = "".join(f"{name:>20}" for name in variants)
+    print(f"{'layout':<9}{'mesh':<20}{heads}   (median ms per step / {counted} per step)")
     for preset in presets:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
-        if sizes["fsdp"] == 1:
-            continue  # nothing is gathered per layer
-        times, _, _, gathers = bench_layout(
-            args, sizes, preset.zero, preset.sequence_parallel, variants
-        )
+        measured = bench_layout(args, sizes, preset.zero, preset.sequence_parallel, variants)
         cells = "".join(
-            f"{statistics.median(times[k]) * 1e3:>14.1f} / {gathers[k]:<5}" for k in variants
+            f"{statistics.median(measured['times'][k]) * 1e3:>12.1f} / {measured[count][k]:<5}"
+            for k in variants
         )
         print(f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{cells}", flush=True)
     return 0
@@ -154,10 +146,10 @@ def bench_layout(
     sequence_parallel: bool = False,
     variants: dict | None = None,
 ):
-    """({variant: [step seconds]}, {variant: collective bytes per device per step}, {variant:
-    gradient reductions (all-reduces / reduce-scatters run once per step on more than a
-    scalar)}, {variant: all-gathers per step}). `variants`: {name: build_program keywords};
-    default: the two executors."""
+    """Per measure, {variant: value}: "times" [step seconds], "volume" collective bytes per
+    device per step, "reductions" gradient reductions (all-reduces / reduce-scatters run once
+    per step on more than a scalar), "gathers" all-gathers per step. `variants`: {name:
+    build_program keywords}; default: the two executors."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -181,7 +173,7 @@ def bench_layout(
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
     variants = variants or {e: {"executor": e} for e in EXECUTORS}
-    steps, states, volume, counts, gathers = {}, {}, {}, {}, {}
+    steps, states, volume, reductions, gathers = {}, {}, {}, {}, {}
     for name, keywords in variants.items():
         program = build_program(
             lambda seed: llama.create(model, seed),
@@ -193,7 +185,7 @@ def bench_layout(
         steps[name] = program.compile_train_step(args.batch, args.seq_len)
         colls = hlo.collectives(steps[name], layout.mesh)
         volume[name] = sum(row["bytes"] for row in hlo.collective_summary(colls).values())
-        counts[name] = len(hlo.grad_reductions(colls))
+        reductions[name] = len(hlo.grad_reductions(colls))
         gathers[name] = sum(c.count for c in colls if c.kind == "all-gather")
         # One initial state for all (same shardings); copies, since each step donates its own.
         first = next(iter(states.values()), None)
@@ -207,7 +199,7 @@ def bench_layout(
             if i >= 2:
                 times[name].append(time.perf_counter() - started)
             states[name] = tuple(state)
-    return times, volume, counts, gathers
+    return {"times": times, "volume": volume, "reductions": reductions, "gathers": gathers}
 
 
 if __name__ == "__main__":

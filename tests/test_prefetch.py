@@ -148,3 +148,14 @@ def test_prefetch_holds_a_few_layers_whole_not_all():
     # the double buffer: the next layer whole beside the current one, and the last layer
     # kept whole from the forward into the backward pass
     assert temps[True, 6] - temps[False, 6] <= 3 * layer
+
+
+def test_bench_collectives_times_prefetch_off_and_on(capsys):
+    from spmd import bench_collectives
+
+    argv = ["--prefetch", "--layouts", "zero3,ddp", "--steps", "1", "--batch", "8"]
+    assert bench_collectives.main([*argv, "--seq-len", "16"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    (zero3,) = [row for row in rows if row[0] == "zero3"]  # ddp gathers no layer: left out
+    # tiny: 4 layers of 9 params and 3 params outside them, gathered 2L or 2L - 1 times
+    assert zero3[3:5] == ["/", str(9 * 8 + 3)] and zero3[6:8] == ["/", str(9 * 7 + 3)]
