@@ -31,6 +31,7 @@ layers' params are whole at once instead of one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -100,84 +101,88 @@ def prefetched_scan(
     inside `while_gathered()` the layer's own gathers are no-ops. `policy` is the remat policy
     of one layer (`remat_policy`'s: gathered params are never saved)."""
     treedef = jax.tree.structure(stacked)
-    n_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def run(carry: Any, whole: Arrays) -> tuple[Any, Any]:
         with while_gathered():
             return layer(carry, jax.tree.unflatten(treedef, whole))
 
-    checkpointed = jax.checkpoint(run, policy=policy, prevent_cse=False)
-    pullbacks = _Pullbacks(checkpointed)
-
-    def forward(carry: Any, shards: Arrays, with_residuals: bool) -> tuple[Any, Any]:
-        def layer_shards(i: jax.Array | int) -> Arrays:
-            return [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in shards]
-
-        def step(state: tuple, i: jax.Array) -> tuple[tuple, tuple]:
-            carry, whole = state
-            upcoming = gather(layer_shards(i + 1))  # nothing in this iteration waits for it
-            if with_residuals:
-                carry, y, kept = pullbacks.forward("loop", carry, whole)
-            else:
-                (carry, y), kept = checkpointed(carry, whole), None
-            return (carry, upcoming), (y, kept)
-
-        start = (carry, gather(layer_shards(0)))
-        (carry, whole), (ys, kept) = lax.scan(step, start, jnp.arange(n_layers - 1))
-        if with_residuals:
-            carry, y_last, kept_last = pullbacks.forward("last", carry, whole)
-        else:
-            (carry, y_last), kept_last = checkpointed(carry, whole), None
-        ys = jax.tree.map(lambda many, last: jnp.concatenate([many, last[None]]), ys, y_last)
-        return (carry, ys), (kept, kept_last, whole, shards)
-
-    def backward(residuals: tuple, cotangents: tuple) -> tuple[Any, Any]:
-        kept, kept_last, whole_last, shards = residuals
-        d_carry, d_ys = cotangents
-
-        def layer_shards(i: jax.Array | int) -> Arrays:
-            return [lax.dynamic_index_in_dim(s, i, keepdims=False) for s in shards]
-
-        def d_y(i: jax.Array | int) -> Any:
-            return jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, i, keepdims=False), d_ys)
-
-        def kept_of(i: jax.Array | int) -> Any:
-            return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, keepdims=False), kept)
-
-        last = n_layers - 1
-        upcoming = gather(layer_shards(last - 1))
-        d_carry, d_last = pullbacks.backward(
-            "last", kept_last, whole_last, (d_carry, d_y(last)), layer_shards(last), gather
-        )
-
-        def step(state: tuple, i: jax.Array) -> tuple[tuple, Arrays]:  # layers L-2 .. 1
-            d_carry, whole = state
-            upcoming = gather(layer_shards(i - 1))
-            d_carry, d_shards = pullbacks.backward(
-                "loop", kept_of(i), whole, (d_carry, d_y(i)), layer_shards(i), gather
-            )
-            return (d_carry, upcoming), d_shards
-
-        middle = jnp.arange(1, last)
-        (d_carry, whole), d_middle = lax.scan(step, (d_carry, upcoming), middle, reverse=True)
-        d_carry, d_first = pullbacks.backward(
-            "loop", kept_of(0), whole, (d_carry, d_y(0)), layer_shards(0), gather
-        )
-        d_shards = [
-            jnp.concatenate([first[None], many, final[None]])
-            for first, many, final in zip(d_first, d_middle, d_last, strict=True)
-        ]
-        return d_carry, jax.tree.unflatten(treedef, d_shards)
+    plan = _Plan(gather, _Pullbacks(jax.checkpoint(run, policy=policy, prevent_cse=False)))
 
     @jax.custom_vjp
     def scan(carry: Any, stacked: Any) -> tuple[Any, Any]:
-        return forward(carry, jax.tree.leaves(stacked), with_residuals=False)[0]
+        return _forward(plan, carry, jax.tree.leaves(stacked), with_residuals=False)[0]
 
     def scan_fwd(carry: Any, stacked: Any) -> tuple[tuple, tuple]:
-        return forward(carry, jax.tree.leaves(stacked), with_residuals=True)
+        return _forward(plan, carry, jax.tree.leaves(stacked), with_residuals=True)
 
-    scan.defvjp(scan_fwd, backward)
+    def scan_bwd(residuals: tuple, cotangents: tuple) -> tuple[Any, Any]:
+        d_carry, d_shards = _backward(plan, residuals, cotangents)
+        return d_carry, jax.tree.unflatten(treedef, d_shards)
+
+    scan.defvjp(scan_fwd, scan_bwd)
     return scan(carry, stacked)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    gather: Callable[[Arrays], Arrays]  # one layer's shards -> its whole params
+    pullbacks: _Pullbacks  # the layer's vjp, residuals kept without its gathered params
+
+
+def _at(tree: Any, i: jax.Array | int) -> Any:
+    """Slice i of every leaf's leading (layers) dim."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _forward(plan: _Plan, carry: Any, shards: Arrays, with_residuals: bool) -> tuple:
+    """((final carry, stacked ys), residuals): layers 0 .. L-2 in a scan whose iteration i
+    first gathers layer i+1's params, then runs layer i on the params it carries in; the
+    last layer after it. Residuals: the kept ones of layers 0 .. L-2 (stacked) and of the
+    last, its whole params, and the shards."""
+    n_layers = shards[0].shape[0]
+
+    def step(state: tuple, i: jax.Array) -> tuple[tuple, tuple]:
+        carry, whole = state
+        upcoming = plan.gather(_at(shards, i + 1))  # nothing in this iteration waits for it
+        carry, y, kept = plan.pullbacks.forward("loop", carry, whole, with_residuals)
+        return (carry, upcoming), (y, kept)
+
+    start = (carry, plan.gather(_at(shards, 0)))
+    (carry, whole), (ys, kept) = lax.scan(step, start, jnp.arange(n_layers - 1))
+    carry, y_last, kept_last = plan.pullbacks.forward("last", carry, whole, with_residuals)
+    ys = jax.tree.map(lambda many, last: jnp.concatenate([many, last[None]]), ys, y_last)
+    return (carry, ys), (kept, kept_last, whole, shards)
+
+
+def _backward(plan: _Plan, residuals: tuple, cotangents: tuple) -> tuple[Any, Arrays]:
+    """(the carry's cotangent, the shards' cotangents): the last layer first on its kept whole
+    params, then layers L-2 .. 1 in a reverse scan whose iteration i first gathers layer i-1's
+    params, then layer 0 on the params the scan hands over."""
+    kept, kept_last, whole_last, shards = residuals
+    d_carry, d_ys = cotangents
+    last = shards[0].shape[0] - 1
+
+    def layer_grads(site: str, i: Any, res: Any, whole: Arrays, d_carry: Any) -> tuple:
+        cotangent = (d_carry, _at(d_ys, i))
+        return plan.pullbacks.backward(site, res, whole, cotangent, _at(shards, i), plan.gather)
+
+    upcoming = plan.gather(_at(shards, last - 1))
+    d_carry, d_last = layer_grads("last", last, kept_last, whole_last, d_carry)
+
+    def step(state: tuple, i: jax.Array) -> tuple[tuple, Arrays]:
+        d_carry, whole = state
+        upcoming = plan.gather(_at(shards, i - 1))
+        d_carry, d_shards = layer_grads("loop", i, _at(kept, i), whole, d_carry)
+        return (d_carry, upcoming), d_shards
+
+    middle = jnp.arange(1, last)
+    (d_carry, whole), d_middle = lax.scan(step, (d_carry, upcoming), middle, reverse=True)
+    d_carry, d_first = layer_grads("loop", 0, _at(kept, 0), whole, d_carry)
+    d_shards = [
+        jnp.concatenate([first[None], many, final[None]])
+        for first, many, final in zip(d_first, d_middle, d_last, strict=True)
+    ]
+    return d_carry, d_shards
 
 
 class _Pullbacks:
@@ -190,8 +195,13 @@ class _Pullbacks:
         self.checkpointed = checkpointed
         self.layout: dict[str, tuple] = {}
 
-    def forward(self, site: str, carry: Any, whole: Arrays) -> tuple[Any, Any, Arrays]:
-        """(carry, y, the residuals to keep) of one layer on its whole params."""
+    def forward(
+        self, site: str, carry: Any, whole: Arrays, with_residuals: bool = True
+    ) -> tuple[Any, Any, Arrays | None]:
+        """(carry, y, the residuals to keep; None without residuals) of one layer on its whole
+        params."""
+        if not with_residuals:
+            return (*self.checkpointed(carry, whole), None)
         (carry, y), pullback = jax.vjp(self.checkpointed, carry, whole)
         leaves, tree = jax.tree.flatten(pullback)
         slots = [next((j for j, w in enumerate(whole) if leaf is w), -1) for leaf in leaves]
