@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.estimate import experts as experts_math
-from spmd.estimate import hlo
+from spmd.estimate import hlo, long_sequence
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
 
@@ -124,9 +124,9 @@ def report(
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
     expected = collectives(program, model, global_batch, seq_len)
     if pipeline is not None:
-        expected["collective-permute"] = pipeline_sends(
-            program, model, pipeline, global_batch, seq_len
-        )
+        stage = pipeline_sends(program, model, pipeline, global_batch, seq_len)
+        ring = pipelined_ring_sends(program, model, pipeline, global_batch, seq_len)
+        expected["collective-permute"] = {k: stage[k] + ring[k] for k in stage}
     text = format_comparison(
         measured, expected, hlo.memory(compiled), memory(program, global_batch, seq_len)
     )
@@ -160,13 +160,19 @@ def pipeline_sends(
     program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the schedule's messages per device per step: each tick every
-    stage sends one micro-batch's activations [rows, length, embed] forward and their gradient
-    backward (a `ppermute` each way)."""
-    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
+    stage sends one micro-batch's residual activations [rows, length, embed] forward and their
+    gradient backward (a `ppermute` each way); the length is split over cp, and over tp too
+    under sequence parallelism."""
+    layout = program.layout
+    rows = global_batch // (layout.data_parallel * pipeline["microbatches"])
+    sp = getattr(layout, "sequence_parallel", False)
+    split = layout.mesh.shape["context"] * long_sequence.residual_split(
+        layout.mesh.shape["tensor"], sp
+    )
     count = 2 * pipeline["ticks"]
     return {
         "count": count,
-        "bytes": count * rows * seq_len * model.embed_dim * model.activation_bytes,
+        "bytes": count * rows * seq_len // split * model.embed_dim * model.activation_bytes,
     }
 
 
@@ -267,14 +273,39 @@ def ring_sends(
     """(count, bytes per device) of ring attention's collective-permutes in one step: per
     layer and micro-batch cp−1 sends of the local key block and of the value block in the
     forward, the same of their gradients in the backward, and with remat the forward's again
-    (the backward replays it)."""
+    (the backward replays it). spmd.estimate.long_sequence holds the formula."""
     context, tensor = mesh.shape["context"], mesh.shape["tensor"]
     rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
-    kv_heads = max(model.n_kv_heads // tensor, 1)  # replicated when tp > kv heads
-    block = rows * (seq_len // context) * kv_heads * model.head_dim * model.activation_bytes
-    passes = 3 if model.remat else 2  # forward, backward (+ the replayed forward)
-    sends = accum * model.n_layers * 2 * passes * (context - 1)  # k and v per pass
-    return sends, sends * block
+    block = long_sequence.kv_block_bytes(
+        model, rows, seq_len, context, tensor, model.activation_bytes
+    )
+    passes = long_sequence.ring_passes(model.remat, pipelined=False)
+    sends = long_sequence.ring_sends(context, model.n_layers, passes, accum)
+    return sends, round(sends * block)
+
+
+def pipelined_ring_sends(
+    program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
+) -> dict[str, int]:
+    """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
+    pipeline schedule (`pipeline`: its summary), as the compiled loop holds them: every tick
+    a forward slot (one pass over a chunk of layers) and a backward slot (the recomputed
+    forward, the backward, + a remat replay), each counted once per tick as spmd.estimate.hlo
+    counts ops inside a loop. The stages run their slots in lockstep
+    (spmd.parallel.pipeline_stage), so a slot executes in each tick where some stage has one:
+    what a stage sends while idle rides the bubble."""
+    mesh = program.layout.mesh
+    context = mesh.shape["context"]
+    if context == 1:
+        return {"count": 0, "bytes": 0}
+    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
+    chunk = model.n_layers // (pipeline["stages"] * pipeline["virtual"])
+    block = long_sequence.kv_block_bytes(
+        model, rows, seq_len, context, mesh.shape["tensor"], model.activation_bytes
+    )
+    passes = long_sequence.ring_passes(model.remat, pipelined=True)
+    sends = long_sequence.ring_sends(context, chunk, passes, pipeline["ticks"])
+    return {"count": sends, "bytes": round(sends * block)}
 
 
 def _tensor_parallel(
