@@ -11,6 +11,7 @@ from models import llama
 from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
+from spmd.estimate import long_sequence
 from spmd.observe import profile
 
 
@@ -143,20 +144,9 @@ def check_sequence_split(
             f"cp={context} with --document-mask: ring attention does not mask documents yet; "
             f"use --document-mask off or cp=1"
         )
-    if context > 1 and seq_len % (2 * context):
-        raise UsageError(
-            f"--seq-len {seq_len} must be a multiple of 2 x cp = {2 * context}: context "
-            f"parallelism gives each device 2 of {2 * context} equal chunks"
-        )
-    if not sequence_parallel:
-        return
-    if tensor == 1:
-        raise UsageError("--sequence-parallel splits the length over tensor: it needs tp > 1")
-    if seq_len % (tensor * context):
-        raise UsageError(
-            f"--seq-len {seq_len} must be a multiple of tp x cp = {tensor * context} under "
-            f"--sequence-parallel"
-        )
+    split = long_sequence.split_error(seq_len, context, tensor, sequence_parallel)
+    if split:
+        raise UsageError(split)
 
 
 def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:

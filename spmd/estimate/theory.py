@@ -270,10 +270,8 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
 def ring_sends(
     model: Transformer, mesh: Any, accum: int, global_batch: int, seq_len: int
 ) -> tuple[int, int]:
-    """(count, bytes per device) of ring attention's collective-permutes in one step: per
-    layer and micro-batch cp−1 sends of the local key block and of the value block in the
-    forward, the same of their gradients in the backward, and with remat the forward's again
-    (the backward replays it). spmd.estimate.long_sequence holds the formula."""
+    """(count, bytes per device) of ring attention's collective-permutes in one step
+    (spmd.estimate.long_sequence: per layer, pass and micro-batch 2(cp − 1) blocks)."""
     context, tensor = mesh.shape["context"], mesh.shape["tensor"]
     rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
     block = long_sequence.kv_block_bytes(
@@ -288,12 +286,10 @@ def pipelined_ring_sends(
     program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
-    pipeline schedule (`pipeline`: its summary), as the compiled loop holds them: every tick
-    a forward slot (one pass over a chunk of layers) and a backward slot (the recomputed
-    forward, the backward, + a remat replay), each counted once per tick as spmd.estimate.hlo
-    counts ops inside a loop. The stages run their slots in lockstep
-    (spmd.parallel.pipeline_stage), so a slot executes in each tick where some stage has one:
-    what a stage sends while idle rides the bubble."""
+    pipeline schedule (`pipeline`: its summary) as spmd.estimate.hlo counts them: per tick a
+    forward slot (one pass over a chunk) and a backward slot (the recomputed forward, the
+    backward, + a remat replay). Stages run slots in lockstep (spmd.parallel.pipeline_stage),
+    so one executes wherever some stage has work: an idle stage's sends ride the bubble."""
     mesh = program.layout.mesh
     context = mesh.shape["context"]
     if context == 1:
@@ -327,37 +323,17 @@ def _tensor_parallel(
     calls = accum * (per_layer * model.n_layers + 2)
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
-    if sequence_parallel:
-        for kind, nbytes in (("all-gather", activation), ("reduce-scatter", activation // tensor)):
-            out[kind]["count"] += calls
-            out[kind]["bytes"] += calls * nbytes
-        norms = 2 * model.n_layers + 1  # norm weights: their grads summed over tensor
-        out["all-reduce"]["count"] += accum * norms
-        out["all-reduce"]["bytes"] += accum * norms * embed * 4
-    else:
-        out["all-reduce"]["count"] += calls
-        out["all-reduce"]["bytes"] += calls * activation
-    out["all-reduce"]["count"] += 3 * accum
-    out["all-reduce"]["bytes"] += 3 * accum * tokens * 4
+    norms = (2 * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
+    traffic = long_sequence.tensor_traffic(
+        activation, calls, accum, tokens, norms, tensor, sequence_parallel
+    )
+    for kind, nbytes, count, _ in traffic:
+        out[kind]["count"] += count
+        out[kind]["bytes"] += count * nbytes
     if tensor > model.n_kv_heads:  # replicated kv heads: their grads are summed per layer
         kv_bytes = 2 * embed * model.n_kv_heads * model.head_dim * 4
         out["all-reduce"]["count"] += 2 * accum * model.n_layers
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
-
-
-def layer_activation_bytes(
-    model: Transformer, mlp_dim: int, tokens: int, seq_len: int, tensor: int, split: int = 1
-) -> int:
-    """Bytes one layer keeps for its backward pass (no remat) on one device holding `tokens`
-    tokens of sequences `seq_len` long, Korthikanti et al.'s count for this Llama block: the
-    residual-stream tensors (block input, normed input, mid-block residual, normed again: 4
-    x embed per token, plus 2 norm statistics) are replicated over `tensor` unless `split`
-    (tp under sequence parallelism) divides them; q, k, v, the attention probabilities and
-    output, and the 3 MLP hidden tensors are split over `tensor`."""
-    residual = (4 * model.embed_dim + 2) / split
-    heads = (2 * model.n_heads + 2 * model.n_kv_heads) * model.head_dim
-    tensor_split = (heads + model.n_heads * seq_len + 3 * mlp_dim) / tensor
-    return int(tokens * (residual + tensor_split) * model.activation_bytes)
 
 
 def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:
