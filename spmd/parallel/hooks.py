@@ -19,7 +19,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
-load-balanced order with `split_sequences`.
+load-balanced order with `split_sequences` (inside a pipeline stage manual over `context`,
+`manual_context`, each device keeps its own chunks as under the explicit executor).
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -238,7 +239,7 @@ def _context() -> tuple[jax.sharding.Mesh | None, str | None, int, bool]:
 
 
 def context_ways() -> int:
-    """How many ways the traced layout splits each sequence (context parallelism; 1: none)."""
+    """Ways the traced layout splits each sequence (context parallelism; 1: none)."""
     return _context()[2]
 
 
