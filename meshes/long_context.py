@@ -6,9 +6,12 @@ Collectives per step, per micro-batch: per layer, N−1 collective-permutes of t
 key block and of its value block [batch, length/N, kv_heads, head_dim] in the forward and as
 many of their gradients in the backward: 4(N−1)L * k sends of KV = A_kv/N bytes each, where
 A_kv is one layer's keys (or values) for the whole sequence; plus one all-reduce of the
-gradients (P) over context, as DDP does over data. Activation memory: 1/N of the tokens per
-device, and the attention probabilities of 1/(2N) of the causal square. Params and optimizer
-state replicated (combine with fsdp=, tp= for those).
+gradients (P) over context, as DDP does over data. With --remat the backward replays the
+forward's sends (6(N−1)L * k); inside a pipeline each backward slot recomputes its chunk's
+(spmd.estimate.theory.pipelined_ring_sends). Activation memory: 1/N of the tokens per device,
+and of the attention probabilities (N + 1)/(2N²) of the t x t square (its own 2c x 2c block
+and N−1 visiting 2c x c blocks, c = t/2N). Params and optimizer state replicated (combine with
+fsdp=, tp=, pp= for those; `python -m spmd.plan --mesh cp=N` plans it).
 """
 
 from meshes.preset import Preset

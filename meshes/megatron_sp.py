@@ -7,9 +7,10 @@ activation A becomes an all-gather of A (into a column-parallel matmul) and a re
 to A/N (out of a row-parallel one): the same bytes on the wire (a ring all-reduce is a
 reduce-scatter then an all-gather), no all-reduce of activations left. The norm weights see
 1/N of the tokens per device, so their gradients are all-reduced over tensor (2L + 1 vectors
-of embed). The residual stream's activation memory is 1/N per device. Explicit: exactly these
-(tiny, tp=4: 18 all-gathers of 128 KiB and 18 reduce-scatters of 32 KiB). Auto (XLA:CPU):
-same loss, but the partitioner keeps some all-reduces and adds all-to-alls.
+of embed). The residual stream's activation memory is 1/N per device (pipelines pass 1/N of
+it between stages). Explicit: exactly these (tiny, tp=4: 18 all-gathers of 128 KiB and 18
+reduce-scatters of 32 KiB). Auto (XLA:CPU): same loss, but the partitioner keeps some
+all-reduces and adds all-to-alls. `python -m spmd.plan --sequence-parallel` plans it.
 """
 
 from meshes.preset import Preset

@@ -11,6 +11,7 @@ from models import llama
 from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
+from spmd.estimate import long_sequence
 from spmd.observe import profile
 
 
@@ -130,9 +131,8 @@ def check_sequence_split(
     document_mask: bool = False,
 ) -> None:
     """UsageError when the mesh cannot split --seq-len: context parallelism cuts it in
-    2·cp chunks; --sequence-parallel needs tp > 1, no pipeline, and each device's length a
-    multiple of tp. Neither composes with pp > 1 or an MoE model yet, and the ring does not
-    mask documents."""
+    2·cp chunks; --sequence-parallel needs tp > 1 and each device's length a multiple of tp.
+    Neither composes with an MoE model yet, and the ring does not mask documents."""
     context, tensor = sizes.get("context", 1), sizes.get("tensor", 1)
     if moe and (context > 1 or sequence_parallel):
         raise UsageError(
@@ -144,24 +144,9 @@ def check_sequence_split(
             f"cp={context} with --document-mask: ring attention does not mask documents yet; "
             f"use --document-mask off or cp=1"
         )
-    if context > 1 and seq_len % (2 * context):
-        raise UsageError(
-            f"--seq-len {seq_len} must be a multiple of 2 x cp = {2 * context}: context "
-            f"parallelism gives each device 2 of {2 * context} equal chunks"
-        )
-    if context > 1 and sizes.get("pipeline", 1) > 1:
-        raise UsageError("cp > 1 does not compose with pp > 1 yet; use pp=1")
-    if not sequence_parallel:
-        return
-    if tensor == 1:
-        raise UsageError("--sequence-parallel splits the length over tensor: it needs tp > 1")
-    if sizes.get("pipeline", 1) > 1:
-        raise UsageError("--sequence-parallel does not compose with pp > 1 yet; use pp=1")
-    if seq_len % (tensor * context):
-        raise UsageError(
-            f"--seq-len {seq_len} must be a multiple of tp x cp = {tensor * context} under "
-            f"--sequence-parallel"
-        )
+    split = long_sequence.split_error(seq_len, context, tensor, sequence_parallel)
+    if split:
+        raise UsageError(split)
 
 
 def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:

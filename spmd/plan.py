@@ -84,7 +84,7 @@ SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig, "plan": PLAN_SECTION}
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
-TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives")
+TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
@@ -109,9 +109,10 @@ HELP = {
     "tflops": "sustained TFLOP/s per device, for the compute time",
     "overlap": "share (0-1) of the data-parallel collectives (gradient reductions, ZeRO "
     "gathers) that runs behind compute; tensor and pipeline traffic never hides",
-    "recommend": "search mesh (dp, fsdp, tp, pp), ZeRO stage, micro-batch and accum, remat and "
-    "pipeline schedule for the fastest step that fits; --mesh axes, --zero, --remat and "
-    "--pp-schedule given alongside are held fixed",
+    "recommend": "search mesh (dp, fsdp, tp, pp; cp when nothing fits without), ZeRO stage, "
+    "sequence parallelism, micro-batch and accum, remat and pipeline schedule for the fastest "
+    "step that fits; --mesh axes, --zero, --remat, --sequence-parallel and --pp-schedule given "
+    "alongside are held fixed",
     "measure": "compile the real train step on simulated CPU devices; show analytic vs compiled",
     "plot": "write a PNG: memory per device by role for ZeRO 0-3 and the layout, and where "
     "the step time goes",
@@ -286,6 +287,7 @@ def _base(shape: Any, n_params: float, train: TrainConfig, model_cfg: Any, plan:
         microbatches=1,
         virtual=train.pp_virtual,
         sync_every=train.sync_every if train.dcn_sync == "diloco" else 0,
+        sequence_parallel=train.sequence_parallel,
     )
 
 
@@ -344,6 +346,7 @@ def _recommend(
         remat=base.remat if "--remat" in {a.split("=")[0] for a in argv} else None,
         schedule=base.schedule if "pp_schedule" in given else None,
         virtual=base.virtual if "pp_virtual" in given else None,
+        sequence_parallel=base.sequence_parallel if "sequence_parallel" in given else None,
     )
     base = dataclasses.replace(base, mesh={**base.mesh, "data": devices})
     return recommend.recommend(base, space, cluster)
@@ -372,6 +375,7 @@ def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
         lambda seed, dtype: moe.create(built, seed, dtype),  # llama.create without experts
         moe.lm_loss,
         train,
+        executor=train.collectives,
         **build_kwargs,
     )
 

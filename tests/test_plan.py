@@ -20,7 +20,17 @@ from models import llama, moe
 from spmd import config, plan, train
 from spmd.config import TrainConfig
 from spmd.engine.state_layout import sharded_bytes
-from spmd.estimate import cost, measure, memory, plot, search, shape, theory, timing
+from spmd.estimate import (
+    cost,
+    measure,
+    memory,
+    pipeline_figures,
+    plot,
+    search,
+    shape,
+    theory,
+    timing,
+)
 from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
@@ -96,7 +106,7 @@ def test_communication_volume_per_layout():
     tables = cost.params_per_device(setup_2b(), fsdp_shards=False, layers=False) * 4
     assert sent(setup_2b(zero=3)) == pytest.approx(1.5 * ddp - 7 / 8 * tables)
     tp = setup_2b(mesh={"data": 2, "pipeline": 1, "fsdp": 1, "tensor": 4}, zero=0, accum=2)
-    (activations,) = [c for c in cost.collectives(tp) if c.axes == ("tensor",)]
+    (activations,) = [c for c in cost.collectives(tp) if c.purpose == "activations"]
     layers = tp.shape.n_layers
     assert activations.count == 2 * (4 * layers + 2)  # per micro-batch: 4 per block + 2
     assert activations.bytes == 2 * 128 * tp.shape.embed_dim * 4  # micro-batch 2 x seq x embed
@@ -135,7 +145,7 @@ def test_step_time_counts_recomputation_bubble_and_what_overlap_hides():
     big = dataclasses.replace(s, batch=512, seq_len=2048)
     comms = {c.purpose: cost.comm_time(big, c, net) for c in cost.collectives(big)}
     hidden = timing.step_time(big, net, 400e12, overlap=1.0)  # the gradients hide entirely
-    assert hidden["exposed"] == pytest.approx(comms["activations"])
+    assert hidden["exposed"] == pytest.approx(comms["activations"] + comms["cross-entropy sums"])
     piped = setup_2b(
         mesh={"data": 1, "pipeline": 4, "fsdp": 1, "tensor": 1}, zero=0, microbatches=8
     )
@@ -187,9 +197,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_state_bytes_agree_with_the_engine_across_layouts(preset):
     """Analytic params + optimizer state per device vs the shardings the engine's jitted step
-    takes its state in (its explicit in_shardings, which
-    spmd.engine.state_layout.state_bytes_per_device reads back from the compiled step;
-    test_measure_compiles checks that they agree)."""
+    takes its state in (its explicit in_shardings, which spmd.engine.step.state_bytes_per_device
+    reads back from the compiled step; test_measure_compiles checks that they agree)."""
     shape = config.build(llama.LlamaConfig, config.preset(preset), preset)
     from spmd.parallel.mesh import parse_mesh
 
@@ -244,9 +253,10 @@ def test_recommend_fits_first_and_keeps_tp_in_a_node(capsys):
     assert all(c.setup.mesh["tensor"] <= 4 for c in every)
     assert {c.setup.remat for c in every} == set(cost.REMATS)
     fitting = [c for c in every if c.memory["fits"]]
-    assert out["step_time_s"] == pytest.approx(min(c.step_s for c in fitting), rel=1e-3)
+    # ... up to the search's ties (equal to 3 significant digits go to the simpler layout)
+    assert out["step_time_s"] == pytest.approx(min(c.step_s for c in fitting), rel=5e-3)
     assert rec["runner_ups"] and all(
-        r["step_time_s"] >= out["step_time_s"] * (1 - 1e-3) for r in rec["runner_ups"]
+        r["step_time_s"] >= out["step_time_s"] * (1 - 5e-3) for r in rec["runner_ups"]
     )
 
 
@@ -433,17 +443,24 @@ def test_175b_on_1024_gpus_is_tp_in_nodes_pipeline_across_and_data_parallel_over
     assert out["pipeline"]["bubble_share"] <= 0.10
     assert mesh["data"] * mesh["fsdp"] > 1
     # Megatron-LM's published GPT-3 175B layout (examples/gpt3/train_gpt3_175b_distributed.sh:
-    # tp 8, pp 16, micro-batch 1, batch 1536 of 2048 tokens, no optimizer sharding) fits, and
-    # the search's choice at that batch is at least as fast.
+    # tp 8, pp 16, micro-batch 1, batch 1536 of 2048 tokens, no optimizer sharding, no
+    # sequence parallelism) fits, and the search's choice at that batch without SP is at
+    # least as fast; with SP it is faster still.
     batch = ("--batch", "1536", "--seq-len", "2048")
     megatron = planned(
         "--params", "175e9", "--devices", "1024", "--hbm", "80", *batch,
         "--mesh", "dp=8,pp=16,tp=8", "--zero", "0", "--pp-schedule", "1f1b", "--microbatches",
         "192",
     )  # fmt: skip
-    ours = planned("--params", "175e9", "--devices", "1024", "--hbm", "80", *batch, "--recommend")
+    ours = planned(
+        "--params", "175e9", "--devices", "1024", "--hbm", "80", *batch, "--recommend",
+        "--sequence-parallel", "false",
+    )  # fmt: skip
     assert megatron["fits"] and megatron["pipeline"]["bubble_share"] < 0.08
     assert ours["step_time_s"] <= megatron["step_time_s"] <= 1.1 * ours["step_time_s"]
+    with_sp = planned("--params", "175e9", "--devices", "1024", "--hbm", "80", *batch,
+                      "--recommend")  # fmt: skip
+    assert with_sp["step_time_s"] <= ours["step_time_s"]
 
 
 def test_the_train_command_runs_the_recommended_layout():
@@ -471,9 +488,9 @@ def test_pipeline_figures_match_the_tick_tables(schedule, virtual):
             schedule=schedule, microbatches=microbatches, virtual=virtual, batch=microbatches,
         )  # fmt: skip
         cost.check_setup(s)
-        assert cost.pipeline_ticks(s) == table.ticks
-        assert cost.stashed_inputs(s) == table.stash_slots + table.inbox_slots
-        assert cost.bubble_share(s) == table.summary()["bubble_theory"]
+        assert pipeline_figures.pipeline_ticks(s) == table.ticks
+        assert pipeline_figures.stashed_inputs(s) == table.stash_slots + table.inbox_slots
+        assert pipeline_figures.bubble_share(s) == table.summary()["bubble_theory"]
 
 
 def test_plot_draws_memory_by_role_and_the_step_time(tmp_path):
@@ -577,3 +594,90 @@ def test_moe_executed_flops_match_the_compiled_dots():
     dots = hlo_dot_flops(program.compile_train_step(16, 32)) * s.devices
     assert timing.executed_flops(s) == pytest.approx(dots, rel=0.01)
     assert dots / timing.model_flops(s) > 1.8
+
+
+# --- long sequences: context parallelism (cp) and sequence parallelism (SP) ------------------
+
+
+def tiny_setup(mesh: str, **changes) -> cost.Setup:
+    cfg = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
+    sizes = {**dict.fromkeys(MESH_AXES, 1), **parse_mesh(mesh)}
+    values = dict(shape=cfg, n_params=cfg.n_params(), mesh=sizes, zero=1, precision="fp32",
+                  optimizer="adamw", batch=8, seq_len=1024)  # fmt: skip
+    return cost.Setup(**{**values, **changes})
+
+
+def test_context_parallel_splits_activations_and_sends_theorys_ring():
+    """cp=4 holds 1/4 of every token-linear activation and (cp + 1)/(2 cp²) of the attention
+    probabilities (the load-balanced ring), and adds the ring's collective-permutes, the same
+    figure as spmd.estimate.theory (which tests/test_context_parallel.py checks against
+    compiled HLO): 2 (k, v) x (cp - 1) per layer, forward and backward, of [8, 256, 4, 8]."""
+    one, cp4 = tiny_setup("dp=1"), tiny_setup("cp=4")
+    ratio = memory.activation_bytes(cp4) / memory.activation_bytes(one)
+    assert 0.15 < ratio < 0.25  # 0.18 here; compiled temp 0.17 (test_context_parallel)
+    (ring,) = [c for c in cost.collectives(cp4) if c.kind == "collective-permute"]
+    layers = cp4.shape.n_layers
+    assert (ring.count, ring.bytes) == (2 * 2 * 3 * layers, 8 * 256 * 4 * 8 * 4)
+    model = theory.shape_of(cp4.shape, "float32")
+    count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024)
+    assert (count, nbytes) == (ring.count, ring.count * ring.bytes)
+    (grads,) = [c for c in cost.collectives(cp4) if c.purpose == "gradients"]
+    assert (grads.axes, grads.group) == (("context",), 4)  # averaged over context too
+    remat = dataclasses.replace(cp4, remat="full")  # the backward replays the forward's ring
+    (replayed,) = [c for c in cost.collectives(remat) if c.kind == "collective-permute"]
+    assert replayed.count == ring.count * 3 // 2
+    out = planned("--model", "tiny", "--mesh", "cp=4", "--batch", "8", "--seq-len", "1024",
+                  "--precision", "fp32")  # fmt: skip
+    x = out["long_sequence"]
+    assert (x["context"], x["tokens_per_device"]) == (4, 256)
+    assert x["ring_bytes_per_layer"] == ring.count * ring.bytes // layers
+    assert x["activation_bytes_unsplit"] == round(memory.activation_bytes(one))
+
+
+def test_sequence_parallel_moves_the_all_reduces_bytes_and_keeps_less():
+    tp = tiny_setup("tp=4", batch=16, seq_len=64)
+    sp = dataclasses.replace(tp, sequence_parallel=True)
+
+    def wire(s: cost.Setup, kinds: set) -> float:
+        return sum(cost.wire_bytes(c) * c.count for c in cost.collectives(s) if c.kind in kinds)
+
+    kinds = {c.kind for c in cost.collectives(sp) if c.purpose == "activations (SP)"}
+    assert kinds == {"all-gather", "reduce-scatter"}
+    assert [c for c in cost.collectives(tp) if c.purpose == "activations"][0].kind == "all-reduce"
+    activations = wire(sp, kinds)
+    assert activations == pytest.approx(
+        sum(
+            cost.wire_bytes(c) * c.count for c in cost.collectives(tp) if c.purpose == "activations"
+        )
+    )
+    # the residual stream (4 x embed per token per layer, embedding output, final norm) / tp
+    saved = memory.activation_bytes(tp) - memory.activation_bytes(sp)
+    assert saved == (4 * tp.shape.n_layers + 2) * 16 * 64 * tp.shape.embed_dim * 4 * 3 / 4
+
+
+def test_measure_agrees_for_context_and_sequence_parallel():
+    """The compiled explicit step of cp=2,tp=2 with SP moves exactly the planned bytes: the
+    ring's collective-permutes, SP's all-gathers and reduce-scatters, the all-reduces (grads
+    over context, norm grads and the cross-entropy's sums over tensor)."""
+    out = planned("--model", "tiny", "--mesh", "cp=2,tp=2", "--sequence-parallel",
+                  "--collectives", "explicit", "--batch", "8", "--seq-len", "64",
+                  "--precision", "fp32", "--measure")  # fmt: skip
+    rows = out["measured"]["rows"]
+    kinds = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")
+    assert {k.split()[0] for k in rows if k.endswith("bytes/step")} == set(kinds)
+    for row in ("params", "master + optimizer state", *(f"{k} bytes/step" for k in kinds)):
+        assert rows[row]["ratio"] == pytest.approx(1.0, rel=0.01), row
+    assert out["sequence_parallel"] and out["measured"]["executor"] == "explicit"
+
+
+def test_recommend_picks_context_parallelism_where_nothing_fits_without_it():
+    args = ("--params", "1e9", "--devices", "8", "--seq-len", "131072", "--recommend")
+    without = planned(*args, "--mesh", "cp=1")
+    assert not without["fits"]
+    out = planned(*args)
+    assert out["fits"] and out["mesh"]["context"] > 1
+    assert out["long_sequence"]["tokens_per_device"] == 131072 // out["mesh"]["context"]
+    command = out["recommendation"]["train_command"]
+    assert f"cp={out['mesh']['context']}" in command.split("--mesh ")[1].split()[0]
+    assert any(line.startswith(f"cp={out['mesh']['context']}:") for line in
+               out["recommendation"]["reasons"])  # fmt: skip

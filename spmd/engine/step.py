@@ -270,15 +270,14 @@ def _losses(
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
 
-    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1:
+    pipelined = pipeline is not None and mesh.shape["pipeline"] > 1  # accumulates inside
+    if executor == "auto" and accum > 1 and mesh.shape["context"] > 1 and not pipelined:
         # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
         raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
-    if pipeline is None or mesh.shape["pipeline"] == 1:
+    if not pipelined:
         return _Losses(loss_of, None, accum)
     from spmd.parallel import pipeline as pp
 
-    if mesh.shape["context"] > 1 or layout.sequence_parallel:
-        raise UsageError("pp > 1 does not compose with cp > 1 or --sequence-parallel yet; use pp=1")
     pp.check_composition(executor, policy, pipeline)
     # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
     pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)

@@ -21,6 +21,8 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.estimate import experts as experts_math
+from spmd.estimate import long_sequence
+from spmd.estimate.pipeline_figures import pipeline_ticks
 from spmd.estimate.shape import EXPERT_AXES, param_groups, shape_params
 from spmd.parallel import schedules
 
@@ -69,6 +71,7 @@ class Setup:
     microbatches: int = 1  # pipeline micro-batches per accumulation micro-step (pp > 1)
     virtual: int = 1  # chunks per stage (interleaved)
     sync_every: int = 0  # --dcn-sync diloco: steps per round (0: gradients reduced every step)
+    sequence_parallel: bool = False  # Megatron-SP: the residual stream split over tensor too
 
     @property
     def devices(self) -> int:
@@ -92,6 +95,11 @@ class Setup:
         if self.zero or self.mesh["fsdp"] == 1:
             return self.mesh
         return {**self.mesh, "data": self.mesh["data"] * self.mesh["fsdp"], "fsdp": 1}
+
+    @property
+    def context(self) -> int:
+        """Ways each sequence is split (context parallelism; 1 without a context axis)."""
+        return self.mesh.get("context", 1)
 
     @property
     def pipelined(self) -> bool:
@@ -162,6 +170,11 @@ def check_setup(s: Setup) -> None:
         )
     if s.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {s.zero} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3")
+    split = long_sequence.split_error(s.seq_len, s.context, s.mesh["tensor"], s.sequence_parallel)
+    if split:
+        raise UsageError(split)
+    if getattr(s.shape, "n_experts", 0) and (s.context > 1 or s.sequence_parallel):
+        raise UsageError("an MoE model does not compose with cp > 1 or --sequence-parallel yet")
     pipeline = s.mesh["pipeline"]
     if s.pipelined:
         schedules.check_settings(s.schedule, pipeline, s.microbatches, s.virtual)
@@ -222,104 +235,90 @@ def params_per_device(
     )
 
 
-# --- the pipeline schedule ----------------------------------------------------------------
-
-
-def pipeline_ticks(s: Setup) -> int:
-    """Ticks of the schedule's table (spmd.parallel.schedules) for the step's M micro-batches
-    on p stages: gpipe 2(M + p - 1) - 1; 1f1b and interleaved v M + (v + 1) p - 2. 0 if pp = 1."""
-    p, m, v = s.mesh["pipeline"], s.micro_steps, s.virtual
-    if p == 1:
-        return 0
-    return 2 * (m + p - 1) - 1 if s.schedule == "gpipe" else v * m + (v + 1) * p - 2
-
-
-def stashed_inputs(s: Setup) -> int:
-    """Chunk inputs plus output gradients a stage holds at most (the table's stash and inbox
-    slots): gpipe M + M; 1f1b min(M, 2p - 1) + 1; interleaved min(v M, (v + 1) p - 1) + 1."""
-    p, m, v = s.mesh["pipeline"], s.micro_steps, s.virtual
-    if p == 1:
-        return 0
-    if s.schedule == "gpipe":
-        return 2 * m
-    return min(v * m, (v + 1) * p - 1) + 1
-
-
-def bubble_share(s: Setup) -> float:
-    """Textbook idle share of a pipelined step, (p - 1) / (M + p - 1) / v (0 without one)."""
-    p = s.mesh["pipeline"]
-    return schedules.bubble_fraction(p, s.micro_steps, s.virtual) if p > 1 else 0.0
-
-
 # --- communication ------------------------------------------------------------------------
 
 
 def collectives(s: Setup) -> list[Comm]:
-    """The collectives of one optimizer step in the textbook form of each layout.
+    """The collectives of one optimizer step in the textbook form of each layout: the
+    gradients' and params' (`state_collectives`), tensor parallelism's activation all-reduces
+    (SP's all-gathers and reduce-scatters instead) and context parallelism's ring sends
+    (spmd.estimate.long_sequence), an MoE's (`expert_collectives`) and a pipeline's.
 
-    With P the bytes of the gradients one device holds after the tp/pp split (in the
-    gradient dtype), W the same in the working-param dtype, F the fsdp size and n the
-    micro-batches per step: DDP and ZeRO-1 accumulate and all-reduce the gradients once per
-    step (spmd.engine.accumulate); ZeRO-2 and -3 reduce-scatter them (P/F per device) every
-    micro-batch, so no whole gradient is ever held; with a data axis beside fsdp the shards
-    are then all-reduced over data once. ZeRO-1 and -2 all-gather the updated params (W) once;
-    ZeRO-3 all-gathers each block's params before its forward and again for its backward
-    (and once more for the pipeline's recomputation), the embedding, head and final norm once.
-    Megatron tp all-reduces the [b, t, embed] activations A twice per block forward and twice
-    backward, once more when remat replays a block and twice more when the pipeline recomputes
-    it, plus two for the vocab-parallel embedding and head. Pipelines send A forward and its
-    gradient back every tick, all-reduce the embedding and head gradients (kept on every
-    stage) over pipeline once, and interleaved ones move v > 1 chunks of block params to their
-    stages and their gradients back each step.
+    Megatron tp all-reduces the [b, t / cp, embed] activations A twice per block forward and
+    twice backward, once more when remat replays a block and twice more when the pipeline
+    recomputes it, plus two for the vocab-parallel embedding and head. Pipelines send the
+    residual stream forward and its gradient back every tick, all-reduce the embedding and
+    head gradients (kept on every stage) over pipeline once, and interleaved ones move v > 1
+    chunks of block params to their stages and their gradients back each step.
     """
-    mesh, n, pipeline = s.mesh, s.micro_steps, s.mesh["pipeline"]
-    data, fsdp, tensor = mesh["data"], s.sharded_fsdp, mesh["tensor"]
-    local = params_per_device(s, fsdp_shards=False, experts=False)
-    blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
-    grads, weights = local * s.bytes_of("grads"), local * s.bytes_of("weights")
-    replicas = data * mesh.get("expert", 1)  # the expert axis replicates the other params
-    outer = tuple(a for a in ("data", "expert") if mesh.get(a, 1) > 1)
-    out = []
-    if fsdp == 1:
-        axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.get(a, 1) > 1)
-        if s.data_parallel > 1:
-            out.append(Comm("all-reduce", axes, s.data_parallel, grads, 1, "gradients", True))
-    else:
-        if s.zero == 1:
-            axes = (*outer[:1], "fsdp", *outer[1:])
-            out.append(Comm("all-reduce", axes, replicas * fsdp, grads, 1, "gradients", True))
-        else:
-            out.append(Comm("reduce-scatter", ("fsdp",), fsdp, grads / fsdp, n, "gradients", True))
-            if replicas > 1:
-                out.append(
-                    Comm("all-reduce", outer, replicas, grads / fsdp, 1, "grad shards", True)
-                )
-        if s.zero == 3:
-            uses = n * (2 + s.pipelined)
-            gathered = blocks * s.bytes_of("weights")
-            out.append(Comm("all-gather", ("fsdp",), fsdp, gathered, uses, "block params", True))
-            out.append(
-                Comm("all-gather", ("fsdp",), fsdp, weights - gathered, 1, "embed, head", True)
-            )
-        else:
-            out.append(Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params", True))
-    activation = s.micro_batch * s.seq_len * s.shape.embed_dim * s.bytes_of("compute")
+    n, pipeline, tensor = s.micro_steps, s.mesh["pipeline"], s.mesh["tensor"]
+    out = state_collectives(s)
+    tokens = s.micro_batch * s.seq_len / s.context  # per micro-batch and device
+    activation = tokens * s.shape.embed_dim * s.bytes_of("compute")
     stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
         per_block = 4 + (s.remat != "none") + 2 * s.pipelined
-        count = n * (per_block * stage_layers + 2)
-        out.append(Comm("all-reduce", ("tensor",), tensor, activation, count, "activations"))
+        calls = n * (per_block * stage_layers + 2)
+        norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
+        traffic = long_sequence.tensor_traffic(
+            activation, calls, n, tokens, (2 * stage_layers + 1, norm), tensor, s.sequence_parallel
+        )
+        out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
+    block, sends = long_sequence.ring_traffic(s)
+    if sends:
+        out.append(Comm("collective-permute", ("context",), s.context, block, sends, "ring k, v"))
     out += expert_collectives(s)
     if s.pipelined:
+        sent = activation / long_sequence.residual_split(tensor, s.sequence_parallel)
         sends = 2 * pipeline_ticks(s)
-        out.append(Comm("collective-permute", ("pipeline",), 2, activation, sends, "stage sends"))
+        out.append(Comm("collective-permute", ("pipeline",), 2, sent, sends, "stage sends"))
+        fsdp = s.sharded_fsdp
+        local = params_per_device(s, fsdp_shards=False, experts=False)
+        blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         tables = (local - blocks) * s.bytes_of("grads") / (fsdp if s.zero >= 2 else 1)
         out.append(Comm("all-reduce", ("pipeline",), pipeline, tables, 1, "embed, head grads"))
         if s.virtual > 1:
             moved = blocks * (pipeline - 1) / pipeline / (fsdp if s.zero == 3 else 1)
             per_param = s.bytes_of("weights") + s.bytes_of("grads")
             out.append(Comm("collective-permute", ("pipeline",), 2, moved * per_param, 1, "chunks"))
-    return diloco_collectives(s, out) if s.sync_every and data > 1 else out
+    return diloco_collectives(s, out) if s.sync_every and s.mesh["data"] > 1 else out
+
+
+def state_collectives(s: Setup) -> list[Comm]:
+    """The gradients' reduction and ZeRO's param gathers. With P the bytes of the gradients
+    one device holds after the tp/pp split (in the gradient dtype), W the same in the
+    working-param dtype, F the fsdp size and n the micro-batches per step: DDP and ZeRO-1
+    accumulate and all-reduce the gradients once per step (spmd.engine.accumulate); ZeRO-2
+    and -3 reduce-scatter them (P/F per device) every micro-batch, so no whole gradient is
+    ever held; with a data (expert, context) axis beside fsdp the shards are then all-reduced
+    over it once. ZeRO-1 and -2 all-gather the updated params (W) once; ZeRO-3 all-gathers
+    each block's params before its forward and again for its backward (and once more for the
+    pipeline's recomputation), the embedding, head and final norm once."""
+    mesh, n, fsdp = s.mesh, s.micro_steps, s.sharded_fsdp
+    local = params_per_device(s, fsdp_shards=False, experts=False)
+    blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
+    grads, weights = local * s.bytes_of("grads"), local * s.bytes_of("weights")
+    # the expert and context axes replicate the (other) params and average their gradients
+    replicas = mesh["data"] * mesh.get("expert", 1) * s.context
+    outer = tuple(a for a in ("data", "expert", "context") if mesh.get(a, 1) > 1)
+    if fsdp == 1:
+        axes = tuple(a for a in ("data", "fsdp", "expert", "context") if mesh.get(a, 1) > 1)
+        group = s.data_parallel * s.context
+        return [Comm("all-reduce", axes, group, grads, 1, "gradients", True)] if group > 1 else []
+    if s.zero == 1:
+        axes = (*outer[:1], "fsdp", *outer[1:])
+        out = [Comm("all-reduce", axes, replicas * fsdp, grads, 1, "gradients", True)]
+    else:
+        out = [Comm("reduce-scatter", ("fsdp",), fsdp, grads / fsdp, n, "gradients", True)]
+        if replicas > 1:
+            out.append(Comm("all-reduce", outer, replicas, grads / fsdp, 1, "grad shards", True))
+    if s.zero != 3:
+        return out + [Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params", True)]
+    gathered = blocks * s.bytes_of("weights")
+    return out + [
+        Comm("all-gather", ("fsdp",), fsdp, gathered, n * (2 + s.pipelined), "block params", True),
+        Comm("all-gather", ("fsdp",), fsdp, weights - gathered, 1, "embed, head", True),
+    ]
 
 
 def expert_collectives(s: Setup) -> list[Comm]:
@@ -389,9 +388,9 @@ def ring_time(kind: str, size: float, group: int, bandwidth: float, latency: flo
 
 def link_bandwidth(s: Setup, axes: tuple[str, ...], net: Network) -> float:
     """Bytes/s of a collective over `axes`: intra-node when the devices its group spans fit in
-    a node. Mesh axes are laid out data, pipeline, fsdp, expert, tensor (tensor innermost), so
-    a group spans the product of its outermost axis and every axis inside it."""
-    order = ("data", "pipeline", "fsdp", "expert", "tensor")
+    a node. Mesh axes are laid out data, pipeline, fsdp, expert, context, tensor (tensor
+    innermost), so a group spans the product of its outermost axis and every axis inside it."""
+    order = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
     outermost = min(order.index(a) for a in axes)
     span = math.prod(s.mesh.get(a, 1) for a in order[outermost:])
     return net.intra_bandwidth if span <= net.devices_per_node else net.inter_bandwidth

@@ -99,7 +99,7 @@ def build(
         lambda seed: make_model(seed, dtype),
         loss_fn,
         lambda names: make_optimizer(optimizer_cfg, names),
-        Layout(mesh, zero),
+        Layout(mesh, zero, s.sequence_parallel),
         seed=train.seed,
         accum=s.accum,
         policy=precision.get(s.precision),  # the dtypes `python -m spmd.train` would use
@@ -119,8 +119,8 @@ def measure(
     """Compile the train step of `make_model(seed, compute_dtype)` for layout `s` and compare.
 
     `s.n_params` must be the built model's parameter count (compare like with like).
-    `build_kwargs` go to spmd.engine.step.build_program (e.g. an executor, once it takes one);
-    `executor` says which one the step uses. XLA:CPU reports an auto-mode reduce-scatter as an
+    `build_kwargs` go to spmd.engine.step.build_program (e.g. a pipeline); `executor` is the
+    one the step uses. XLA:CPU reports an auto-mode reduce-scatter as an
     all-reduce of the whole buffer, so on CPU with the auto executor the analytic
     reduce-scatters are counted that way. Returns {"rows": {what: {"analytic", "compiled"
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
@@ -131,6 +131,7 @@ def measure(
 
     check_engine_can_build(s)
     devices = simulated_devices(s.devices)
+    build_kwargs["executor"] = executor
     program, mesh = build(s, make_model, loss_fn, train, devices, **build_kwargs)
     started = time.perf_counter()
     compiled = program.compile_train_step(s.batch, s.seq_len)
@@ -143,6 +144,8 @@ def measure(
         "master + optimizer state": (state["optimizer"], held["opt_state"]),
     }
     compiled_memory = hlo.memory(compiled)
+    if "temp" in compiled_memory:  # what activations and the step's buffers take
+        rows["activations vs compiled temp"] = (memory.activation_bytes(s), compiled_memory["temp"])
     if "peak_estimate" in compiled_memory:
         analytic_peak = state["model_state"] + memory.activation_bytes(s)
         rows["model state + activations"] = (analytic_peak, compiled_memory["peak_estimate"])

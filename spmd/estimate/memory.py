@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd.estimate import cost, experts
+from spmd.estimate import cost, experts, long_sequence, pipeline_figures
 
 ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
 SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
@@ -50,19 +50,23 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
 
 def _layer_elements(s: cost.Setup) -> dict[str, float]:
     """Elements one layer keeps for the backward pass on one device, per remat policy, for a
-    micro-batch of b sequences of length t (heads h, kv heads k, mlp width m divided by
-    tensor; embed e and head_dim d whole):
-      none: b*t*(4e + (h + 2k)*d + h*d + 4m) + b*h*t*t (block input, its two norms' inputs
+    micro-batch of b sequences of length t, of which a device holds T = b*t/cp tokens (context
+    parallelism; heads h, kv heads k, mlp width m divided by tensor; embed e and head_dim d
+    whole; r = tp under sequence parallelism, else 1):
+      none: T*(4e/r + (h + 2k)*d + h*d + 4m) + b*h*t*t (block input, its two norms' inputs
         and outputs; q, k, v; attention output; gate, up, silu(gate), their product; the
-        softmax probabilities of every head);
-      dots_saveable: b*t*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
-      full: b*t*e (the block input only).
+        softmax probabilities of every head: under cp the ring's 2c²(cp + 1) per head and
+        sequence, plus its visiting key / value blocks and partial outputs,
+        spmd.estimate.long_sequence);
+      dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
+      full: T*e/r (the block input only).
     An MoE block replaces 4m (2m) by its buffers: per token E x capacity / t slots of the
     dispatched input and expert output (2e), gate, up, silu, product (4m, m the expert width
     / tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
-    estimate: --measure does not check activations."""
-    shape, tensor = s.shape, s.mesh["tensor"]
+    estimate: --measure compares the compiled temp memory, not each term."""
+    shape, tensor, cp = s.shape, s.mesh["tensor"], s.context
     b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
+    tokens, r = b * t / cp, long_sequence.residual_split(tensor, s.sequence_parallel)
     h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
     mlp_none, mlp_dots = 4 * m, 2 * m
     if getattr(shape, "n_experts", 0):  # per token: the expert buffers' slots, not k
@@ -71,33 +75,36 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         shared = 4 * width if shape.shared_expert else 0
         mlp_none = slots * (2 * e + 4 * width + 2) + shared
         mlp_dots = slots * (e + 2 * width) + shared / 2
+    attention = b * long_sequence.score_elements(h, t, cp)
+    attention += long_sequence.ring_elements(shape, tokens, tensor, cp)
     return {
-        "none": b * t * (4 * e + (h + 2 * k) * d + h * d + mlp_none) + b * h * t * t,
-        "dots_saveable": b * t * (3 * e + (h + 2 * k) * d + mlp_dots),
-        "full": b * t * e,
+        "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none) + attention,
+        "dots_saveable": tokens * (3 * e + (h + 2 * k) * d + mlp_dots),
+        "full": tokens * e / r,
     }
 
 
 def activation_bytes(s: cost.Setup) -> float:
     """Peak bytes of activations and working buffers on one device.
 
-        The layers that run at once keep _layer_elements each: all n_layers / pp of a stage
-        without a pipeline; with one, a single chunk of n_layers / (pp v) while its backward slot
-        recomputes it, plus the schedule's stashed chunk inputs and output gradients (each one
-        micro-batch's [b, t, embed]: gpipe 2M, 1f1b at most 2p, spmd.estimate.cost.stashed_inputs).
-        With remat, one layer's no-remat set is live while it is replayed. Outside the blocks: the
-        embedding output and final norm (2*b*t*e) and the fp32 logits and their softmax
-        (2*b*t*vocab/tp*4 bytes). Under ZeRO-3 one layer's params gathered whole over fsdp (an
-    MoE's experts stay split: the tokens travel to them).
-        Activations are in the compute dtype.
+    The layers that run at once keep _layer_elements each: all n_layers / pp of a stage
+    without a pipeline; with one, a single chunk of n_layers / (pp v) while its backward slot
+    recomputes it, plus the schedule's stashed chunk inputs and output gradients (each one
+    micro-batch's residual stream [b, t/cp/r, embed]: gpipe 2M, 1f1b at most 2p,
+    spmd.estimate.pipeline_figures.stashed_inputs). With remat, one layer's no-remat set is
+    live while it is replayed. Outside the blocks: the embedding output and final norm
+    (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes). Under
+    ZeRO-3 one layer's params gathered whole over fsdp (an MoE's experts stay split: the
+    tokens travel to them). Activations are in the compute dtype.
     """
     shape, c = s.shape, s.bytes_of("compute")
-    b, t, e = s.micro_batch, s.seq_len, shape.embed_dim
+    tokens, e = s.micro_batch * s.seq_len / s.context, shape.embed_dim
+    residual = tokens * e / long_sequence.residual_split(s.mesh["tensor"], s.sequence_parallel)
     per_layer = _layer_elements(s)
     live_layers = shape.n_layers // (s.mesh["pipeline"] * s.virtual)
     replay = per_layer["none"] if s.remat != "none" else 0
-    stash = cost.stashed_inputs(s) * b * t * e
-    outside = 2 * b * t * e * c + 2 * b * t * shape.vocab_size / s.mesh["tensor"] * 4
+    stash = pipeline_figures.stashed_inputs(s) * residual
+    outside = 2 * residual * c + 2 * tokens * shape.vocab_size / s.mesh["tensor"] * 4
     gathered = 0.0
     if s.zero == 3 and s.sharded_fsdp > 1:
         stage_layers = shape.n_layers // s.mesh["pipeline"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmd.estimate import cost, memory, search
+from spmd.estimate import cost, memory, pipeline_figures, search
 from spmd.parallel.mesh import format_mesh
 
 RUNNER_UPS = 4
@@ -117,17 +117,26 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
     if mesh["tensor"] > 1:
         tp = [c for c in comms if c.axes == ("tensor",)]
         seconds = sum(cost.comm_time(s, c, net) for c in tp)
+        what = "all-gathers + reduce-scatters (SP)" if s.sequence_parallel else "all-reduces"
         lines.append(
             f"tp={mesh['tensor']} inside a node of {net.devices_per_node}: its "
-            f"{sum(c.count for c in tp)} activation all-reduces per step ({ms(seconds)}) use the "
+            f"{sum(c.count for c in tp):g} activation {what} per step ({ms(seconds)}) use the "
             f"{net.intra_bandwidth / 1e9:g} GB/s links"
+        )
+    if s.context > 1:
+        ring = [c for c in comms if c.kind == "collective-permute" and c.axes == ("context",)]
+        seconds = sum(cost.comm_time(s, c, net) for c in ring)
+        lines.append(
+            f"cp={s.context}: each device holds {s.seq_len // s.context} of the {s.seq_len} "
+            f"tokens of a sequence; ring attention's {sum(c.count for c in ring):g} key/value "
+            f"sends per step take {ms(seconds)}"
         )
     if s.pipelined:
         chunks = f", {s.virtual} chunks per stage" if s.virtual > 1 else ""
         lines.append(
             f"pp={mesh['pipeline']}: stages of {s.shape.n_layers // mesh['pipeline']} of the "
             f"{s.shape.n_layers} layers, {s.schedule}{chunks} over {s.micro_steps} micro-batches: "
-            f"bubble {cost.bubble_share(s):.1%} of the step"
+            f"bubble {pipeline_figures.bubble_share(s):.1%} of the step"
         )
     if mesh["fsdp"] > 1:
         what = {1: "optimizer state", 2: "gradients and optimizer state"}.get(
@@ -163,6 +172,8 @@ def train_flags(s: cost.Setup) -> list[str]:
     flags = ["--mesh", format_mesh(s.mesh)]
     if s.mesh["fsdp"] > 1:
         flags += ["--zero", str(s.zero)]
+    if s.sequence_parallel:
+        flags += ["--sequence-parallel"]
     flags += ["--batch", str(s.batch), "--seq-len", str(s.seq_len)]
     if s.accum > 1:
         flags += ["--accum", str(s.accum)]

@@ -1,17 +1,23 @@
 """Search every knob of a layout for the fastest one that fits.
 
-The knobs: the mesh (dp, fsdp, tp, pp), the ZeRO stage, the per-device micro-batch (hence
---accum, or the pipeline's --microbatches), --remat, and with pp > 1 the schedule (1f1b, or
-interleaved with 2 or 4 chunks per stage). The order of concerns is an engineer's:
+The knobs: the mesh (dp, fsdp, tp, pp; cp when nothing fits without it), the ZeRO stage,
+--sequence-parallel at tp > 1, the per-device micro-batch (hence --accum, or the pipeline's
+--microbatches), --remat, and with pp > 1 the schedule (1f1b, or interleaved with 2 or 4
+chunks per stage). The order of concerns is an engineer's:
 
 1. constraints: tp inside a node and dividing the heads, mlp and vocabulary; pp dividing the
    layers; the batch splitting evenly; the step fitting in the HBM with the overhead reserved;
 2. the least estimated time per sequence (spmd.estimate.timing: compute at the sustained
    FLOP rate + exposed communication + pipeline bubble), which is the step time when every
    candidate runs the same batch;
-3. ties (equal to 3 significant digits) to the simpler layout: no pipeline, then no tp, then
-   the lower ZeRO stage, fewer chunks, less recomputation, fewer mesh axes, the larger
-   micro-batch, the least memory.
+3. ties (equal to 3 significant digits) to the simpler layout: no pipeline, then no tp, no
+   cp, the lower ZeRO stage, no SP, fewer chunks, less recomputation, fewer mesh axes, the
+   larger micro-batch, the least memory.
+
+Context parallelism (cp, inside a node beside tp) is searched only when no layout without it
+fits: its ring sends sit on the critical path, and the model does not see what splitting a
+sequence costs the kernels, so it is the tool for sequences whose activations do not fit.
+Sequence parallelism is tried at every tp > 1: it moves the same bytes and keeps less.
 
 Without --batch every mesh gets the batch nearest --tokens-per-step / --seq-len that its
 data-parallel size divides. gpipe is not searched: 1f1b has its bubble with a stash of at
@@ -21,6 +27,7 @@ most 2p - 1 inputs instead of all M. Units: bytes, seconds, FLOP/s.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 from spmd.errors import UsageError
@@ -76,6 +83,7 @@ class Space:
     schedule: str | None = None
     virtual: int | None = None
     interleave: bool = True  # False: the executor runs no interleaved schedule (explicit)
+    sequence_parallel: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +105,9 @@ class Scored:
         return (self.time["exposed"] + self.time["bubble"]) / self.time["compute"]
 
     def layout(self) -> str:
-        """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1"."""
-        return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}"
+        """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1" (+ " SP")."""
+        sp = " SP" if self.setup.sequence_parallel else ""
+        return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}{sp}"
 
     def label(self) -> str:
         """The layout and how its step is cut."""
@@ -125,21 +134,28 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(base: cost.Setup, devices: int, per_node: int, fixed: dict | None) -> Iterator[dict]:
-    """Meshes of `devices` devices with tp inside a node and pp dividing the layers, holding
-    the axes `fixed` names at their sizes."""
+def meshes(
+    base: cost.Setup, devices: int, per_node: int, fixed: dict | None, contexts: tuple = (1,)
+) -> Iterator[dict]:
+    """Meshes of `devices` devices with tp x cp inside a node (cp one of `contexts`) and pp
+    dividing the layers, holding the axes `fixed` names at their sizes."""
     fixed = fixed or {}
     for tensor in _divisors(devices):
         if tensor > per_node or per_node % tensor or fixed.get("tensor", tensor) != tensor:
             continue
-        for pipeline in _divisors(devices // tensor):
-            if base.shape.n_layers % pipeline or fixed.get("pipeline", pipeline) != pipeline:
+        for context in contexts:
+            inner = tensor * context
+            if per_node % inner or devices % inner or fixed.get("context", context) != context:
                 continue
-            for fsdp in _divisors(devices // (tensor * pipeline)):
-                data = devices // (tensor * pipeline * fsdp)
-                mesh = {"data": data, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
-                if all(mesh[a] == size for a, size in fixed.items()):
-                    yield mesh
+            for pipeline in _divisors(devices // inner):
+                if base.shape.n_layers % pipeline or fixed.get("pipeline", pipeline) != pipeline:
+                    continue
+                for fsdp in _divisors(devices // (inner * pipeline)):
+                    data = devices // (inner * pipeline * fsdp)
+                    mesh = {"data": data, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
+                    mesh["context"] = context
+                    if all(mesh.get(a, 1) == size for a, size in fixed.items()):
+                        yield mesh
 
 
 def batch_for(space: Space, seq_len: int, data_parallel: int) -> int:
@@ -168,14 +184,19 @@ def _cuts(s: cost.Setup, space: Space, per_replica: int) -> Iterator[dict]:
             yield dict(accum=1, microbatches=per_replica // b, schedule=schedule, virtual=virtual)
 
 
-def candidates(base: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Scored]:
+def candidates(
+    base: cost.Setup, space: Space, cluster: Cluster, contexts: tuple = (1,)
+) -> Iterator[Scored]:
     """Every valid candidate with its memory; time only for those that fit. Within one
-    (mesh, stage, remat, schedule), a micro-batch larger than one that does not fit is
+    (mesh, stage, SP, remat, schedule), a micro-batch larger than one that does not fit is
     skipped (activations never shrink as the micro-batch grows)."""
     devices, per_node = base.devices, cluster.net.devices_per_node
-    for mesh in meshes(base, devices, per_node, space.mesh):
+    for mesh in meshes(base, devices, per_node, space.mesh, contexts):
         fsdp = mesh["fsdp"]
-        for zero in (1, 2, 3) if fsdp > 1 else (0,):
+        sps = (False, True) if mesh["tensor"] > 1 else (False,)
+        if space.sequence_parallel is not None:
+            sps = (space.sequence_parallel,)
+        for zero, sp in itertools.product((1, 2, 3) if fsdp > 1 else (0,), sps):
             if space.zero is not None and zero != (space.zero if fsdp > 1 else 0):
                 continue
             data_parallel = mesh["data"] * fsdp
@@ -183,11 +204,10 @@ def candidates(base: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Sco
             if batch % data_parallel:
                 continue
             for remat in (space.remat,) if space.remat else cost.REMATS:
-                yield from _cut_candidates(
-                    dataclasses.replace(base, mesh=mesh, zero=zero, batch=batch, remat=remat),
-                    space,
-                    cluster,
+                setup = dataclasses.replace(
+                    base, mesh=mesh, zero=zero, batch=batch, remat=remat, sequence_parallel=sp
                 )
+                yield from _cut_candidates(setup, space, cluster)
 
 
 def _cut_candidates(s: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Scored]:
@@ -216,7 +236,9 @@ def simplicity(c: Scored) -> tuple:
     return (
         s.mesh["pipeline"],
         s.mesh["tensor"],
+        s.context,
         s.zero,
+        s.sequence_parallel,
         s.virtual,
         cost.REMATS.index(s.remat),
         sum(size > 1 for size in s.mesh.values()),
@@ -225,16 +247,28 @@ def simplicity(c: Scored) -> tuple:
     )
 
 
+def context_sizes(base: cost.Setup, space: Space, per_node: int) -> list[tuple]:
+    """The cp sizes to search, in turn until something fits: (1,) first, then every cp > 1 of
+    a node that cuts the sequence into 2·cp equal chunks (the --mesh cp=N given: just N)."""
+    if space.mesh and "context" in space.mesh:
+        return [(space.mesh["context"],)]
+    longer = tuple(c for c in _divisors(per_node)[1:] if base.seq_len % (2 * c) == 0)
+    return [(1,), longer] if longer else [(1,)]
+
+
 def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
     """Rank every fitting candidate of base.devices devices for base's model. UsageError when
     no candidate is valid at all (e.g. a --batch that no data-parallel size divides)."""
     fitting, considered, smallest = [], 0, None
-    for c in candidates(base, space, cluster):
-        considered += 1
-        if c.memory["fits"]:
-            fitting.append(c)
-        elif smallest is None or c.memory["total"] < smallest.memory["total"]:
-            smallest = c
+    for contexts in context_sizes(base, space, cluster.net.devices_per_node):
+        for c in candidates(base, space, cluster, contexts):
+            considered += 1
+            if c.memory["fits"]:
+                fitting.append(c)
+            elif smallest is None or c.memory["total"] < smallest.memory["total"]:
+                smallest = c
+        if fitting:
+            break
     if not considered:
         raise UsageError(
             f"--recommend found no valid layout of {base.devices} devices for --batch "
@@ -247,12 +281,12 @@ def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
 
 
 def distinct_layouts(ranked: list[Scored], count: int) -> list[Scored]:
-    """The best candidate of each of the first `count` distinct structures: tp and pp sizes
-    and ZeRO stage (how dp and fsdp split the rest is a detail of each)."""
+    """The best candidate of each of the first `count` distinct structures: tp, pp and cp
+    sizes and ZeRO stage (how dp and fsdp split the rest is a detail of each)."""
     seen, out = set(), []
     for c in ranked:
         s = c.setup
-        key = (s.mesh["tensor"], s.mesh["pipeline"], s.zero)
+        key = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero)
         if key not in seen:
             seen.add(key)
             out.append(c)

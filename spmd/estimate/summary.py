@@ -6,11 +6,12 @@ GiB), GB/s = 1e9 bytes/s, TFLOP/s = 1e12 FLOP/s.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from spmd.config import TrainConfig
 from spmd.engine.optim import peak_lr
-from spmd.estimate import cost, experts, memory, search, timing
+from spmd.estimate import cost, experts, long_sequence, memory, pipeline_figures, search, timing
 from spmd.estimate.recommend import ms
 from spmd.parallel.mesh import format_mesh
 
@@ -70,6 +71,44 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
     }
 
 
+def sequence_figures(s: cost.Setup) -> dict[str, Any]:
+    """Context and sequence parallelism's figures: tokens of a sequence per device, the ring's
+    sends and bytes per layer per step (spmd.estimate.long_sequence, the formula theory
+    checks against compiled HLO), and the activations per device without either split."""
+    block, sends = long_sequence.ring_traffic(s)
+    layers = s.shape.n_layers // s.mesh["pipeline"]
+    whole = dataclasses.replace(s, mesh={**s.mesh, "context": 1}, sequence_parallel=False)
+    return {
+        "context": s.context,
+        "sequence_parallel": s.sequence_parallel,
+        "tokens_per_device": s.seq_len // s.context,
+        "ring_count_per_layer": sends // layers,
+        "ring_bytes_per_layer": round(block * sends / layers),
+        "activation_bytes_unsplit": round(memory.activation_bytes(whole)),
+    }
+
+
+def _sequence_lines(r: dict) -> list[str]:
+    if "long_sequence" not in r:
+        return []
+    x, split = r["long_sequence"], []
+    if x["context"] > 1:
+        split.append(f"cp={x['context']}: every activation holds {x['tokens_per_device']} tokens")
+    if x["sequence_parallel"]:
+        split.append("SP: the residual stream split over tp too")
+    lines = ["", f"long sequences: {'; '.join(split)}"]
+    lines.append(
+        f"  activations per device {si(r['activation_bytes_per_device']):>12} (without the "
+        f"split {si(x['activation_bytes_unsplit'])})"
+    )
+    if x["ring_count_per_layer"]:
+        lines.append(
+            f"  ring per layer           {si(x['ring_bytes_per_layer']):>12} per step "
+            f"({x['ring_count_per_layer']} collective-permutes of a key or value block)"
+        )
+    return lines
+
+
 def _expert_lines(r: dict) -> list[str]:
     if "experts" not in r:
         return []
@@ -113,6 +152,7 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         "grad_dtype": s.grad_dtype,
         "optimizer": s.optimizer,
         "remat": s.remat,
+        "sequence_parallel": s.sequence_parallel,
         "bytes_per_param": memory.bytes_per_param(s),
     }
     for role in (*MEMORY_ROLES, "model_state", "total", "hbm"):
@@ -149,15 +189,17 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
     ]
     if getattr(s.shape, "n_experts", 0):
         out["experts"] = expert_figures(s, mem)
+    if s.context > 1 or s.sequence_parallel:
+        out["long_sequence"] = sequence_figures(s)
     if s.pipelined:
         out["pipeline"] = {
             "schedule": s.schedule,
             "stages": s.mesh["pipeline"],
             "virtual": s.virtual,
             "microbatches": s.micro_steps,
-            "ticks": cost.pipeline_ticks(s),
-            "stashed_per_stage": cost.stashed_inputs(s),
-            "bubble_share": cost.bubble_share(s),
+            "ticks": pipeline_figures.pipeline_ticks(s),
+            "stashed_per_stage": pipeline_figures.stashed_inputs(s),
+            "bubble_share": pipeline_figures.bubble_share(s),
         }
     return out
 
@@ -220,7 +262,8 @@ def _header(r: dict) -> list[str]:
     lines = [
         f"plan: {r['model']}, {r['n_params'] / 1e6:,.2f} M params | {r['devices']} devices, "
         f"mesh {mesh}, {zero} | {r['precision']} (gradients {r['grad_dtype']}), "
-        f"{r['optimizer']}, remat {r['remat']}",
+        f"{r['optimizer']}, remat {r['remat']}"
+        + (", sequence parallel" if r["sequence_parallel"] else ""),
         f"batch: micro-batch {batch['micro_batch_per_device']} per device x data-parallel "
         f"{batch['data_parallel']} x {steps} = global batch {batch['global']} of "
         f"{batch['seq_len']} tokens ({si(batch['tokens'], '')} tokens per step)",
@@ -340,7 +383,8 @@ def _measured_lines(m: dict) -> list[str]:
 
 def format_report(r: dict) -> str:
     """The plan as a table (decimal units: 1 GB = 1e9 bytes, not GiB)."""
-    lines = _header(r) + _memory_lines(r) + _expert_lines(r) + _time_lines(r)
+    lines = _header(r) + _memory_lines(r) + _expert_lines(r) + _sequence_lines(r)
+    lines += _time_lines(r)
     if "measured" in r:
         lines += _measured_lines(r["measured"])
     if r.get("plot"):

@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.estimate import experts as experts_math
-from spmd.estimate import hlo
+from spmd.estimate import hlo, long_sequence
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
 
@@ -127,9 +127,9 @@ def report(
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
     expected = collectives(program, model, global_batch, seq_len)
     if pipeline is not None:
-        expected["collective-permute"] = pipeline_sends(
-            program, model, pipeline, global_batch, seq_len
-        )
+        stage = pipeline_sends(program, model, pipeline, global_batch, seq_len)
+        ring = pipelined_ring_sends(program, model, pipeline, global_batch, seq_len)
+        expected["collective-permute"] = {k: stage[k] + ring[k] for k in stage}
     text = format_comparison(
         measured, expected, hlo.memory(compiled), memory(program, global_batch, seq_len)
     )
@@ -163,13 +163,19 @@ def pipeline_sends(
     program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the schedule's messages per device per step: each tick every
-    stage sends one micro-batch's activations [rows, length, embed] forward and their gradient
-    backward (a `ppermute` each way)."""
-    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
+    stage sends one micro-batch's residual activations [rows, length, embed] forward and their
+    gradient backward (a `ppermute` each way); the length is split over cp, and over tp too
+    under sequence parallelism."""
+    layout = program.layout
+    rows = global_batch // (layout.data_parallel * pipeline["microbatches"])
+    sp = getattr(layout, "sequence_parallel", False)
+    split = layout.mesh.shape["context"] * long_sequence.residual_split(
+        layout.mesh.shape["tensor"], sp
+    )
     count = 2 * pipeline["ticks"]
     return {
         "count": count,
-        "bytes": count * rows * seq_len * model.embed_dim * model.activation_bytes,
+        "bytes": count * rows * seq_len // split * model.embed_dim * model.activation_bytes,
     }
 
 
@@ -273,17 +279,38 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
 def ring_sends(
     model: Transformer, mesh: Any, accum: int, global_batch: int, seq_len: int
 ) -> tuple[int, int]:
-    """(count, bytes per device) of ring attention's collective-permutes in one step: per
-    layer and micro-batch cp−1 sends of the local key block and of the value block in the
-    forward, the same of their gradients in the backward, and with remat the forward's again
-    (the backward replays it)."""
+    """(count, bytes per device) of ring attention's collective-permutes in one step
+    (spmd.estimate.long_sequence: per layer, pass and micro-batch 2(cp − 1) blocks)."""
     context, tensor = mesh.shape["context"], mesh.shape["tensor"]
     rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
-    kv_heads = max(model.n_kv_heads // tensor, 1)  # replicated when tp > kv heads
-    block = rows * (seq_len // context) * kv_heads * model.head_dim * model.activation_bytes
-    passes = 3 if model.remat else 2  # forward, backward (+ the replayed forward)
-    sends = accum * model.n_layers * 2 * passes * (context - 1)  # k and v per pass
-    return sends, sends * block
+    block = long_sequence.kv_block_bytes(
+        model, rows, seq_len, context, tensor, model.activation_bytes
+    )
+    passes = long_sequence.ring_passes(model.remat, pipelined=False)
+    sends = long_sequence.ring_sends(context, model.n_layers, passes, accum)
+    return sends, round(sends * block)
+
+
+def pipelined_ring_sends(
+    program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
+) -> dict[str, int]:
+    """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
+    pipeline schedule (`pipeline`: its summary) as spmd.estimate.hlo counts them: per tick a
+    forward slot (one pass over a chunk) and a backward slot (the recomputed forward, the
+    backward, + a remat replay). Stages run slots in lockstep (spmd.parallel.pipeline_stage),
+    so one executes wherever some stage has work: an idle stage's sends ride the bubble."""
+    mesh = program.layout.mesh
+    context = mesh.shape["context"]
+    if context == 1:
+        return {"count": 0, "bytes": 0}
+    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
+    chunk = model.n_layers // (pipeline["stages"] * pipeline["virtual"])
+    block = long_sequence.kv_block_bytes(
+        model, rows, seq_len, context, mesh.shape["tensor"], model.activation_bytes
+    )
+    passes = long_sequence.ring_passes(model.remat, pipelined=True)
+    sends = long_sequence.ring_sends(context, chunk, passes, pipeline["ticks"])
+    return {"count": sends, "bytes": round(sends * block)}
 
 
 def _tensor_parallel(
@@ -305,37 +332,17 @@ def _tensor_parallel(
     calls = accum * (per_layer * model.n_layers + 2)
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
-    if sequence_parallel:
-        for kind, nbytes in (("all-gather", activation), ("reduce-scatter", activation // tensor)):
-            out[kind]["count"] += calls
-            out[kind]["bytes"] += calls * nbytes
-        norms = 2 * model.n_layers + 1  # norm weights: their grads summed over tensor
-        out["all-reduce"]["count"] += accum * norms
-        out["all-reduce"]["bytes"] += accum * norms * embed * 4
-    else:
-        out["all-reduce"]["count"] += calls
-        out["all-reduce"]["bytes"] += calls * activation
-    out["all-reduce"]["count"] += 3 * accum
-    out["all-reduce"]["bytes"] += 3 * accum * tokens * 4
+    norms = (2 * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
+    traffic = long_sequence.tensor_traffic(
+        activation, calls, accum, tokens, norms, tensor, sequence_parallel
+    )
+    for kind, nbytes, count, _ in traffic:
+        out[kind]["count"] += count
+        out[kind]["bytes"] += count * nbytes
     if tensor > model.n_kv_heads:  # replicated kv heads: their grads are summed per layer
         kv_bytes = 2 * embed * model.n_kv_heads * model.head_dim * 4
         out["all-reduce"]["count"] += 2 * accum * model.n_layers
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
-
-
-def layer_activation_bytes(
-    model: Transformer, mlp_dim: int, tokens: int, seq_len: int, tensor: int, split: int = 1
-) -> int:
-    """Bytes one layer keeps for its backward pass (no remat) on one device holding `tokens`
-    tokens of sequences `seq_len` long, Korthikanti et al.'s count for this Llama block: the
-    residual-stream tensors (block input, normed input, mid-block residual, normed again: 4
-    x embed per token, plus 2 norm statistics) are replicated over `tensor` unless `split`
-    (tp under sequence parallelism) divides them; q, k, v, the attention probabilities and
-    output, and the 3 MLP hidden tensors are split over `tensor`."""
-    residual = (4 * model.embed_dim + 2) / split
-    heads = (2 * model.n_heads + 2 * model.n_kv_heads) * model.head_dim
-    tensor_split = (heads + model.n_heads * seq_len + 3 * mlp_dim) / tensor
-    return int(tokens * (residual + tensor_split) * model.activation_bytes)
 
 
 def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:

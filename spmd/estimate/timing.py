@@ -13,7 +13,7 @@ seconds, FLOP/s.
 
 from __future__ import annotations
 
-from spmd.estimate import cost, experts
+from spmd.estimate import cost, experts, pipeline_figures
 from spmd.estimate.shape import shape_params
 
 
@@ -59,7 +59,7 @@ def step_time(
     "hidden" (the share `overlap` of the data-parallel collectives, at most the compute, that
     runs behind compute), "exposed" (comm - hidden) and "step" (compute + bubble + exposed)."""
     compute = executed_flops(s) / s.devices / flops_per_device
-    share = cost.bubble_share(s)
+    share = pipeline_figures.bubble_share(s)
     bubble = compute * share / (1 - share)
     times = [(c, cost.comm_time(s, c, net)) for c in cost.collectives(s)]
     comm = sum(t for _, t in times)

@@ -21,7 +21,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
-load-balanced order with `split_sequences`.
+load-balanced order with `split_sequences` (inside a pipeline stage manual over `context`,
+`manual_context`, each device keeps its own chunks as under the explicit executor).
 
 `activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
 `jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
@@ -222,17 +223,41 @@ def batch_mean(x: jax.Array) -> jax.Array:
     return lax.pmean(x, axes) if axes else x
 
 
-def _context() -> tuple[jax.sharding.Mesh | None, str | None, int]:
-    """(mesh, axis, ways) of context parallelism in the layout being traced ((.., None, 1)
-    when no axis splits `length`)."""
+_MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
+
+
+@contextlib.contextmanager
+def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Inside a shard_map manual over the axis that splits `length` but not over every axis
+    (the auto executor's pipeline stages): the context hooks act on this device's chunks as
+    under the explicit executor (the ring's ppermutes written directly, not nested)."""
+    axes = tuple(a for a in rules.BASE_RULES["length"] if mesh.shape[a] > 1)
+    _MANUAL_CONTEXT.append((axes[0], mesh.shape[axes[0]]) if axes else (None, 1))
+    try:
+        yield
+    finally:
+        _MANUAL_CONTEXT.pop()
+
+
+def _context() -> tuple[jax.sharding.Mesh | None, str | None, int, bool]:
+    """(mesh, axis, ways, manual) of context parallelism in the layout being traced (axis
+    None, ways 1 when none); `manual`: each device holds its own chunks where hooks run."""
+    if _MANUAL_CONTEXT:
+        return None, *_MANUAL_CONTEXT[-1], True
     if _EXPLICIT:
         mesh, axes = _EXPLICIT[-1].mesh, _split_axes("length")
     elif _ACTIVE_ACTIVATIONS:
         mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
         axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
     else:
-        return None, None, 1
-    return (mesh, axes[0], mesh.shape[axes[0]]) if axes else (mesh, None, 1)
+        return None, None, 1, False
+    manual = bool(_EXPLICIT)
+    return (mesh, axes[0], mesh.shape[axes[0]], manual) if axes else (mesh, None, 1, manual)
+
+
+def context_ways() -> int:
+    """Ways the traced layout splits each sequence (context parallelism; 1: none)."""
+    return _context()[2]
 
 
 def token_positions(x: jax.Array) -> jax.Array:
@@ -240,12 +265,12 @@ def token_positions(x: jax.Array) -> jax.Array:
     sees for residual activations x [batch, length, embed]: under sequence parallelism the
     residual holds 1/n of them and attention the gathered whole; under context parallelism
     a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order)."""
-    mesh, axis, ways = _context()
+    mesh, axis, ways, manual = _context()
     sequence = _sequence_axes("heads")  # () outside the explicit executor
     length = x.shape[1] * math.prod(mesh.shape[a] for a in sequence)
     if axis is None:
         positions = jnp.arange(length, dtype=jnp.int32)
-    elif _EXPLICIT:  # this device's block of the load-balanced order
+    elif manual:  # this device's block of the load-balanced order
         order = ring_attention.balanced_order(length * ways, ways).reshape(ways, length)
         positions = jnp.asarray(order, jnp.int32)[lax.axis_index(axis)]
     else:
@@ -258,13 +283,13 @@ def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     order: under context parallelism the tokens are put in the load-balanced order, and
     inside the explicit executor each device keeps its own two chunks. Unchanged otherwise.
     The loss, a mean over all tokens, does not depend on their order."""
-    mesh, axis, ways = _context()
+    mesh, axis, ways, manual = _context()
     if axis is None:
         return batch
 
     def split(x: jax.Array) -> jax.Array:
         order = ring_attention.balanced_order(x.shape[1], ways)
-        if _EXPLICIT:
+        if manual:
             order = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
             return jnp.take(x, order, axis=1)
         names = ("batch", "length") + (None,) * (x.ndim - 2)
@@ -277,10 +302,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
     kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
     attention over the context axis when it is split (context parallelism)."""
-    mesh, axis, ways = _context()
+    mesh, axis, ways, manual = _context()
     if axis is None:
         return local(q, k, v)
-    if _EXPLICIT:
+    note("attention", f"ring over {axis}")
+    if manual:
         return ring_attention.ring_attention(q, k, v, axis, ways)
     # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
     spec = PartitionSpec(None, axis)

@@ -132,14 +132,16 @@ def _is_stacked(names: tuple) -> bool:
 
 
 def manual_batch_axes(mesh: Any, zero_stage: int) -> tuple[str, ...]:
-    """The batch axes the auto executor's pipeline shard_map makes manual besides `pipeline`:
+    """The token axes the auto executor's pipeline shard_map makes manual besides `pipeline`:
     those over which the gradient is one all-reduce per step. Left to the partitioner, a
     gradient accumulator that is replicated over a batch axis is all-reduced after every
     micro-batch's backward slot (measured: 8.6x the gradient bytes at dp=4,pp=2, M=4). `data`
     always replicates params and gradients; `fsdp` does too under ZeRO-1. Under ZeRO-2/3 the
     fsdp axis stays with the partitioner: their accumulators are sharded over it, so each
-    micro-batch's gradient is reduce-scattered, as with --accum (no whole gradient is held)."""
-    axes = ["data"] + (["fsdp"] if zero_stage == 1 else [])
+    micro-batch's gradient is reduce-scattered, as with --accum (no whole gradient is held).
+    `context` (which splits the length, not the rows) replicates params too, and must be
+    manual anyway: the ring's ppermutes cannot sit in a shard_map nested in this one."""
+    axes = ["data"] + (["fsdp"] if zero_stage == 1 else []) + ["context"]
     return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
@@ -191,8 +193,9 @@ def pipelined_loss(graphdef: Any, names: Any, layout: Any, pipe: Pipeline) -> Ca
             outer_names,
         )
         stage_spec = PartitionSpec(None, AXIS)
-        rows = PartitionSpec(None, batch_axes or None)
-        micro = {key: split_batch(x) for key, x in batch.items()}
+        row_axes = tuple(a for a in batch_axes if a != "context")
+        rows = PartitionSpec(None, row_axes or None, "context" if "context" in batch_axes else None)
+        micro = {key: split_batch(x) for key, x in hooks.split_sequences(batch).items()}
         sharded = jax.shard_map(
             lambda s, o, b: step(s, o, b, layout.zero_stage, batch_axes=batch_axes),
             mesh=mesh,
@@ -260,7 +263,7 @@ def manual_pipelined_loss(graphdef: Any, names: Any, pipe: Pipeline, stages: int
             outer_names,
         )
         chunked = [x[None, None] for x in stacked]  # [v=1, 1 stage, local layers, ...]
-        micro = {key: split(x) for key, x in batch.items()}
+        micro = {key: split(x) for key, x in hooks.split_sequences(batch).items()}
         loss, g_chunked, g_outer = step(chunked, outer, micro, 0, manual=True)
         g_stacked = [g.reshape(x.shape) for g, x in zip(g_chunked, stacked, strict=True)]
         return loss, join(g_stacked, g_outer)

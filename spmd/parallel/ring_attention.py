@@ -11,7 +11,7 @@ pass sends the key/value gradients around the ring the other way).
 
 Work per ring step is balanced: at step s > 0 a device whose visiting keys come from an
 earlier device (j < i) attends with both its chunks to the first visiting chunk; otherwise
-(j > i) with its second chunk to both; either way a 2c x c block of c = length / (2·cp)
+(j > i) with its second chunk to both; either way two c x c blocks of c = length / (2·cp)
 tokens, unmasked. Only step 0 (its own chunks) needs a causal mask.
 
 Everything here runs inside a `shard_map` that is manual over the ring's axis; the arrays are
@@ -68,18 +68,22 @@ def _combine(acc: tuple, new: tuple) -> tuple[jax.Array, jax.Array]:
 def _visiting_block(q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array) -> tuple:
     """(out, lse) of both local query chunks against a visiting device's key/value chunks:
     from an earlier device (`earlier`) every query sees the first visiting chunk; from a later
-    one only the second query chunk sees both. Rows that see nothing get (0, EMPTY)."""
+    one only the second query chunk sees both. Either way two c x c blocks, (q_a, k_0) and
+    (q_1, k_a) with a = 0 from an earlier device and 1 from a later one, computed with the
+    same shapes on every device and merged into the rows they belong to (a lax.cond between
+    the two cases would make autodiff keep both cases' probabilities: measured, 1/cp of the
+    one-device attention memory instead of (cp + 1)/(2 cp²)). Rows that see nothing get
+    (0, EMPTY)."""
     c = q.shape[1] // 2
-
-    def from_earlier(q, k, v):
-        return _block(q, k[:, :c], v[:, :c], causal=False)
-
-    def from_later(q, k, v):
-        out, lse = _block(q[:, c:], k, v, causal=False)
-        out = jnp.concatenate([jnp.zeros_like(out), out], axis=1)
-        return out, jnp.concatenate([jnp.full_like(lse, EMPTY), lse], axis=1)
-
-    return lax.cond(earlier, from_earlier, from_later, q, k, v)
+    start = jnp.where(earlier, 0, c)
+    q_a = lax.dynamic_slice_in_dim(q, start, c, axis=1)
+    k_a, v_a = (lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (k, v))
+    first = _block(q_a, k[:, :c], v[:, :c], causal=False)
+    second = _block(q[:, c:], k_a, v_a, causal=False)
+    empty = (jnp.zeros_like(first[0]), jnp.full_like(first[1], EMPTY))
+    to_first = jax.tree.map(lambda a, b: jnp.where(earlier, a, b), first, empty)
+    to_second = _combine(jax.tree.map(lambda a, b: jnp.where(earlier, a, b), empty, first), second)
+    return tuple(jnp.concatenate(pair, axis=1) for pair in zip(to_first, to_second, strict=True))
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ways: int) -> jax.Array:
