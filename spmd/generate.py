@@ -89,12 +89,12 @@ def _make_sampler(
     from flax import nnx
 
     from models import llama_decode
-    from spmd.parallel import hooks
+    from spmd.parallel import traced_layout
 
     layout = program.layout
 
     def run(params: Any, tokens: Any, lengths: Any, key: Any) -> Any:
-        with hooks.activation_layout(layout.mesh, layout.zero_stage):
+        with traced_layout.activation_layout(layout.mesh, layout.zero_stage):
             model = nnx.merge(program.graphdef, params)
             batch, prompt_len = tokens.shape
             cache = llama_decode.init_cache(

@@ -19,7 +19,7 @@ from models import hf_config, hf_llama
 from spmd import convert, train, weights
 from spmd.errors import UsageError
 from spmd.io import data, safetensors_io, tokens
-from spmd.parallel import hooks
+from spmd.parallel import traced_layout
 from tests import cli, trainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -31,7 +31,7 @@ def logits_of(loaded: weights.Loaded, input_ids: np.ndarray) -> np.ndarray:
 
     @jax.jit
     def forward(params, tokens):
-        with hooks.activation_layout(layout.mesh, layout.zero_stage):
+        with traced_layout.activation_layout(layout.mesh, layout.zero_stage):
             return nnx.merge(loaded.program.graphdef, params)(tokens)
 
     return np.asarray(forward(loaded.params, jax.device_put(input_ids, layout.batch_sharding())))

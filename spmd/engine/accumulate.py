@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import hooks
+from spmd.parallel import traced_layout
 from spmd.parallel.mesh import BATCH_AXES
 
 GradFn = Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, Any]]
@@ -87,7 +87,7 @@ def accumulated_grads(
 
     def body(carry: tuple, micro: dict) -> tuple[tuple, None]:
         loss_sum, grad_sum = carry
-        with hooks.activation_layout(mesh, zero_stage, exclude=(*replicas, *exclude)):
+        with traced_layout.activation_layout(mesh, zero_stage, exclude=(*replicas, *exclude)):
             losses, grads = per_replica(params, micro)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(reduce_dtype), grad_sum, grads)
         grad_sum = jax.lax.with_sharding_constraint(grad_sum, accum_shardings)

@@ -12,7 +12,7 @@ import optax
 
 from spmd.engine import precision
 from spmd.engine.accumulate import accumulated_grads
-from spmd.parallel import hooks
+from spmd.parallel import traced_layout
 
 
 def auto_steps(
@@ -35,7 +35,7 @@ def auto_steps(
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
-        with hooks.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp):
+        with traced_layout.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)
             else:
@@ -63,7 +63,7 @@ def auto_steps(
         return params, opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with hooks.activation_layout(mesh, zero, sequence_parallel=sp):
+        with traced_layout.activation_layout(mesh, zero, sequence_parallel=sp):
             return loss_of(params, batch)
 
     return train_step, eval_step

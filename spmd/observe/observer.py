@@ -130,12 +130,12 @@ def model_metrics(program: Any, metrics_fn: Any) -> Any:
     of the program's mesh (the same math under either executor), metrics replicated."""
     import jax
 
-    from spmd.parallel import hooks
+    from spmd.parallel import traced_layout
 
     mesh, zero = program.layout.mesh, program.layout.zero_stage
 
     def run(params: Any, batch: Any) -> Any:
-        with hooks.activation_layout(mesh, zero):
+        with traced_layout.activation_layout(mesh, zero):
             return metrics_fn(program.model(params), batch)
 
     return jax.jit(run, out_shardings=program.layout.replicated)

@@ -4,7 +4,8 @@
 simulated CPU devices on a laptop); `distributed` joins a multi-process job; `rules` maps the
 model's logical axis names onto mesh axes per role and ZeRO stage (DDP, ZeRO-1/2/3, Megatron
 and pipeline layouts are entries of that table); `hooks` is the only module a model imports
-(gather, tp_enter, tp_reduce, constrain, scan_layers, ...); `layer_scan` runs a model's
+(gather, tp_enter, tp_reduce, constrain, scan_layers, ...), made real by the layout the
+engine traces a step under (`traced_layout`); `layer_scan` runs a model's
 stacked layers under the remat policy, with ZeRO-3's next-layer gather prefetched in the
 explicit executor; `collectives` and `explicit` are the hand-written executor (shard_map with
 psum / all_gather / psum_scatter), `buckets` its gradient buckets; `schedules`, `pipeline`

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from spmd.parallel import collectives
-from spmd.parallel.hooks import explicit_mesh, varying_axes
+from spmd.parallel.traced_layout import explicit_mesh, varying_axes
 
 MB = 2**20  # --bucket-mb counts binary megabytes (MiB)
 

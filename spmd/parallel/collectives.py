@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from spmd.parallel.hooks import explicit_mesh, varying_axes
+from spmd.parallel.traced_layout import explicit_mesh, varying_axes
 
 
 def _dim_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:

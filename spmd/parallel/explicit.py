@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
-from spmd.parallel import buckets, collectives, hooks
+from spmd.parallel import buckets, collectives, traced_layout
 from spmd.parallel.mesh import BATCH_AXES
 
 
@@ -39,7 +39,7 @@ def _specs(shardings: Any) -> Any:
 def _zeros_like(x: jax.Array) -> jax.Array:
     """Zeros of x's shape, dtype and varying axes (a valid scan carry for x's sums)."""
     zeros = jnp.zeros(x.shape, x.dtype)
-    vma = tuple(sorted(hooks.varying_axes(x)))
+    vma = tuple(sorted(traced_layout.varying_axes(x)))
     return lax.pcast(zeros, vma, to="varying") if vma else zeros
 
 
@@ -150,8 +150,8 @@ def explicit_steps(
     def traced_on_devices() -> Iterator[None]:
         # the hooks become collectives; the auto executor's activation constraints are off
         with (
-            hooks.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch),
-            hooks.no_activation_layout(),
+            traced_layout.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch),
+            traced_layout.no_activation_layout(),
         ):
             yield
 

@@ -1,7 +1,8 @@
-"""The hooks a model calls, and the layout contexts that make them real.
+"""The hooks a model calls.
 
 Models speak logical axis names only (`embed`, `heads`, `vocab`, ...) and import nothing of
-spmd but this module. Each hook is a no-op unless the step being traced opened a layout:
+spmd but this module. Each hook is a no-op unless the step being traced opened a layout
+(spmd.parallel.traced_layout):
 
     constrain(x, names)       auto executor: pin an activation to the layout's sharding
     gather(param)             explicit ZeRO-3: all_gather a param's shards just before use
@@ -22,18 +23,18 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
 load-balanced order with `split_sequences` (inside a pipeline stage manual over `context`,
-`manual_context`, each device keeps its own chunks as under the explicit executor).
+traced_layout.manual_context, each device keeps its own chunks as under the explicit
+executor).
 
-`activation_layout` (auto: jit + XLA's partitioner) and `explicit_layout` (explicit: inside
-`jax.shard_map`, where the hooks become the hand-written collectives of the textbook layouts)
-are opened by spmd.engine.step and spmd.parallel.explicit while they trace. Outside both, the
-same model runs unchanged on one device.
+traced_layout.activation_layout (auto: jit + XLA's partitioner) and explicit_layout
+(explicit: inside `jax.shard_map`, where the hooks become the hand-written collectives of the
+textbook layouts) are opened by the engine while it traces a step. Outside both, the same
+model runs unchanged on one device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,62 +45,11 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.parallel import layer_scan, ring_attention, rules
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    mesh: jax.sharding.Mesh
-    param_rules: rules.Rules
-    compute_rules: rules.Rules
-    prefetch: bool = False  # ZeRO-3: gather layer i+1 while layer i computes
-
-
-_EXPLICIT: list[_Layout] = []
-_ALREADY_GATHERED: list[bool] = []  # inside a prefetched layer: its params arrive whole
-
-
-@contextlib.contextmanager
-def explicit_layout(
-    mesh: jax.sharding.Mesh,
-    zero_stage: int,
-    sequence_parallel: bool = False,
-    prefetch: bool = False,
-) -> Iterator[None]:
-    """While tracing inside a shard_map over `mesh`, make the hooks below real collectives.
-    `prefetch`: scan_layers gathers each layer's params one layer ahead (ZeRO-3)."""
-    param_rules = rules.rules_for(zero_stage, "params")
-    compute = rules.rules_for(zero_stage, "activations", sequence_parallel)
-    _EXPLICIT.append(_Layout(mesh, param_rules, compute, prefetch))
-    try:
-        yield
-    finally:
-        _EXPLICIT.pop()
-
-
-def explicit_mesh() -> jax.sharding.Mesh | None:
-    """The mesh of the explicit step being traced (None outside `explicit_layout`)."""
-    return _EXPLICIT[-1].mesh if _EXPLICIT else None
-
-
-def _mesh_axes(layout: _Layout, table: rules.Rules, name: str | None) -> tuple[str, ...]:
-    return tuple(a for a in table.get(name, ()) if layout.mesh.shape[a] > 1)
-
-
-def _split_axes(name: str) -> tuple[str, ...]:
-    """Mesh axes that split activations' logical dimension `name` (() when none is active)."""
-    return _mesh_axes(_EXPLICIT[-1], _EXPLICIT[-1].compute_rules, name) if _EXPLICIT else ()
-
-
-def varying_axes(x: Any) -> frozenset:
-    """Mesh axes over which `x` (an array or abstract value) varies inside shard_map; empty
-    outside. jax 0.10 keeps them in `manual_axis_type.varying`, earlier versions in `vma`."""
-    abstract = isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue)
-    aval = x if abstract else jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
+from spmd.parallel import traced_layout as traced
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
+
+_ALREADY_GATHERED: list[bool] = []  # inside a prefetched layer: its params arrive whole
 
 
 def logical_names(variable: Any) -> tuple[str | None, ...]:
@@ -115,7 +65,7 @@ def gather(variable: Any) -> jax.Array:
     reduce-scatter of the gradient. Names are read from the end: a stacked `layers` dim is
     scanned away by the time a layer uses its params."""
     value = variable[...]
-    if not _EXPLICIT or _ALREADY_GATHERED:
+    if traced.explicit() is None or _ALREADY_GATHERED:
         return value
     return _gather_value(value, logical_names(variable))
 
@@ -123,15 +73,14 @@ def gather(variable: Any) -> jax.Array:
 def _gathered_axes(names: tuple[str | None, ...]) -> list[tuple[str, ...]]:
     """Per dim of a param with logical `names`: the mesh axes it is gathered over before use
     (stored split, computed whole; empty where nothing is gathered)."""
-    layout = _EXPLICIT[-1]
+    layout = traced.explicit()
     used: set[str] = set()
     out = []
     for name in names:
-        stored = tuple(a for a in _mesh_axes(layout, layout.param_rules, name) if a not in used)
+        stored = [a for a in traced.mesh_axes(layout, layout.param_rules, name) if a not in used]
         used.update(stored)
-        out.append(
-            tuple(a for a in stored if a not in _mesh_axes(layout, layout.compute_rules, name))
-        )
+        computed = traced.mesh_axes(layout, layout.compute_rules, name)
+        out.append(tuple(a for a in stored if a not in computed))
     return out
 
 
@@ -148,9 +97,9 @@ def _gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = T
 def _sequence_axes(name: str) -> tuple[str, ...]:
     """The axes of `name` that also split the residual stream's length (sequence parallelism):
     there the residual [batch, length, embed] holds 1/n of the tokens, not all of them."""
-    length = _split_axes("length")
-    residual = tuple(a for a in _split_axes("residual_length") if a not in length)
-    return tuple(a for a in _split_axes(name) if a in residual)
+    length = traced.split_axes("length")
+    residual = tuple(a for a in traced.split_axes("residual_length") if a not in length)
+    return tuple(a for a in traced.split_axes(name) if a in residual)
 
 
 def tp_enter(x: jax.Array, name: str) -> jax.Array:
@@ -161,13 +110,13 @@ def tp_enter(x: jax.Array, name: str) -> jax.Array:
     sequence = _sequence_axes(name)
     if sequence:
         x = lax.all_gather(x, sequence, axis=1, tiled=True)
-    axes = tuple(a for a in _split_axes(name) if a not in varying_axes(x))
+    axes = tuple(a for a in traced.split_axes(name) if a not in traced.varying_axes(x))
     return lax.pcast(x, axes, to="varying") if axes else x
 
 
 def tp_sum(x: jax.Array, name: str) -> jax.Array:
     """Sum of partial results over the shards of the split dimension `name` (psum)."""
-    axes = _split_axes(name)
+    axes = traced.split_axes(name)
     return lax.psum(x, axes) if axes else x
 
 
@@ -178,19 +127,19 @@ def tp_reduce(x: jax.Array, name: str) -> jax.Array:
     sequence = _sequence_axes(name)
     if sequence:
         x = lax.psum_scatter(x, sequence, scatter_dimension=1, tiled=True)
-    rest = tuple(a for a in _split_axes(name) if a not in sequence)
+    rest = tuple(a for a in traced.split_axes(name) if a not in sequence)
     return lax.psum(x, rest) if rest else x
 
 
 def tp_max(x: jax.Array, name: str) -> jax.Array:
     """Max over the shards of the split dimension `name` (pmax; not differentiable)."""
-    axes = _split_axes(name)
+    axes = traced.split_axes(name)
     return lax.pmax(x, axes) if axes else x
 
 
 def tp_rank(name: str) -> jax.Array | int:
     """Which block of the split dimension `name` this device holds (0 when unsplit)."""
-    axes = _split_axes(name)
+    axes = traced.split_axes(name)
     return lax.axis_index(axes) if axes else 0
 
 
@@ -200,17 +149,17 @@ def to_experts(x: jax.Array) -> jax.Array:
     that split `expert`: each device sends its rows for expert block j to device j and gets
     [expert / n, n * batch, capacity, embed]. Auto: the same move as a resharding, which the
     partitioner turns into an all-to-all."""
-    if not _EXPLICIT:
+    if traced.explicit() is None:
         return constrain(x, ("expert", "batch", None, None))
-    axes = _split_axes("expert")
+    axes = traced.split_axes("expert")
     return lax.all_to_all(x, axes, 0, 1, tiled=True) if axes else x
 
 
 def from_experts(y: jax.Array) -> jax.Array:
     """The inverse of `to_experts`: the experts' outputs back to the devices of their tokens."""
-    if not _EXPLICIT:
+    if traced.explicit() is None:
         return constrain(y, (None, "batch", None, None))
-    axes = _split_axes("expert")
+    axes = traced.split_axes("expert")
     return lax.all_to_all(y, axes, 1, 0, tiled=True) if axes else y
 
 
@@ -219,39 +168,23 @@ def batch_mean(x: jax.Array) -> jax.Array:
     shard holds as many). Explicit: a pmean (its result is invariant; where the per-shard loss
     adds it, the implicit cast to varying transposes to a psum, so its gradient comes out as on
     one device). Auto: `x` is already global."""
-    axes = _split_axes("batch")
+    axes = traced.split_axes("batch")
     return lax.pmean(x, axes) if axes else x
-
-
-_MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
-
-
-@contextlib.contextmanager
-def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
-    """Inside a shard_map manual over the axis that splits `length` but not over every axis
-    (the auto executor's pipeline stages): the context hooks act on this device's chunks as
-    under the explicit executor (the ring's ppermutes written directly, not nested)."""
-    axes = tuple(a for a in rules.BASE_RULES["length"] if mesh.shape[a] > 1)
-    _MANUAL_CONTEXT.append((axes[0], mesh.shape[axes[0]]) if axes else (None, 1))
-    try:
-        yield
-    finally:
-        _MANUAL_CONTEXT.pop()
 
 
 def _context() -> tuple[jax.sharding.Mesh | None, str | None, int, bool]:
     """(mesh, axis, ways, manual) of context parallelism in the layout being traced (axis
     None, ways 1 when none); `manual`: each device holds its own chunks where hooks run."""
-    if _MANUAL_CONTEXT:
-        return None, *_MANUAL_CONTEXT[-1], True
-    if _EXPLICIT:
-        mesh, axes = _EXPLICIT[-1].mesh, _split_axes("length")
-    elif _ACTIVE_ACTIVATIONS:
-        mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
+    if traced.manual_context_axis() is not None:
+        return None, *traced.manual_context_axis(), True
+    if traced.explicit() is not None:
+        mesh, axes = traced.explicit_mesh(), traced.split_axes("length")
+    elif traced.activations() is not None:
+        mesh, table, _ = traced.activations()
         axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
     else:
         return None, None, 1, False
-    manual = bool(_EXPLICIT)
+    manual = traced.explicit() is not None
     return (mesh, axes[0], mesh.shape[axes[0]], manual) if axes else (mesh, None, 1, manual)
 
 
@@ -323,12 +256,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.
 
 def _gathering() -> bool:
     """Whether the layout being traced gathers params per layer (explicit ZeRO-3)."""
-    if not _EXPLICIT:
+    layout = traced.explicit()
+    if layout is None:
         return False
-    layout = _EXPLICIT[-1]
     return any(
-        set(_mesh_axes(layout, layout.param_rules, n))
-        - set(_mesh_axes(layout, layout.compute_rules, n))
+        set(traced.mesh_axes(layout, layout.param_rules, n))
+        - set(traced.mesh_axes(layout, layout.compute_rules, n))
         for n in layout.param_rules
     )
 
@@ -356,7 +289,7 @@ def scan_layers(
     gathering = _gathering()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    if not (gathering and _EXPLICIT[-1].prefetch and n_layers >= 2):
+    if not (gathering and traced.explicit().prefetch and n_layers >= 2):
         return layer_scan.plain_scan(layer, carry, stacked, policy)
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
@@ -370,55 +303,11 @@ def scan_layers(
     )
 
 
-# --- activation constraints -------------------------------------------------------------
-# The model calls `constrain(x, names)` on a few activations; it is a no-op unless a layout is
-# active (auto executor), so models stay runnable without any mesh.
-
-_ACTIVE_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
-
-
-@contextlib.contextmanager
-def activation_layout(
-    mesh: jax.sharding.Mesh,
-    zero_stage: int,
-    exclude: tuple[str, ...] = (),
-    sequence_parallel: bool | None = None,
-) -> Iterator[None]:
-    """Within this context, `constrain` pins activations to the layout's shardings. Mesh axes
-    in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns).
-    `sequence_parallel` None keeps the enclosing layout's setting (off when there is none)."""
-    if sequence_parallel is None:
-        sequence_parallel = bool(_ACTIVE_ACTIVATIONS) and _ACTIVE_ACTIVATIONS[-1][2]
-    table = rules.rules_for(zero_stage, "activations", sequence_parallel)
-    _ACTIVE_ACTIVATIONS.append(
-        (
-            mesh,
-            {k: tuple(a for a in v if a not in exclude) for k, v in table.items()},
-            sequence_parallel,
-        )
-    )
-    try:
-        yield
-    finally:
-        _ACTIVE_ACTIVATIONS.pop()
-
-
-@contextlib.contextmanager
-def no_activation_layout() -> Iterator[None]:
-    """Within this context `constrain` does nothing (e.g. inside a manual shard_map)."""
-    saved = list(_ACTIVE_ACTIVATIONS)
-    _ACTIVE_ACTIVATIONS.clear()
-    try:
-        yield
-    finally:
-        _ACTIVE_ACTIVATIONS.extend(saved)
-
-
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
-    if not _ACTIVE_ACTIVATIONS:
+    if traced.activations() is None:
         return x
-    mesh, table, _ = _ACTIVE_ACTIVATIONS[-1]
+    mesh, table, _ = traced.activations()
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from spmd.parallel import hooks, rules, schedules
-from spmd.parallel.hooks import varying_axes
+from spmd.parallel import hooks, rules, schedules, traced_layout
+from spmd.parallel.traced_layout import varying_axes
 
 AXIS = "pipeline"
 # (logits, targets, loss weights or None) -> mean loss
@@ -268,7 +268,7 @@ def stage_step(
         batch_axes: tuple[str, ...] = (),
     ):
         if manual:  # every mesh axis is manual (explicit executor): local arrays, no pins
-            with hooks.no_activation_layout():
+            with traced_layout.no_activation_layout():
                 return run(chunked, outer, batch, list, list)
         # Inside the shard_map `pipeline` is manual: shardings must name the context's mesh
         # (whose `pipeline` axis is Manual), not the concrete one.
@@ -287,7 +287,10 @@ def stage_step(
 
         chunk_names = [(None, None, *n[1:]) for n in stacked_names]  # [v, L/C, ...] locally
         # `batch_axes` are manual too (their rows are local): one mean over them per step.
-        with hooks.activation_layout(mesh, zero, exclude=batch_axes), hooks.manual_context(mesh):
+        with (
+            traced_layout.activation_layout(mesh, zero, exclude=batch_axes),
+            traced_layout.manual_context(mesh),
+        ):
             loss, g_chunks, g_outer = run(
                 chunked,
                 outer,

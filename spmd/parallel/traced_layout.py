@@ -1,0 +1,151 @@
+"""The layout a step is being traced under: what turns the model's hooks (spmd.parallel.hooks)
+into collectives or sharding constraints.
+
+The engine opens one of these contexts while it traces a step; the hooks read the innermost:
+
+    explicit_layout(mesh, zero_stage, ...)   inside the explicit executor's shard_map: the hooks
+                                             become hand-written collectives
+    activation_layout(mesh, zero_stage, ...) under the auto executor's jit: `constrain` pins
+                                             activations to the layout's shardings
+    no_activation_layout()                   inside a manual shard_map: `constrain` does nothing
+    manual_context(mesh)                     a pipeline stage manual over the context axis: the
+                                             context hooks act on this device's chunks
+
+Outside all of them the hooks are no-ops and a model runs unchanged on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from spmd.parallel import rules
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplicitLayout:
+    """What the explicit executor's hooks need: the mesh, the params' rules (how they are
+    stored) and the activations' rules (how the compute uses them)."""
+
+    mesh: jax.sharding.Mesh
+    param_rules: rules.Rules
+    compute_rules: rules.Rules
+    prefetch: bool = False  # ZeRO-3: gather layer i+1 while layer i computes
+
+
+_EXPLICIT: list[ExplicitLayout] = []
+_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
+_MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
+
+
+@contextlib.contextmanager
+def explicit_layout(
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    sequence_parallel: bool = False,
+    prefetch: bool = False,
+) -> Iterator[None]:
+    """While tracing inside a shard_map over `mesh`, make the hooks real collectives.
+    `prefetch`: scan_layers gathers each layer's params one layer ahead (ZeRO-3)."""
+    param_rules = rules.rules_for(zero_stage, "params")
+    compute = rules.rules_for(zero_stage, "activations", sequence_parallel)
+    _EXPLICIT.append(ExplicitLayout(mesh, param_rules, compute, prefetch))
+    try:
+        yield
+    finally:
+        _EXPLICIT.pop()
+
+
+def explicit() -> ExplicitLayout | None:
+    """The explicit layout being traced (None outside `explicit_layout`)."""
+    return _EXPLICIT[-1] if _EXPLICIT else None
+
+
+def explicit_mesh() -> jax.sharding.Mesh | None:
+    """The mesh of the explicit step being traced (None outside `explicit_layout`)."""
+    return _EXPLICIT[-1].mesh if _EXPLICIT else None
+
+
+def mesh_axes(layout: ExplicitLayout, table: rules.Rules, name: str | None) -> tuple[str, ...]:
+    """The mesh axes over 1 that `table` maps logical dimension `name` to."""
+    return tuple(a for a in table.get(name, ()) if layout.mesh.shape[a] > 1)
+
+
+def split_axes(name: str) -> tuple[str, ...]:
+    """Mesh axes that split activations' logical dimension `name` in the explicit layout being
+    traced (() when none is active)."""
+    layout = explicit()
+    return mesh_axes(layout, layout.compute_rules, name) if layout else ()
+
+
+def varying_axes(x: Any) -> frozenset:
+    """Mesh axes over which `x` (an array or abstract value) varies inside shard_map; empty
+    outside. jax 0.10 keeps them in `manual_axis_type.varying`, earlier versions in `vma`."""
+    abstract = isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue)
+    aval = x if abstract else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+@contextlib.contextmanager
+def activation_layout(
+    mesh: jax.sharding.Mesh,
+    zero_stage: int,
+    exclude: tuple[str, ...] = (),
+    sequence_parallel: bool | None = None,
+) -> Iterator[None]:
+    """Within this context, `hooks.constrain` pins activations to the layout's shardings. Mesh
+    axes in `exclude` are left out of every rule (e.g. axes a `vmap(spmd_axis_name=...)` owns).
+    `sequence_parallel` None keeps the enclosing layout's setting (off when there is none)."""
+    if sequence_parallel is None:
+        sequence_parallel = bool(_ACTIVATIONS) and _ACTIVATIONS[-1][2]
+    table = rules.rules_for(zero_stage, "activations", sequence_parallel)
+    _ACTIVATIONS.append(
+        (
+            mesh,
+            {k: tuple(a for a in v if a not in exclude) for k, v in table.items()},
+            sequence_parallel,
+        )
+    )
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.pop()
+
+
+@contextlib.contextmanager
+def no_activation_layout() -> Iterator[None]:
+    """Within this context `hooks.constrain` does nothing (e.g. inside a manual shard_map)."""
+    saved = list(_ACTIVATIONS)
+    _ACTIVATIONS.clear()
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.extend(saved)
+
+
+def activations() -> tuple[jax.sharding.Mesh, rules.Rules, bool] | None:
+    """(mesh, activation rules, sequence parallel) of the auto layout being traced, or None."""
+    return _ACTIVATIONS[-1] if _ACTIVATIONS else None
+
+
+@contextlib.contextmanager
+def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Inside a shard_map manual over the axis that splits `length` but not over every axis
+    (the auto executor's pipeline stages): the context hooks act on this device's chunks as
+    under the explicit executor (the ring's ppermutes written directly, not nested)."""
+    axes = tuple(a for a in rules.BASE_RULES["length"] if mesh.shape[a] > 1)
+    _MANUAL_CONTEXT.append((axes[0], mesh.shape[axes[0]]) if axes else (None, 1))
+    try:
+        yield
+    finally:
+        _MANUAL_CONTEXT.pop()
+
+
+def manual_context_axis() -> tuple[str | None, int] | None:
+    """(axis, ways) of the context axis a `manual_context` made manual, or None."""
+    return _MANUAL_CONTEXT[-1] if _MANUAL_CONTEXT else None
