@@ -25,6 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from spmd.config import TrainConfig
 from spmd.engine import precision
 from spmd.engine.step import Layout, Program, TrainState, build_program
 from spmd.io import checkpoint
@@ -62,7 +63,7 @@ def build(
     pipeline: Any = None,
     sequence_parallel: bool = False,
     bucket_mb: float = 0.0,
-    prefetch: bool = True,
+    prefetch: bool = TrainConfig.prefetch,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.

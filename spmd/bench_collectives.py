@@ -2,7 +2,7 @@
 
     python -m spmd.bench_collectives [--model tiny] [--batch 16] [--seq-len 128] [--steps 30]
                                      [--devices 8] [--layouts ddp,zero3,...]
-                                     [--bucket-mb 0.25,1,4,25] [--prefetch]
+                                     [--bucket-mb 0.25,1,4,25] [--prefetch --remat full]
 
 For each named layout of meshes/ (on --devices simulated CPU devices, or the accelerators
 present) both executors' train steps are compiled with the same model, batch and initial
@@ -15,12 +15,14 @@ the largest bucket size are set first (spmd.parallel.xla_flags: on CPU that turn
 all-reduce combiner off, so bucket size 0 there means one all-reduce per param). With
 --prefetch the explicit step is compiled with ZeRO-3's prefetching layer scan off and on
 (spmd.parallel.layer_scan) for the layouts with ZeRO-3 and those run alternately: median step
-time and the all-gathers per step of each. A benchmark, not a test: nothing is asserted.
+time and the all-gathers per step of each (prefetch needs rematerialised layers: --remat full
+or dots_saveable). A benchmark, not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -36,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per executor")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--layouts", default="", help="comma-separated preset names (all)")
+    parser.add_argument(
+        "--remat", default="", help="none | full | dots_saveable (default: the preset's)"
+    )
     parser.add_argument(
         "--bucket-mb", default="", help="comma-separated bucket sizes in MiB (explicit only)"
     )
@@ -67,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
+    if buckets and args.prefetch:
+        raise UsageError("--bucket-mb and --prefetch are separate comparisons; give one of them")
     if buckets:
         return run_buckets(args, presets, buckets)
     if args.prefetch:
-        return run_prefetch(args, [p for p in presets if p.zero == 3])
+        return run_prefetch(args, presets)
 
     print(
         f"{'layout':<9}{'mesh':<20}{'auto ms':>9}{'explicit ms':>13}{'ratio':>7}"
@@ -163,6 +170,8 @@ def bench_layout(
     from spmd.parallel.mesh import build_mesh
 
     model = llama.LlamaConfig(**config.preset(args.model))
+    if args.remat:
+        model = dataclasses.replace(model, remat=args.remat)
     train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len)
     layout = Layout(build_mesh(sizes), zero, sequence_parallel)
     check_batch(args.batch, layout, 1)

@@ -85,8 +85,8 @@ def test_explicit_collective_kinds_per_layout():
 
 
 def test_zero3_gathers_each_layer_once_per_pass():
-    # gathering inside each layer's iteration (test_prefetch.py: one iteration ahead)
-    program, compiled = trainer.compiled(*LAYOUTS["zero3"], "explicit", prefetch=False)
+    # remat none: each layer gathers inside its own iteration (test_prefetch.py: one ahead)
+    program, compiled = _compiled(*LAYOUTS["zero3"], "explicit")
     colls = hlo.collectives(compiled, program.layout.mesh)
     per_layer = len(jax.tree.leaves(program.abstract_params["blocks"]))
     in_loop = [c for c in colls if c.count == TINY.n_layers]

@@ -197,8 +197,9 @@ LAYOUTS = [
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_state_bytes_agree_with_the_engine_across_layouts(preset):
     """Analytic params + optimizer state per device vs the shardings the engine's jitted step
-    takes its state in (its explicit in_shardings, which spmd.engine.step.state_bytes_per_device
-    reads back from the compiled step; test_measure_compiles checks that they agree)."""
+    takes its state in (its explicit in_shardings, which
+    spmd.engine.state_layout.state_bytes_per_device reads back from the compiled step;
+    test_measure_compiles checks that they agree)."""
     shape = config.build(llama.LlamaConfig, config.preset(preset), preset)
     from spmd.parallel.mesh import parse_mesh
 

@@ -1,6 +1,7 @@
 """The model a run trains, traced without allocating anything: its graph, the logical axis
 names of every param (with the data-parallel fallback for a model that names none) and the
-param shapes in the working dtype. `layout` arguments are spmd.engine.step.Layout's."""
+param shapes in the working dtype. `layout` arguments are spmd.engine.step.Layout's (typed
+Any: step imports this module)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Where a run's state lives: the shardings of params, gradients and optimizer state for a
 layout (the rules of spmd.parallel.rules at its ZeRO stage), and the bytes a device holds of
-them. `layout` arguments are spmd.engine.step.Layout's, `program` ones its Program's."""
+them. `layout` arguments are spmd.engine.step.Layout's and `program` ones its Program's (typed
+Any: step imports this module)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def state_shardings(
 
 
 def with_sharding(shapes: Any, shardings: Any) -> Any:
+    """`shapes` (ShapeDtypeStructs) carrying the matching leaves of `shardings`."""
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
@@ -97,7 +99,11 @@ def state_bytes_per_device(compiled: Any, program: Any) -> dict[str, int]:
 
 
 def abstract_state(
-    shapes: Any, opt_shapes: Any, shardings: dict[str, Any], layout: Any, policy: precision.Policy
+    shapes: Any,
+    opt_shapes: Any,
+    shardings: dict[str, Any],
+    layout: Any,
+    policy: precision.Policy,
 ) -> dict[str, Any]:
     """The Program's abstract state on the mesh (ShapeDtypeStructs with shardings): params,
     optimizer state, loss scale (replicated scalars) and the fp32 master weights laid out

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.config import TrainConfig
 from spmd.engine import precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
@@ -92,7 +93,8 @@ class Program:
     # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
     batch_fields: tuple[str, ...] = ("inputs", "targets")
     train_fn: Callable | None = None  # train_step before jit (spmd.engine.diloco vmaps it)
-    # the explicit executor's ZeRO-3 layer scan gathers one layer ahead (spmd.parallel.layer_scan)
+    # --prefetch asked of the explicit executor: its ZeRO-3 layer scan gathers one layer ahead
+    # when the layers are rematerialised (hooks.scan_layers; theory.prefetching)
     prefetch: bool = False
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
@@ -178,7 +180,7 @@ def build_program(
     pipeline: Any = None,
     exclude_axes: tuple[str, ...] = (),
     bucket_mb: float = 0.0,
-    prefetch: bool = True,
+    prefetch: bool = TrainConfig.prefetch,
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or

@@ -19,9 +19,10 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
 - params: all-gather after the update where the optimizer state is split and the params are
   not (ZeRO-1/2); with ZeRO-3, all-gather before use: a layer's params in the forward and again
   in the backward (remat), the embedding, final norm and head once; the explicit executor's
-  prefetching layer scan keeps the last layer whole from forward to backward (2L - 1 layer
-  gathers per micro-batch instead of 2L; with accumulation the first gather of each pass is
-  the same for every micro-batch and XLA hoists it out of their loop: accum (2L - 3) + 2);
+  prefetching layer scan (`prefetching`) gathers each pass's next layer one iteration ahead,
+  the last iteration's a spare: 2L + 1 layer gathers per micro-batch instead of 2L; with
+  accumulation the first (layer 0's, before the loop) is the same for every micro-batch and
+  XLA hoists it out of their loop: 2L accum + 1;
 - tensor parallel (Megatron): per layer and micro-batch, all-reduces of one activation
   [batch, length, embed] after the attention and MLP row-parallel matmuls (forward) and at
   their column-parallel inputs (backward), plus the vocab-parallel embedding (forward) and head
@@ -133,6 +134,9 @@ def report(
     text = format_comparison(
         measured, expected, hlo.memory(compiled), memory(program, global_batch, seq_len)
     )
+    if prefetching(program, model) and gathered_layer_bytes(program):
+        # the layer computing, the next one gathering, and the last one kept for backward
+        text += "\nZeRO-3 prefetch holds up to 3 layers gathered at once"
     if pipeline is not None:
         text += (
             "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
@@ -248,11 +252,11 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
             gathered = _local_bytes(leaf.shape, gather_dtype, whole, mesh)
             passes = 2 * accum if layers > 1 else 1
             gathers = passes * layers
-            if layers > 1 and getattr(program, "prefetch", False):
-                # the prefetching layer scan keeps the last layer whole for the backward pass;
-                # its first gathers (layer 0 forward, layer L-2 backward) read the params only,
-                # so XLA hoists them out of the micro-batch loop
-                gathers = accum * (2 * layers - 3) + 2
+            if layers > 1 and prefetching(program, model):
+                # the prefetching scan gathers one layer more per pass (L + 1 forward, the last
+                # kept for the backward's L); its first gather reads the params only, so XLA
+                # hoists it out of the micro-batch loop
+                gathers = accum * 2 * layers + 1
             add("all-gather", gathers, gathers * gathered // layers)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
@@ -343,6 +347,13 @@ def _tensor_parallel(
         kv_bytes = 2 * embed * model.n_kv_heads * model.head_dim * 4
         out["all-reduce"]["count"] += 2 * accum * model.n_layers
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
+
+
+def prefetching(program: Any, model: Transformer) -> bool:
+    """Whether the program's ZeRO-3 layer scan prefetches (hooks.scan_layers): the explicit
+    executor with --prefetch 1 and rematerialised layers. Pipelined programs keep the count of
+    gathering in place: theory does not model ZeRO-3 per pipeline chunk."""
+    return bool(program.prefetch) and model.remat and program.layout.mesh.shape["pipeline"] == 1
 
 
 def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:

@@ -117,7 +117,8 @@ def explicit_steps(
     local_loss: Callable | None = None,
     sequence_parallel: bool = False,
     bucket_bytes: int = 0,
-    prefetch: bool = True,
+    *,
+    prefetch: bool,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
 
@@ -150,7 +151,7 @@ def explicit_steps(
     def traced_on_devices() -> Iterator[None]:
         # the hooks become collectives; the auto executor's activation constraints are off
         with (
-            traced_layout.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch),
+            traced_layout.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch=prefetch),
             traced_layout.no_activation_layout(),
         ):
             yield

@@ -34,9 +34,8 @@ model runs unchanged on one device.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,8 +47,6 @@ from spmd.parallel import layer_scan, ring_attention, rules
 from spmd.parallel import traced_layout as traced
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
-
-_ALREADY_GATHERED: list[bool] = []  # inside a prefetched layer: its params arrive whole
 
 
 def logical_names(variable: Any) -> tuple[str | None, ...]:
@@ -65,7 +62,7 @@ def gather(variable: Any) -> jax.Array:
     reduce-scatter of the gradient. Names are read from the end: a stacked `layers` dim is
     scanned away by the time a layer uses its params."""
     value = variable[...]
-    if traced.explicit() is None or _ALREADY_GATHERED:
+    if traced.explicit() is None or traced.params_arrive_whole():
         return value
     return _gather_value(value, logical_names(variable))
 
@@ -266,15 +263,6 @@ def _gathering() -> bool:
     )
 
 
-@contextlib.contextmanager
-def _params_arrive_whole() -> Iterator[None]:
-    _ALREADY_GATHERED.append(True)
-    try:
-        yield
-    finally:
-        _ALREADY_GATHERED.pop()
-
-
 def scan_layers(
     layer: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
@@ -285,12 +273,21 @@ def scan_layers(
     -> (carry, y)` on the i-th slice of `stacked` (an nnx.State with a leading `layers` dim),
     rematerialised by `remat` (a jax.checkpoint policy, None: none) minus gathered params.
     Under explicit ZeRO-3 with prefetch, each layer's params are gathered while the layer
-    before it computes (spmd.parallel.layer_scan.prefetched_scan)."""
+    before it computes (spmd.parallel.layer_scan.prefetched_scan) when the layers are
+    rematerialised (`remat` given: with none, the prefetching scan would keep more residuals
+    per layer than XLA's scan), there are at least 2 and `layer` closes over no traced float
+    (pass such values in `carry` or `stacked`). `note("layer_scan", ...)` says which ran."""
     gathering = _gathering()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    if not (gathering and traced.explicit().prefetch and n_layers >= 2):
+    asked = gathering and traced.explicit().prefetch
+    if not (asked and remat is not None and n_layers >= 2):
+        note("layer_scan", "prefetch off: --remat none" if asked and n_layers > 1 else "scan")
         return layer_scan.plain_scan(layer, carry, stacked, policy)
+    if layer_scan.closes_over_a_float(layer, carry, stacked):
+        note("layer_scan", "prefetch off: the layer closes over a traced float")
+        return layer_scan.plain_scan(layer, carry, stacked, policy)
+    note("layer_scan", "prefetch")
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
 
@@ -299,7 +296,7 @@ def scan_layers(
         return [_gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)]
 
     return layer_scan.prefetched_scan(
-        layer, carry, stacked, policy, gather_layer, _params_arrive_whole
+        layer, carry, stacked, policy, gather_layer, traced.params_whole
     )
 
 

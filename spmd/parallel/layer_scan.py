@@ -3,8 +3,8 @@ and under ZeRO-3 (explicit executor) with prefetch: the next layer's params are 
 while the current layer computes, in the forward and in the backward pass (double buffering).
 
 The remat policy never saves a param gathered for use (tagged GATHERED by hooks.gather) nor a
-value that only re-lays one out: the backward pass gathers again instead, so only one layer is
-ever whole (ZeRO-3's memory).
+value that only re-lays one out: the backward pass gathers again instead, so without prefetch
+one layer is whole at a time (ZeRO-3's memory).
 
 Without prefetch (`hooks.gather` inside each layer) layer i's all_gather is issued in iteration
 i, right before the matmuls that need it, so its time is exposed unless XLA's collective
@@ -17,15 +17,22 @@ Autodiff cannot write this backward pass: differentiating a scan whose carry hol
 params saves every layer's gathered params (the whole model) as residuals. So the scan is a
 `custom_vjp`:
 - forward: each layer runs as `jax.vjp` of the layer under the layout's remat policy, and its
-  residuals are kept except the gathered params (found by identity among the residuals: the
-  policy never saves a value derived from them, `remat_policy`); the last layer's gathered
-  params stay whole for the backward pass, which starts with that layer;
+  residuals are kept except its gathered params. Those are found by identity among the
+  residual leaves: the policy never saves a re-layout of them (a cast, reshape, broadcast), so
+  a gathered param is a residual, if at all, as itself. The last iteration's prefetch gathers
+  the last layer again, which the backward pass starts with;
 - backward: layers in reverse, each one's params gathered one iteration ahead, its residuals
   completed with them, its vjp applied, and the gathered params' cotangent reduce-scattered
   back to shards (the transpose of the all_gather, as autodiff would write it).
 
-Per micro-batch: L layer all-gathers forward and L - 1 backward (2L without prefetch); two
-layers' params are whole at once instead of one.
+Both passes are one loop over every layer (no layer is peeled off: a layer outside the loop
+would keep temporaries of its own). Per micro-batch that is L + 1 layer all-gathers forward
+and L backward (the last of each a spare: 2L without prefetch); up to three layers' params
+are whole at once (computing, prefetching, and the forward's last kept for the backward).
+
+Used only when the layers are rematerialised (hooks.scan_layers): with none, `jax.vjp`'s
+residuals per layer are more than XLA's own scan keeps (a loop-invariant mask and one more
+attention-sized tensor per layer, measured), so prefetch would cost activation memory.
 """
 
 from __future__ import annotations
@@ -85,6 +92,16 @@ def plain_scan(
     return lax.scan(layer, carry, stacked)
 
 
+def closes_over_a_float(
+    layer: Callable[[Any, Any], tuple[Any, Any]], carry: Any, stacked: Any
+) -> bool:
+    """Whether `layer(carry, state_i)` reads a traced float other than its arguments (a
+    closure: `prefetched_scan`'s custom_vjp could not differentiate it, so such a layer runs
+    in `plain_scan`). Integer closures (positions, document ids) are fine."""
+    first = jax.tree.map(lambda x: x[0], stacked)
+    return bool(jax.closure_convert(layer, carry, first)[1])
+
+
 def prefetched_scan(
     layer: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
@@ -135,68 +152,57 @@ def _at(tree: Any, i: jax.Array | int) -> Any:
 
 
 def _forward(plan: _Plan, carry: Any, shards: Arrays, with_residuals: bool) -> tuple:
-    """((final carry, stacked ys), residuals): layers 0 .. L-2 in a scan whose iteration i
-    first gathers layer i+1's params, then runs layer i on the params it carries in; the
-    last layer after it. Residuals: the kept ones of layers 0 .. L-2 (stacked) and of the
-    last, its whole params, and the shards."""
-    n_layers = shards[0].shape[0]
+    """((final carry, stacked ys), residuals): a scan whose iteration i first gathers layer
+    i+1's params (the last layer's again in the last iteration), then runs layer i on the
+    params it carries in. Residuals: each layer's kept ones (stacked), the last layer's
+    params whole, and the shards."""
+    last = shards[0].shape[0] - 1
 
     def step(state: tuple, i: jax.Array) -> tuple[tuple, tuple]:
         carry, whole = state
-        upcoming = plan.gather(_at(shards, i + 1))  # nothing in this iteration waits for it
-        carry, y, kept = plan.pullbacks.forward("loop", carry, whole, with_residuals)
+        # nothing in this iteration waits for it
+        upcoming = plan.gather(_at(shards, jnp.minimum(i + 1, last)))
+        carry, y, kept = plan.pullbacks.forward(carry, whole, with_residuals)
         return (carry, upcoming), (y, kept)
 
     start = (carry, plan.gather(_at(shards, 0)))
-    (carry, whole), (ys, kept) = lax.scan(step, start, jnp.arange(n_layers - 1))
-    carry, y_last, kept_last = plan.pullbacks.forward("last", carry, whole, with_residuals)
-    ys = jax.tree.map(lambda many, last: jnp.concatenate([many, last[None]]), ys, y_last)
-    return (carry, ys), (kept, kept_last, whole, shards)
+    (carry, whole_last), (ys, kept) = lax.scan(step, start, jnp.arange(last + 1))
+    return (carry, ys), (kept, whole_last, shards)
 
 
 def _backward(plan: _Plan, residuals: tuple, cotangents: tuple) -> tuple[Any, Arrays]:
-    """(the carry's cotangent, the shards' cotangents): the last layer first on its kept whole
-    params, then layers L-2 .. 1 in a reverse scan whose iteration i first gathers layer i-1's
-    params, then layer 0 on the params the scan hands over."""
-    kept, kept_last, whole_last, shards = residuals
+    """(the carry's cotangent, the shards' cotangents): a reverse scan from the last layer,
+    whose params the forward pass kept whole; iteration i first gathers layer i-1's params
+    (layer 0's again in the last iteration), then applies layer i's vjp."""
+    kept, whole_last, shards = residuals
     d_carry, d_ys = cotangents
-    last = shards[0].shape[0] - 1
-
-    def layer_grads(site: str, i: Any, res: Any, whole: Arrays, d_carry: Any) -> tuple:
-        cotangent = (d_carry, _at(d_ys, i))
-        return plan.pullbacks.backward(site, res, whole, cotangent, _at(shards, i), plan.gather)
-
-    upcoming = plan.gather(_at(shards, last - 1))
-    d_carry, d_last = layer_grads("last", last, kept_last, whole_last, d_carry)
 
     def step(state: tuple, i: jax.Array) -> tuple[tuple, Arrays]:
         d_carry, whole = state
-        upcoming = plan.gather(_at(shards, i - 1))
-        d_carry, d_shards = layer_grads("loop", i, _at(kept, i), whole, d_carry)
+        upcoming = plan.gather(_at(shards, jnp.maximum(i - 1, 0)))
+        cotangent = (d_carry, _at(d_ys, i))
+        d_carry, d_shards = plan.pullbacks.backward(
+            _at(kept, i), whole, cotangent, _at(shards, i), plan.gather
+        )
         return (d_carry, upcoming), d_shards
 
-    middle = jnp.arange(1, last)
-    (d_carry, whole), d_middle = lax.scan(step, (d_carry, upcoming), middle, reverse=True)
-    d_carry, d_first = layer_grads("loop", 0, _at(kept, 0), whole, d_carry)
-    d_shards = [
-        jnp.concatenate([first[None], many, final[None]])
-        for first, many, final in zip(d_first, d_middle, d_last, strict=True)
-    ]
+    layers = jnp.arange(shards[0].shape[0])
+    (d_carry, _), d_shards = lax.scan(step, (d_carry, whole_last), layers, reverse=True)
     return d_carry, d_shards
 
 
 class _Pullbacks:
     """One layer's `jax.vjp`, its residuals stored without the gathered params and completed
     with them again in the backward pass. Where each residual goes (the vjp's pytree, which
-    residual is which gathered param, the constants) is static and recorded per call site
-    ("loop": the scan's body, "last": the layer after it) while the forward pass is traced."""
+    residual is which gathered param, the constants) is static and recorded while the forward
+    pass is traced (every layer's is the same: one loop body)."""
 
     def __init__(self, checkpointed: Callable) -> None:
         self.checkpointed = checkpointed
-        self.layout: dict[str, tuple] = {}
+        self.layout: tuple | None = None
 
     def forward(
-        self, site: str, carry: Any, whole: Arrays, with_residuals: bool = True
+        self, carry: Any, whole: Arrays, with_residuals: bool = True
     ) -> tuple[Any, Any, Arrays | None]:
         """(carry, y, the residuals to keep; None without residuals) of one layer on its whole
         params."""
@@ -210,13 +216,12 @@ class _Pullbacks:
             for k, leaf in enumerate(leaves)
             if slots[k] < 0 and not isinstance(leaf, jax.core.Tracer)
         }
-        self.layout[site] = (tree, slots, constants)
+        self.layout = (tree, slots, constants)
         kept = [leaf for k, leaf in enumerate(leaves) if slots[k] < 0 and k not in constants]
         return carry, y, kept
 
     def backward(
         self,
-        site: str,
         kept: Arrays,
         whole: Arrays,
         cotangent: tuple,
@@ -224,7 +229,7 @@ class _Pullbacks:
         gather: Callable[[Arrays], Arrays],
     ) -> tuple[Any, Arrays]:
         """(the carry's cotangent, the layer's param shards' cotangents)."""
-        tree, slots, constants = self.layout[site]
+        tree, slots, constants = self.layout
         rest = iter(kept)
         leaves = [
             whole[slot] if slot >= 0 else constants[k] if k in constants else next(rest)

@@ -10,6 +10,8 @@ The engine opens one of these contexts while it traces a step; the hooks read th
     no_activation_layout()                   inside a manual shard_map: `constrain` does nothing
     manual_context(mesh)                     a pipeline stage manual over the context axis: the
                                              context hooks act on this device's chunks
+    params_whole()                           a layer of ZeRO-3's prefetching scan: its params
+                                             arrive gathered
 
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
@@ -34,12 +36,13 @@ class ExplicitLayout:
     mesh: jax.sharding.Mesh
     param_rules: rules.Rules
     compute_rules: rules.Rules
-    prefetch: bool = False  # ZeRO-3: gather layer i+1 while layer i computes
+    prefetch: bool  # ZeRO-3: gather layer i+1 while layer i computes
 
 
 _EXPLICIT: list[ExplicitLayout] = []
 _ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
+_PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
 
 
 @contextlib.contextmanager
@@ -47,7 +50,8 @@ def explicit_layout(
     mesh: jax.sharding.Mesh,
     zero_stage: int,
     sequence_parallel: bool = False,
-    prefetch: bool = False,
+    *,
+    prefetch: bool,
 ) -> Iterator[None]:
     """While tracing inside a shard_map over `mesh`, make the hooks real collectives.
     `prefetch`: scan_layers gathers each layer's params one layer ahead (ZeRO-3)."""
@@ -149,3 +153,19 @@ def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
 def manual_context_axis() -> tuple[str | None, int] | None:
     """(axis, ways) of the context axis a `manual_context` made manual, or None."""
     return _MANUAL_CONTEXT[-1] if _MANUAL_CONTEXT else None
+
+
+@contextlib.contextmanager
+def params_whole() -> Iterator[None]:
+    """Inside a layer of ZeRO-3's prefetching scan (spmd.parallel.layer_scan): its params arrive
+    gathered, so `hooks.gather` returns them as they are."""
+    _PARAMS_WHOLE.append(True)
+    try:
+        yield
+    finally:
+        _PARAMS_WHOLE.pop()
+
+
+def params_arrive_whole() -> bool:
+    """Whether the layer being traced runs inside `params_whole`."""
+    return bool(_PARAMS_WHOLE)
