@@ -185,3 +185,27 @@ def test_bench_collectives_times_prefetch_off_and_on(capsys):
     (zero3,) = [row for row in rows if row[0] == "zero3"]  # ddp gathers no layer: left out
     # tiny's 4 layers of 9 params gathered 2L times, or 2L + 1 with prefetch; + 3 outside
     assert re.findall(r"/ (\d+)", " ".join(zero3)) == [str(9 * 8 + 3), str(9 * 9 + 3)]
+
+
+def test_a_layer_closing_over_a_traced_float_is_told_apart():
+    # Such a layer runs in the plain scan: prefetch's custom_vjp could not differentiate the
+    # closed-over value. Integer closures (positions, document ids) do not count.
+    from spmd.parallel import layer_scan
+
+    stacked = {"w": jax.numpy.ones((3, 4))}
+    seen = {}
+
+    def loss(outer, positions):
+        def float_layer(carry, state):
+            return carry * state["w"] * outer, None
+
+        def int_layer(carry, state):
+            return carry * state["w"] * positions, None
+
+        carry = jax.numpy.ones(4)
+        seen["float"] = layer_scan.closes_over_a_float(float_layer, carry, stacked)
+        seen["int"] = layer_scan.closes_over_a_float(int_layer, carry, stacked)
+        return outer
+
+    jax.jit(jax.grad(loss))(1.0, jax.numpy.arange(4))
+    assert seen == {"float": True, "int": False}
