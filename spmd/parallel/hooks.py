@@ -276,13 +276,15 @@ def scan_layers(
     before it computes (spmd.parallel.layer_scan.prefetched_scan) when the layers are
     rematerialised (`remat` given: with none, the prefetching scan would keep more residuals
     per layer than XLA's scan), there are at least 2 and `layer` closes over no traced float
-    (pass such values in `carry` or `stacked`). `note("layer_scan", ...)` says which ran."""
+    (pass such values in `carry` or `stacked`). Where prefetch was asked for, `note("layer_scan",
+    ...)` says whether it ran."""
     gathering = _gathering()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     asked = gathering and traced.explicit().prefetch
     if not (asked and remat is not None and n_layers >= 2):
-        note("layer_scan", "prefetch off: --remat none" if asked and n_layers > 1 else "scan")
+        if asked and n_layers > 1:  # said only where prefetch was asked for and could run
+            note("layer_scan", "prefetch off: --remat none")
         return layer_scan.plain_scan(layer, carry, stacked, policy)
     if layer_scan.closes_over_a_float(layer, carry, stacked):
         note("layer_scan", "prefetch off: the layer closes over a traced float")
