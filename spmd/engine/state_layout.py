@@ -28,7 +28,7 @@ def state_shardings(
     "grads", "opt_state", "opt_state_per_param" (the optimizer layout of each param-shaped
     leaf) and "batch" (a prefix sharding splitting dim 0 of any batch leaf)."""
     mesh, zero = layout.mesh, layout.zero_stage
-    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
+    master_shapes = master_like(shapes, policy)
     opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, names, layout, policy)
     shardings = {
         "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
@@ -110,7 +110,7 @@ def abstract_state(
     like the params (e.g. to load them)."""
     param_sh = shardings["params"]
     scale_shapes = jax.eval_shape(lambda: precision.init_loss_scale(policy))
-    master_shapes = jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
+    master_shapes = master_like(shapes, policy)
     return {
         "abstract_params": with_sharding(shapes, param_sh),
         "abstract_opt_state": with_sharding(opt_shapes, shardings["opt_state"]),
@@ -119,3 +119,8 @@ def abstract_state(
         ),
         "abstract_master": with_sharding(master_shapes, param_sh),
     }
+
+
+def master_like(shapes: Any, policy: precision.Policy) -> Any:
+    """`shapes` (ShapeDtypeStructs) in the policy's master-weight dtype (fp32)."""
+    return jax.tree.map(lambda s: s.update(dtype=policy.master_dtype), shapes)
