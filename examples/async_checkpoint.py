@@ -42,8 +42,9 @@ def main() -> None:
     from spmd import config
     from spmd.config import TrainConfig
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout, build_program
+    from spmd.engine.step import build_program
     from spmd.io import checkpoint, data
+    from spmd.parallel.layout import Layout
 
     model_cfg = llama.LlamaConfig(**config.preset(args.model))
     train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000)

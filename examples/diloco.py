@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.config import TrainConfig
     from spmd.engine import diloco
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout
     from spmd.estimate import dcn_traffic, hlo
     from spmd.io import data, tokens
+    from spmd.parallel.layout import Layout
 
     batch, seq_len = 16, 32
     cfg = llama.LlamaConfig(**config.preset("tiny"))

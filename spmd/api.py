@@ -27,11 +27,12 @@ from flax import nnx
 
 from spmd.config import TrainConfig
 from spmd.engine import precision
-from spmd.engine.step import Layout, Program, TrainState, build_program
+from spmd.engine.step import Program, TrainState, build_program
 from spmd.io import checkpoint
-from spmd.observe.metrics import say
+from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel import rules
+from spmd.parallel.layout import Layout
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:

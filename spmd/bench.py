@@ -23,7 +23,7 @@ from models import moe
 from spmd import checks, config, train
 from spmd.errors import UsageError, run_command
 from spmd.io import data, tokens
-from spmd.observe.metrics import say
+from spmd.log import say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,8 @@ def compiled_pair(cfg: Any, model_cfg: Any, mesh: Any) -> tuple[dict, dict, Any]
 
     from spmd.engine import precision
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout, build_program, check_batch
+    from spmd.engine.step import build_program, check_batch
+    from spmd.parallel.layout import Layout
 
     layout = Layout(mesh, cfg.zero)
     check_batch(cfg.batch, layout, cfg.accum)

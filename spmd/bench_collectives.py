@@ -165,8 +165,9 @@ def bench_layout(
     from spmd import config
     from spmd.config import TrainConfig
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import EXECUTORS, Layout, build_program, check_batch
+    from spmd.engine.step import EXECUTORS, build_program, check_batch
     from spmd.estimate import hlo
+    from spmd.parallel.layout import Layout
     from spmd.parallel.mesh import build_mesh
 
     model = llama.LlamaConfig(**config.preset(args.model))

@@ -42,7 +42,7 @@ def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
     if model.n_heads % model.n_kv_heads:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
     check_checkpoint_choices(train)
-    from spmd.engine import divergence
+    from spmd.training import divergence
 
     divergence.check_choices(train)
     check_observability(train)

@@ -29,8 +29,9 @@ from spmd.checks import (
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.io import run_data
-from spmd.io.resume import open_checkpoints
-from spmd.observe.metrics import MetricsLog, say
+from spmd.log import say
+from spmd.observe.metrics import MetricsLog
+from spmd.training.resume import open_checkpoints
 
 # The model section is the Llama's fields plus the experts' (n_experts 0: the dense Llama).
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
@@ -52,7 +53,7 @@ def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
 def start_processes(train: TrainConfig) -> int:
     """Join the multi-process job if this is one (flags, spmd.launch, SLURM, Open MPI);
     only process 0 prints progress and writes metrics. Returns the number of processes."""
-    from spmd.observe.metrics import set_primary
+    from spmd.log import set_primary
     from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
@@ -135,7 +136,7 @@ def run(argv: list[str] | None) -> int:
     manager, restored = None, None
     if checkpointing:
         manager, restored = open_checkpoints(train, program, sections, token_file.fingerprint)
-    from spmd.engine.divergence import Guard
+    from spmd.training.divergence import Guard
 
     guard = Guard(train, restored.data if restored is not None else None)
     if guard.lr_factor != 1.0:  # earlier rollbacks lowered the LR: go on with it
@@ -148,7 +149,7 @@ def run(argv: list[str] | None) -> int:
         return 0
     log = MetricsLog(train.metrics, append=restored is not None, tensorboard=train.tensorboard)
     write_config_record(log, sections, program, facts, pipe_report)
-    from spmd.engine.loop import Run
+    from spmd.training.loop import Run
 
     def recompile(lr_factor: float) -> Any:
         return with_lr_factor(lr_factor).compile_train_step(train.batch, train.seq_len)
@@ -191,11 +192,11 @@ def report_dry_run(
 
 
 def train_until_stopped(make_run: Any, restored: Any, closing: tuple[Any, MetricsLog]) -> int:
-    """Train the spmd.engine.loop.Run that `make_run(stop signals)` makes from the restored
+    """Train the spmd.training.loop.Run that `make_run(stop signals)` makes from the restored
     checkpoint (or the start) to the end or a stop; the exit status. `closing` (the checkpoint
     manager or None, the metrics log) are closed after the last save is written."""
-    from spmd.engine.loop import train_loop
-    from spmd.io.preemption import StopSignals
+    from spmd.training.loop import train_loop
+    from spmd.training.preemption import StopSignals
 
     # Open until the last save is written: a stop signal during the final eval or save is noted
     # (and the run ends as planned) instead of killing the process mid-save.
@@ -241,7 +242,8 @@ def build_run_program(
     from spmd import api
     from spmd.engine import precision
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout, check_batch
+    from spmd.engine.step import check_batch
+    from spmd.parallel.layout import Layout
     from spmd.parallel.mesh import format_mesh
 
     layout = Layout(mesh, train.zero)

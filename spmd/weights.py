@@ -14,8 +14,9 @@ import optax
 
 from models import hf_llama, llama, moe
 from spmd import config
-from spmd.engine.step import Layout, Program, build_program
+from spmd.engine.step import Program, build_program
 from spmd.io import params_io
+from spmd.parallel.layout import Layout
 
 
 @dataclasses.dataclass

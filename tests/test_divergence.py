@@ -22,9 +22,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from spmd import config, train
-from spmd.engine import divergence
 from spmd.io import checkpoint, data, tokens
-from spmd.io.resume import program_state_target
+from spmd.training import divergence
+from spmd.training.resume import program_state_target
 from tests.cli import ROOT, records
 from tests.tiny_run import tiny_program
 

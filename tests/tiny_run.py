@@ -14,8 +14,9 @@ from spmd import config
 from spmd.config import TrainConfig
 from spmd.engine import precision
 from spmd.engine.optim import make_optimizer
-from spmd.engine.step import Layout, Program, build_program
+from spmd.engine.step import Program, build_program
 from spmd.io import data
+from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
 
 BATCH, SEQ_LEN = 16, 32

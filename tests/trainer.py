@@ -12,8 +12,9 @@ import numpy as np
 from models import llama
 from spmd.config import TrainConfig, build, preset
 from spmd.engine.optim import make_optimizer
-from spmd.engine.step import Layout, Program, build_program
+from spmd.engine.step import Program, build_program
 from spmd.io import data
+from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
 
 STEPS = 20

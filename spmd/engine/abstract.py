@@ -1,7 +1,6 @@
 """The model a run trains, traced without allocating anything: its graph, the logical axis
 names of every param (with the data-parallel fallback for a model that names none) and the
-param shapes in the working dtype. `layout` arguments are spmd.engine.step.Layout's (typed
-Any: step imports this module)."""
+param shapes in the working dtype."""
 
 from __future__ import annotations
 
@@ -14,14 +13,15 @@ from flax import nnx
 
 from spmd.engine import precision
 from spmd.errors import UsageError
-from spmd.observe.metrics import say
+from spmd.log import say
 from spmd.parallel import rules
+from spmd.parallel.layout import Layout
 
 
 def abstract_model(
     make_model: Callable[[int], nnx.Module],
     seed: int,
-    layout: Any,
+    layout: Layout,
     policy: precision.Policy,
     executor: str,
 ) -> tuple[Any, Any, Any]:
@@ -37,7 +37,7 @@ def abstract_model(
     return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes
 
 
-def unnamed_model_names(names: Any, shapes: Any, layout: Any, executor: str) -> Any:
+def unnamed_model_names(names: Any, shapes: Any, layout: Layout, executor: str) -> Any:
     """`names` as given when any param names a logical axis. For a model that names none, the
     data-parallel fallback: each param's largest dimension that the fsdp axis divides is called
     `embed` (the dimension the ZeRO stage's rules split over fsdp), and one line says what was

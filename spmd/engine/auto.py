@@ -1,6 +1,6 @@
 """The `auto` executor's train and eval steps: plain JAX under the layout's activation
 constraints, inside the jit that spmd.engine.step builds; XLA's SPMD partitioner inserts the
-collectives (spmd.parallel.explicit is the hand-written counterpart)."""
+collectives (spmd.engine.explicit is the hand-written counterpart)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,20 @@ import optax
 from spmd.engine import precision
 from spmd.engine.accumulate import accumulated_grads
 from spmd.parallel import traced_layout
+from spmd.parallel.layout import Layout
 
 
 def auto_steps(
     loss_of: Callable,
     tx: optax.GradientTransformation,
-    layout: Any,
+    layout: Layout,
     shardings: dict[str, Any],
     accum: int,
     policy: precision.Policy,
     exclude: tuple[str, ...] = (),
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) of the `auto` executor, not yet jitted, for `layout` (a
-    spmd.engine.step.Layout). `loss_of(params, batch)` is the loss of the global batch; with
+    spmd.parallel.layout.Layout). `loss_of(params, batch)` is the loss of the global batch; with
     accum > 1 the step loops over micro-batches. Mesh axes in `exclude` are left out of the
     activation rules (an enclosing vmap owns them)."""
     mesh, zero, sp = layout.mesh, layout.zero_stage, layout.sequence_parallel

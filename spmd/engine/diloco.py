@@ -34,8 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
 from spmd.engine.state_layout import optimizer_shardings
-from spmd.engine.step import Layout, Program, TrainState, build_program
+from spmd.engine.step import Program, TrainState, build_program
 from spmd.errors import UsageError
+from spmd.parallel.layout import Layout
 
 AXIS = "data"  # the mesh axis whose ways are the replicas
 MODES = ("every-step", "diloco")

@@ -1,7 +1,7 @@
 """Where a run's state lives: the shardings of params, gradients and optimizer state for a
 layout (the rules of spmd.parallel.rules at its ZeRO stage), and the bytes a device holds of
-them. `layout` arguments are spmd.engine.step.Layout's and `program` ones its Program's (typed
-Any: step imports this module)."""
+them. `program` arguments are spmd.engine.step.Program's (typed Any: step imports this
+module)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from jax.sharding import NamedSharding
 
 from spmd.engine import precision
 from spmd.parallel import rules
+from spmd.parallel.layout import Layout
 
 
 def state_shardings(
     tx: optax.GradientTransformation,
     names: Any,
     shapes: Any,
-    layout: Any,
+    layout: Layout,
     policy: precision.Policy,
 ) -> tuple[dict[str, Any], Any]:
     """(the layout's shardings by role, the optimizer state's ShapeDtypeStructs): "params",
@@ -51,7 +52,7 @@ def opt_state_shardings(
     tx: optax.GradientTransformation,
     master: Any,
     names: Any,
-    layout: Any,
+    layout: Layout,
     policy: precision.Policy,
 ) -> tuple[Any, Any]:
     """(abstract opt state, its shardings) for master weights `master` (ShapeDtypeStructs):
@@ -102,7 +103,7 @@ def abstract_state(
     shapes: Any,
     opt_shapes: Any,
     shardings: dict[str, Any],
-    layout: Any,
+    layout: Layout,
     policy: precision.Policy,
 ) -> dict[str, Any]:
     """The Program's abstract state on the mesh (ShapeDtypeStructs with shardings): params,

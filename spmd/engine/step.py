@@ -5,14 +5,13 @@ The state is two pytrees of plain dicts: `params` (the model's nnx.Param values)
 stage.
 `jax.jit` gets those shardings as in/out shardings, donates the state buffers, and XLA's SPMD
 partitioner inserts the collectives (the `auto` executor). The `explicit` executor
-(spmd.parallel.explicit) puts a shard_map with hand-written collectives inside the same jit;
+(spmd.engine.explicit) puts a shard_map with hand-written collectives inside the same jit;
 the auto executor's steps are spmd.engine.auto's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,43 +19,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from spmd.config import TrainConfig
 from spmd.engine import precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
+from spmd.engine.explicit import explicit_steps
 from spmd.errors import UsageError
 from spmd.parallel import hooks
-from spmd.parallel.explicit import explicit_steps
-from spmd.parallel.mesh import BATCH_AXES
+from spmd.parallel.layout import Layout
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
 EXECUTORS = ("auto", "explicit")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where the state and the batch live: a mesh, the ZeRO stage of its fsdp axis, and
-    whether the residual stream is split along length over `tensor` (sequence parallelism)."""
-
-    mesh: jax.sharding.Mesh
-    zero_stage: int = 3
-    sequence_parallel: bool = False
-
-    @property
-    def data_parallel(self) -> int:
-        """Number of ways the batch is split (product of the data-parallel axes)."""
-        return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
-
-    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
-        """Sharding of a [batch, ...] array: the batch split over every data-parallel axis."""
-        axes = tuple(a for a in BATCH_AXES if self.mesh.shape[a] > 1)
-        return NamedSharding(self.mesh, PartitionSpec(axes or None, *[None] * (ndim - 1)))
-
-    @property
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
 
 
 class TrainState(NamedTuple):
@@ -191,7 +166,7 @@ def build_program(
     `policy.compute_dtype` to it).
 
     `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
-    under shard_map with the hand-written collectives of spmd.parallel.explicit. Both take and
+    under shard_map with the hand-written collectives of spmd.engine.explicit. Both take and
     return the same pytrees with the same shardings.
 
     With a `pipeline` (spmd.parallel.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the

@@ -86,8 +86,9 @@ def build(
 
     from spmd.engine import precision
     from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import Layout, build_program
+    from spmd.engine.step import build_program
     from spmd.parallel import mesh as mesh_lib
+    from spmd.parallel.layout import Layout
 
     check_engine_can_build(s)
     sizes = dict(s.sharding_mesh)

@@ -2,7 +2,6 @@
 
 `tokens` tokenizes text once into a memory-mapped cache; `data` turns it into step-indexed,
 process-sharded global batches (a function of seed and step only); `checkpoint` is orbax
-(async, sharded, restored onto any mesh); `resume` reopens a run's checkpoints and data state;
-`preemption` turns SIGTERM / SIGINT into a clean save; `params_io` reads params-only
+(async, sharded, restored onto any mesh); `params_io` reads params-only
 checkpoints; `safetensors_io` reads and writes the safetensors format.
 """

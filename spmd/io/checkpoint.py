@@ -19,7 +19,7 @@ middle of a save leaves the earlier checkpoints as they were and the partial fol
 Only the newest `keep` checkpoints (at least 2) are kept, and a new one is complete before an old
 one goes. At least two, because the params of the newest checkpoint are only judged by the loss
 of the step after it: when that step diverges, the newest checkpoint is moved aside to
-`<step>.diverged` (spmd.engine.divergence) and the one before it must still be there.
+`<step>.diverged` (spmd.training.divergence) and the one before it must still be there.
 
 Restore reads into the ShapeDtypeStructs of the current program, which carry the current mesh's
 shardings: orbax reshards while reading, so any layout restores any checkpoint of the same

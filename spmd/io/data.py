@@ -148,7 +148,7 @@ def train_window_ids(seed: int, step: int, global_batch: int, n_train: int) -> n
 def data_step(step: int, skipped: list[int]) -> int:
     """The data step (0-based, the `step` of train_window_ids) that optimizer step `step`
     (1-based) reads: step - 1, moved past every data step in `skipped` (ascending; the windows a
-    rollback skips, spmd.engine.divergence). The order stays a function of (seed, step, skipped),
+    rollback skips, spmd.training.divergence). The order stays a function of (seed, step, skipped),
     and `skipped` is saved with every checkpoint, so a resume reads the same windows."""
     position = step - 1
     for skipped_step in skipped:

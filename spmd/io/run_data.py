@@ -11,7 +11,7 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.io import corpora, data, mixture, shards, tokens
-from spmd.observe.metrics import say
+from spmd.log import say
 
 DOCUMENT_MASK = ("auto", "on", "off")
 

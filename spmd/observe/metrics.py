@@ -9,17 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import IO, Any
 
-# Only one process of a multi-process job talks to the person and writes the metrics file.
-_PRIMARY = {"is_primary": True}
-
-
-def set_primary(is_primary: bool) -> None:
-    """Say whether this process prints progress and writes metrics (process 0 does)."""
-    _PRIMARY["is_primary"] = is_primary
+from spmd.log import is_primary
 
 
 def strict_json(value: Any) -> Any:
@@ -42,11 +35,11 @@ class MetricsLog:
 
     def __init__(self, path: str = "", append: bool = False, tensorboard: str = "") -> None:
         self._file: IO[str] | None = None
-        if path and _PRIMARY["is_primary"]:
+        if path and is_primary():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = Path(path).open("a" if append else "w")
         self._scalars = None
-        if tensorboard and _PRIMARY["is_primary"]:
+        if tensorboard and is_primary():
             from spmd.observe.tensorboard import ScalarWriter
 
             self._scalars = ScalarWriter(tensorboard)
@@ -102,15 +95,3 @@ def progress_line(
         f"step {step:>{len(str(steps))}}/{steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
         f"{format_rate(tokens_per_s)} tok/s | {step_time_s * 1e3:.1f} ms/step | eta {eta}"
     )
-
-
-def say(message: str) -> None:
-    """A progress message for the person watching (stdout, flushed; process 0 only)."""
-    if _PRIMARY["is_primary"]:
-        print(message, file=sys.stdout, flush=True)
-
-
-def warn(message: str) -> None:
-    """A line for the person that ends or endangers the run (stderr, flushed; process 0 only)."""
-    if _PRIMARY["is_primary"]:
-        print(message, file=sys.stderr, flush=True)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from spmd.estimate import flops
+from spmd.log import say
 from spmd.observe import profile, stragglers
-from spmd.observe.metrics import MetricsLog, device_memory, say
+from spmd.observe.metrics import MetricsLog, device_memory
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """What a run does when its loss diverges: notice it on every step, then stop, roll back or go on.
 
 Detection reads each step's loss and gradient norm from the metrics the loop fetches anyway, one
-step late (spmd.engine.loop.settle), so it adds no synchronisation. A step diverged when
+step late (spmd.training.loop.settle), so it adds no synchronisation. A step diverged when
 
     its loss is not finite;
     its gradient norm is not finite, outside --precision fp16 (whose loss scale skips such a
@@ -47,7 +47,7 @@ from typing import Any
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.io import data
-from spmd.observe.metrics import say, warn
+from spmd.log import say, warn
 
 DIVERGED_EXIT = 3  # exit status of a run that --on-divergence stop ended (2 is a usage error)
 POLICIES = ("stop", "rollback", "ignore")
@@ -198,7 +198,7 @@ class Guard:
 
     def respond(self, run: Any, anomaly: Anomaly) -> Response:
         """Report the anomaly (console and the JSONL "anomaly" record) and act on it by
-        --on-divergence. `run` is the loop's spmd.engine.loop.Run."""
+        --on-divergence. `run` is the loop's spmd.training.loop.Run."""
         policy = self.train.on_divergence
         if policy == "ignore":
             # One console line per streak of diverged steps; the JSONL gets every one.
@@ -290,7 +290,7 @@ class Guard:
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
         from spmd.io import checkpoint
-        from spmd.io.resume import program_state_target
+        from spmd.training.resume import program_state_target
 
         data_step = self.data_step(anomaly.step)
         restored = checkpoint.restore_newest(

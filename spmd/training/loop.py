@@ -2,7 +2,7 @@
 
 Every step's metrics are fetched only after the next step is dispatched (or at once before an
 eval or a save, which wait for the step anyway), so the host never stalls the device; each is
-checked for divergence (spmd.engine.divergence), and logged steps are reported. Checkpoints are
+checked for divergence (spmd.training.divergence), and logged steps are reported. Checkpoints are
 saved every --checkpoint-every steps, at the end, and when a stop signal or --stop-after ends
 the run early, unless the step diverged.
 """
@@ -17,10 +17,11 @@ from typing import Any
 
 from spmd import config
 from spmd.config import TrainConfig
-from spmd.engine import divergence
 from spmd.io import data
-from spmd.io.resume import finish_stopped, run_data_state
-from spmd.observe.metrics import MetricsLog, progress_line, say
+from spmd.log import say
+from spmd.observe.metrics import MetricsLog, progress_line
+from spmd.training import divergence
+from spmd.training.resume import finish_stopped, run_data_state
 
 
 def train_record(
@@ -59,9 +60,9 @@ class Run:
     windows: Any  # spmd.io.data.TokenWindows, or a spmd.io.mixture.Mixture of several
     token_file: Any  # what the data state records: a spmd.io.tokens.TokenFile's .fingerprint
     manager: Any  # orbax CheckpointManager, None without --checkpoint-dir
-    stop: Any  # spmd.io.preemption.StopSignals
+    stop: Any  # spmd.training.preemption.StopSignals
     observer: Any = None  # spmd.observe.observer.Observer
-    guard: Any = None  # spmd.engine.divergence.Guard (made from `train` when None)
+    guard: Any = None  # spmd.training.divergence.Guard (made from `train` when None)
     # lr_factor -> the train step compiled with the LR schedule x lr_factor (for rollbacks)
     recompile: Callable[[float], Any] | None = None
     # named eval sets (--eval-data, a mixture's sources' held-out windows): name -> windows

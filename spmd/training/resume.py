@@ -14,7 +14,8 @@ from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.io import data
-from spmd.observe.metrics import MetricsLog, say
+from spmd.log import say
+from spmd.observe.metrics import MetricsLog
 
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
