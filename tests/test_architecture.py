@@ -5,7 +5,14 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE_PACKAGES = ("spmd.engine", "spmd.parallel", "spmd.estimate", "spmd.io", "spmd.observe")
+CORE_PACKAGES = (
+    "spmd.engine",
+    "spmd.parallel",
+    "spmd.estimate",
+    "spmd.io",
+    "spmd.observe",
+    "spmd.training",
+)
 # Top-level modules of spmd/ that run as `python -m spmd.X`, and `weights`, which they share
 # to load a Llama from a checkpoint or a Hugging Face folder (so it may import models/).
 COMMANDS = {
@@ -76,12 +83,50 @@ def test_core_packages_import_no_model_and_no_command():
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
+def package_of(module: str) -> str:
+    """spmd.engine.step -> spmd.engine; a top-level module (spmd.train, models.llama) is its
+    own node."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "spmd" else parts[0]
+
+
+PACKAGE_GRAPH: dict[str, set[str]] = {}
+for _module, _deps in GRAPH.items():
+    PACKAGE_GRAPH.setdefault(package_of(_module), set()).update(
+        package_of(d) for d in _deps if package_of(d) != package_of(_module)
+    )
+
+# Arrows the package order forbids (the lower package may not import the higher one).
+FORBIDDEN = {
+    "spmd.parallel": {"spmd.engine", "spmd.estimate", "spmd.io", "spmd.observe", "spmd.training"},
+    "spmd.engine": {"spmd.estimate", "spmd.io", "spmd.observe", "spmd.training"},
+    "spmd.io": {"spmd.engine", "spmd.estimate", "spmd.observe", "spmd.training"},
+    "spmd.estimate": {"spmd.io", "spmd.observe", "spmd.training"},
+    "spmd.observe": {"spmd.io", "spmd.training"},
+    "spmd.log": set(GRAPH) - {"spmd.log"},
+}
+
+
+def test_packages_import_one_way():
+    for package, forbidden in FORBIDDEN.items():
+        bad = PACKAGE_GRAPH.get(package, set()) & forbidden
+        assert not bad, f"{package} imports {sorted(bad)}"
+
+
+def test_no_package_cycle():
+    assert_acyclic(PACKAGE_GRAPH)
+
+
 def test_no_import_cycle():
+    assert_acyclic(GRAPH)
+
+
+def assert_acyclic(graph: dict[str, set[str]]) -> None:
     state: dict[str, str] = {}
 
     def visit(name: str, path: list[str]) -> None:
         state[name] = "open"
-        for dep in sorted(GRAPH[name]):
+        for dep in sorted(graph.get(name, ())):
             if state.get(dep) == "open":
                 cycle = path[path.index(dep) :] + [dep]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
@@ -89,6 +134,6 @@ def test_no_import_cycle():
                 visit(dep, path + [dep])
         state[name] = "done"
 
-    for name in sorted(GRAPH):
+    for name in sorted(graph):
         if name not in state:
             visit(name, [name])
