@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from spmd import train
+from spmd.engine import precision
 from spmd.engine.optim import lr_schedule
 from spmd.engine.step import Program
 from spmd.estimate import hlo
-from spmd.training import loop, precision
+from spmd.training import loop
 from tests.tiny_run import (
     BATCH,
     EXECUTORS,
