@@ -40,19 +40,19 @@ def main() -> None:
 
     from models import llama
     from spmd import config
-    from spmd.config import TrainConfig
-    from spmd.engine.optim import make_optimizer
+    from spmd.builder import optimizer
+    from spmd.config import flat
     from spmd.engine.step import build_program
     from spmd.io import checkpoint, data
     from spmd.parallel.layout import Layout
 
     model_cfg = llama.LlamaConfig(**config.preset(args.model))
-    train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000)
+    train = flat(None, model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000)
     layout = Layout(mesh_lib.build_mesh(sizes), train.zero)
     program = build_program(
         lambda seed: llama.create(model_cfg, seed),
         llama.lm_loss,
-        lambda names: make_optimizer(train, names),
+        lambda names: optimizer(train)(names),
         layout,
     )
     compiled = program.compile_train_step(args.batch, args.seq_len)

@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from models import llama
     from spmd import config
-    from spmd.config import TrainConfig
+    from spmd.builder import optimizer
+    from spmd.config import flat
     from spmd.engine import diloco
-    from spmd.engine.optim import make_optimizer
     from spmd.estimate import dcn_traffic, hlo
     from spmd.io import data, tokens
     from spmd.parallel.layout import Layout
@@ -49,14 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     batch, seq_len = 16, 32
     cfg = llama.LlamaConfig(**config.preset("tiny"))
     windows = data.TokenWindows(tokens.open_tokens("").load(), seq_len, 0.02)
-    train = TrainConfig(steps=args.steps, batch=batch, seq_len=seq_len, lr=args.lr, warmup=10)
+    train = flat(None, steps=args.steps, batch=batch, seq_len=seq_len, lr=args.lr, warmup=10)
     mesh = spmd.make_mesh("dp=2")
 
     def make_model(seed: int):
         return llama.create(cfg, seed)
 
     def tx(names):
-        return make_optimizer(train, names)
+        return optimizer(train)(names)
 
     def batch_at(program, step: int) -> dict:
         ids = data.train_window_ids(0, step, batch, windows.n_train)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mesh_batch = Layout(mesh).batch_sharding()
     results = {}
-    sync = spmd.build(make_model, llama.lm_loss, tx, mesh)
+    sync = spmd.builder(make_model, llama.lm_loss, tx, mesh)
     compiled = sync.compile_train_step(batch, seq_len)
     sync_bytes = sum(c.bytes * c.count for c in hlo.collectives(compiled, mesh) if "data" in c.axes)
     state = sync.init()

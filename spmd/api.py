@@ -3,7 +3,7 @@
     import optax, spmd
 
     mesh = spmd.make_mesh("dp=2,fsdp=4")
-    program = spmd.build(make_model, loss_fn, optax.adamw(1e-3), mesh, zero_stage=3)
+    program = spmd.builder(make_model, loss_fn, optax.adamw(1e-3), mesh, zero_stage=3)
     state = program.init()                                   # sharded on the mesh
     for host_batch in batches:
         state, metrics = program.step(state, spmd.put_batch(host_batch, program))
@@ -25,7 +25,6 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmd.config import TrainConfig
 from spmd.engine import precision
 from spmd.engine.step import Program, TrainState, build_program
 from spmd.io import checkpoint
@@ -33,6 +32,7 @@ from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel import rules
 from spmd.parallel.layout import Layout
+from spmd.sections import ParallelConfig
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
@@ -64,7 +64,7 @@ def build(
     pipeline: Any = None,
     sequence_parallel: bool = False,
     bucket_mb: float = 0.0,
-    prefetch: bool = TrainConfig.prefetch,
+    prefetch: bool = ParallelConfig.prefetch,
 ) -> Program:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.

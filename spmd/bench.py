@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from models import moe
-from spmd import checks, config, train
+from spmd import builder, checks, config, train
+from spmd.config import Config
 from spmd.errors import UsageError, run_command
 from spmd.io import data, tokens
 from spmd.log import say
@@ -77,83 +78,77 @@ def run(argv: list[str] | None) -> int:
         argv,
         {**train.SECTIONS, "bench": BenchConfig},
         "python -m spmd.bench",
-        expand_train=train.expand_layout,
+        expand=train.expand_layout,
     )
-    cfg, model_cfg, rounds = sections["train"], sections["model"], sections["bench"].rounds
+    cfg, rounds = config.Config.of(sections), sections["bench"].rounds
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
-    checks.check_choices(cfg, model_cfg)
+    checks.check_choices(cfg)
     from spmd.parallel import xla_flags
     from spmd.parallel.mesh import setup_mesh
 
-    say(xla_flags.describe(xla_flags.apply(cfg.xla_preset, cfg.bucket_mb, cfg.collectives)))
-    mesh = setup_mesh(cfg.mesh, cfg.devices)
-    steps, compile_s, program = compiled_pair(cfg, model_cfg, mesh)
-    per_round = max(cfg.steps // rounds, 1)
+    say(
+        xla_flags.describe(
+            xla_flags.apply(
+                cfg.parallel.xla_preset, cfg.parallel.bucket_mb, cfg.parallel.collectives
+            )
+        )
+    )
+    mesh = setup_mesh(cfg.parallel.mesh, cfg.parallel.devices)
+    steps, compile_s, program = compiled_pair(cfg, mesh)
+    per_round = max(cfg.run.steps // rounds, 1)
     times = time_alternating(steps, rounds, per_round)
-    report(cfg, model_cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
+    report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
     return 0
 
 
-def compiled_pair(cfg: Any, model_cfg: Any, mesh: Any) -> tuple[dict, dict, Any]:
+def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
     """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program): the
-    framework's compiled step fed by its data pipeline, and the bare jit step on a fixed
-    device-resident batch, each with its own initial state."""
+    training run's compiled step (spmd.builder, as `spmd.train` builds it) fed by its data
+    pipeline, and the bare jit step on a fixed device-resident batch, each with its own
+    initial state."""
     import jax
 
-    from spmd.engine import precision
-    from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import build_program, check_batch
-    from spmd.parallel.layout import Layout
-
-    layout = Layout(mesh, cfg.zero)
-    check_batch(cfg.batch, layout, cfg.accum)
-    if cfg.precision == "fp16":
+    if cfg.precision.precision == "fp16":
         raise UsageError(
             "--precision fp16 is not benchmarked: its loss scaling has no bare counterpart; "
             "use fp32 or bf16"
         )
-    policy = precision.get(cfg.precision, cfg.grad_reduce)
-    txs: list = []
-
-    def make_tx(names: Any) -> Any:
-        txs.append(make_optimizer(cfg, names))
-        return txs[-1]
-
-    program = build_program(
-        lambda seed: moe.create(model_cfg, seed, policy.compute_dtype),  # dense when n_experts 0
-        moe.lm_loss,
-        make_tx,
-        layout,
-        seed=cfg.seed,
-        accum=cfg.accum,
-        policy=policy,
-        executor=cfg.collectives,
-        bucket_mb=cfg.bucket_mb,
-        prefetch=cfg.prefetch,
-    )
+    if cfg.parallel.dcn_sync == "diloco":
+        raise UsageError(
+            "--dcn-sync diloco is not benchmarked: a bare jit step has no outer loop to compare "
+            "with; use --dcn-sync every-step"
+        )
+    program = builder.program(cfg, mesh)
+    if mesh.shape["pipeline"] > 1:
+        say(
+            "bare: the same math without the pipeline schedule (params in the pipeline's "
+            "shardings), a reference for the schedule's cost"
+        )
     started = time.perf_counter()
-    compiled = program.compile_train_step(cfg.batch, cfg.seq_len)
+    compiled = program.compile_train_step(cfg.run.batch, cfg.run.seq_len)
     compile_s = {"spmd": time.perf_counter() - started}
-    batch_abstract = program.abstract_batch(cfg.batch, cfg.seq_len)
-    bare = bare_step_fn(program, txs[-1])
+    batch_abstract = program.abstract_batch(cfg.run.batch, cfg.run.seq_len)
+    bare = bare_step_fn(program, builder.optimizer(cfg)(program.names))
     started = time.perf_counter()
     bare = bare.lower(program.abstract_params, program.abstract_opt_state, batch_abstract).compile()
     compile_s["bare"] = time.perf_counter() - started
 
-    token_file = tokens.open_tokens(cfg.data, cfg.tokenizer, cfg.data_cache)
-    windows = data.TokenWindows(token_file.load(), cfg.seq_len, 0.0)
-    sharding = layout.batch_sharding()
+    token_file = tokens.open_tokens(cfg.data.data, cfg.data.tokenizer, cfg.data.data_cache)
+    windows = data.TokenWindows(token_file.load(), cfg.run.seq_len, 0.0)
+    sharding = program.layout.batch_sharding()
     state = {"spmd": program.init(), "bare": program.init()}
     fixed_batch = data.global_batch(
-        windows, data.train_window_ids(cfg.seed, 0, cfg.batch, windows.n_train), sharding
+        windows, data.train_window_ids(cfg.run.seed, 0, cfg.run.batch, windows.n_train), sharding
     )
     counter = {"step": 0}
 
     def spmd_steps(n: int) -> None:
         params, opt_state, loss_scale = state["spmd"]
         for _ in range(n):
-            ids = data.train_window_ids(cfg.seed, counter["step"], cfg.batch, windows.n_train)
+            ids = data.train_window_ids(
+                cfg.run.seed, counter["step"], cfg.run.batch, windows.n_train
+            )
             counter["step"] += 1
             batch = data.global_batch(windows, ids, sharding)
             params, opt_state, loss_scale, metrics = compiled(params, opt_state, loss_scale, batch)
@@ -182,9 +177,7 @@ def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict
     return times
 
 
-def report(
-    cfg: Any, model_cfg: Any, program: Any, times: dict, compile_s: dict, rounds: str
-) -> None:
+def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str) -> None:
     """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
     formula the training records use; MFU only where the device's peak is known) and compile
     time of each program, then their ratio."""
@@ -195,14 +188,16 @@ def report(
 
     mesh = program.layout.mesh
     device_kind = jax.devices()[0].device_kind
-    tokens_per_step = cfg.batch * cfg.seq_len
-    flops_per_step = flops.decoder_flops_per_token(model_cfg, cfg.seq_len) * tokens_per_step
-    peak = flops.peak_tflops(device_kind, cfg.precision, cfg.peak_tflops)
+    tokens_per_step = cfg.run.batch * cfg.run.seq_len
+    model_cfg = cfg.model
+    flops_per_step = flops.decoder_flops_per_token(model_cfg, cfg.run.seq_len) * tokens_per_step
+    peak = flops.peak_tflops(device_kind, cfg.precision.precision, cfg.observe.peak_tflops)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {device_kind}), "
-        f"zero {cfg.zero}, {cfg.precision}, --collectives {cfg.collectives}, model "
-        f"{cfg.model} ({model_cfg.n_params() / 1e6:.2f} M params), remat {model_cfg.remat}, "
-        f"batch {cfg.batch} x {cfg.seq_len} tokens, {rounds}"
+        f"zero {cfg.parallel.zero}, {cfg.precision.precision}, --collectives "
+        f"{cfg.parallel.collectives}, model "
+        f"{cfg.run.model} ({model_cfg.n_params() / 1e6:.2f} M params), remat {model_cfg.remat}, "
+        f"batch {cfg.run.batch} x {cfg.run.seq_len} tokens, {rounds}"
     )
     say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'TFLOP/s':>10}{'MFU':>8}{'compile':>10}")
     medians = {name: statistics.median(t) for name, t in times.items()}

@@ -108,14 +108,16 @@ def _bucket_sizes(text: str) -> list[float]:
 
 def run_buckets(args: argparse.Namespace, presets: list, buckets: list[float]) -> int:
     """The explicit step per bucket size, per layout: median ms and gradient reductions."""
-    variants = {f"{b:g} MiB": {"executor": "explicit", "bucket_mb": b} for b in buckets}
+    variants = {f"{b:g} MiB": {"collectives": "explicit", "bucket_mb": b} for b in buckets}
     return run_variants(args, presets, variants, "reductions", "gradient reductions")
 
 
 def run_prefetch(args: argparse.Namespace, presets: list) -> int:
     """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout whose
     fsdp axis gathers layers: median ms and all-gathers per step."""
-    variants = {f"prefetch {int(on)}": {"executor": "explicit", "prefetch": on} for on in (0, 1)}
+    variants = {
+        f"prefetch {int(on)}": {"collectives": "explicit", "prefetch": bool(on)} for on in (0, 1)
+    }
     gathering = [p for p in presets if p.zero == 3 and "fsdp" in p.mesh]
     return run_variants(args, gathering, variants, "gathers", "all-gathers")
 
@@ -123,7 +125,8 @@ def run_prefetch(args: argparse.Namespace, presets: list) -> int:
 def run_variants(
     args: argparse.Namespace, presets: list, variants: dict, count: str, counted: str
 ) -> int:
-    """Per layout, the steps of `variants` ({name: build_program keywords}) run alternately:
+    """Per layout, the steps of `variants` ({name: spmd.sections.ParallelConfig fields}) run
+    alternately:
     median ms per step and `count` (a measure of bench_layout's) per step of each."""
     import jax
 
@@ -156,42 +159,43 @@ def bench_layout(
     """Per measure, {variant: value}: "times" [step seconds], "volume" collective bytes per
     device per step, "reductions" gradient reductions (all-reduces / reduce-scatters run once
     per step on more than a scalar), "gathers" all-gathers per step. `variants`: {name:
-    build_program keywords}; default: the two executors."""
+    spmd.sections.ParallelConfig fields}; default: the two executors. Each variant's Program is
+    spmd.builder's, as `spmd.train` builds it."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from models import llama
-    from spmd import config
-    from spmd.config import TrainConfig
-    from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import EXECUTORS, build_program, check_batch
+    from spmd import builder, config
+    from spmd.engine.step import EXECUTORS
     from spmd.estimate import hlo
-    from spmd.parallel.layout import Layout
-    from spmd.parallel.mesh import build_mesh
+    from spmd.parallel.mesh import build_mesh, format_mesh
 
     model = llama.LlamaConfig(**config.preset(args.model))
     if args.remat:
         model = dataclasses.replace(model, remat=args.remat)
-    train = TrainConfig(model=args.model, batch=args.batch, seq_len=args.seq_len)
-    layout = Layout(build_mesh(sizes), zero, sequence_parallel)
-    check_batch(args.batch, layout, 1)
+    base = config.flat(
+        model,
+        model=args.model,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        mesh=format_mesh(sizes),
+        zero=zero,
+        sequence_parallel=sequence_parallel,
+    )
+    mesh = build_mesh(sizes)
+    layout = builder.layout_of(base, mesh)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1), dtype=np.int32)
     batch = {
         "inputs": jax.device_put(tokens[:, :-1], layout.batch_sharding()),
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
-    variants = variants or {e: {"executor": e} for e in EXECUTORS}
+    variants = variants or {e: {"collectives": e} for e in EXECUTORS}
     steps, states, volume, reductions, gathers = {}, {}, {}, {}, {}
     for name, keywords in variants.items():
-        program = build_program(
-            lambda seed: llama.create(model, seed),
-            llama.lm_loss,
-            lambda names: make_optimizer(train, names),
-            layout,
-            **keywords,
-        )
+        cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **keywords))
+        program = builder.program(cfg, mesh)
         steps[name] = program.compile_train_step(args.batch, args.seq_len)
         colls = hlo.collectives(steps[name], layout.mesh)
         volume[name] = sum(row["bytes"] for row in hlo.collective_summary(colls).values())

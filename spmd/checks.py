@@ -9,67 +9,72 @@ from typing import Any
 
 from models import llama
 from spmd import config
-from spmd.config import TrainConfig
+from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
 from spmd.observe import profile
 
 
-def check_choices(train: TrainConfig, model: llama.LlamaConfig) -> None:
+def check_choices(cfg: Config) -> None:
     """UsageError for values outside their valid range (before any device work)."""
     positive = {
-        "steps": train.steps,
-        "batch": train.batch,
-        "seq_len": train.seq_len,
-        "log_every": train.log_every,
-        "eval_batches": train.eval_batches,
+        "steps": cfg.run.steps,
+        "batch": cfg.run.batch,
+        "seq_len": cfg.run.seq_len,
+        "log_every": cfg.observe.log_every,
+        "eval_batches": cfg.data.eval_batches,
     }
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{config.flag_name(name)} {value} must be a positive integer")
-    if train.devices < 0:
-        raise UsageError(f"--devices {train.devices} must be 0 (as needed) or a device count")
-    if not 0 <= train.eval_fraction < 1:
-        raise UsageError(f"--eval-fraction {train.eval_fraction} must be in [0, 1)")
+    if cfg.parallel.devices < 0:
+        raise UsageError(
+            f"--devices {cfg.parallel.devices} must be 0 (as needed) or a device count"
+        )
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
     from spmd.engine.optim import check_hyperparameters, peak_lr
 
-    check_hyperparameters(train)
-    peak_lr(train)  # UsageError for --lr-scaling and --ref-batch
-    precision.get(train.precision, train.grad_reduce)  # UsageError naming the valid values
+    check_hyperparameters(cfg.optimizer)
+    peak_lr(cfg.optimizer, cfg.run.batch)  # UsageError for --lr-scaling and --ref-batch
+    precision.get(
+        cfg.precision.precision, cfg.precision.grad_reduce
+    )  # UsageError naming the valid values
+    model = cfg.model
     if model.remat not in llama.REMAT_POLICIES:
         raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
     if model.n_heads % model.n_kv_heads:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
-    check_checkpoint_choices(train)
+    check_checkpoint_choices(cfg)
     from spmd.training import divergence
 
-    divergence.check_choices(train)
-    check_observability(train)
+    divergence.check_choices(cfg.divergence, cfg.checkpoint.checkpoint_dir)
+    check_observability(cfg)
     from spmd.engine.step import check_executor
 
-    check_executor(train.collectives)
-    check_dcn_sync(train)
+    check_executor(cfg.parallel.collectives)
+    check_dcn_sync(cfg)
 
 
-def check_dcn_sync(train: TrainConfig) -> None:
+def check_dcn_sync(cfg: Config) -> None:
     """UsageError for a --dcn-sync mode that does not exist or DiLoCo flags without it (the
     numbers themselves are checked by spmd.engine.diloco.check)."""
     from spmd.engine.diloco import MODES
 
-    if train.dcn_sync not in MODES:
-        raise UsageError(f"--dcn-sync {train.dcn_sync!r} is not one of {', '.join(MODES)}")
-    if train.dcn_sync != "diloco" and train.diloco_axis:
+    if cfg.parallel.dcn_sync not in MODES:
+        raise UsageError(f"--dcn-sync {cfg.parallel.dcn_sync!r} is not one of {', '.join(MODES)}")
+    if cfg.parallel.dcn_sync != "diloco" and cfg.parallel.diloco_axis:
         raise UsageError(
-            f"--diloco-axis {train.diloco_axis} needs --dcn-sync diloco (replicas that sync "
+            f"--diloco-axis {cfg.parallel.diloco_axis} needs --dcn-sync diloco (replicas that sync "
             f"every --sync-every steps)"
         )
 
 
-def check_dcn_sync_mesh(train: TrainConfig, mesh: Any, n_processes: int) -> None:
+def check_dcn_sync_mesh(cfg: Config, mesh: Any, n_processes: int) -> None:
     """Under --dcn-sync diloco: UsageError unless the data axis is what holds the replicas (on
     one process by --diloco-axis data; across processes, all of it crossing hosts)."""
-    if train.dcn_sync != "diloco":
+    if cfg.parallel.dcn_sync != "diloco":
         return
     from spmd.engine import diloco
     from spmd.parallel.mesh import dcn_split
@@ -77,50 +82,55 @@ def check_dcn_sync_mesh(train: TrainConfig, mesh: Any, n_processes: int) -> None
     sizes = dict(mesh.shape)
     if sizes.get("context", 1) > 1:  # the ring's shard_map cannot sit inside DiLoCo's vmap
         raise UsageError(f"--dcn-sync diloco does not compose with cp={sizes['context']} yet")
-    dcn = dcn_split(sizes, n_processes, train.dcn_mesh) if n_processes > 1 else None
-    diloco.check_mesh(train.diloco_axis, n_processes, dcn, sizes)
+    dcn = dcn_split(sizes, n_processes, cfg.parallel.dcn_mesh) if n_processes > 1 else None
+    diloco.check_mesh(cfg.parallel.diloco_axis, n_processes, dcn, sizes)
 
 
-def check_checkpoint_choices(train: TrainConfig) -> None:
+def check_checkpoint_choices(cfg: Config) -> None:
     """UsageError for checkpoint flags that cannot work together."""
-    if train.checkpoint_every < 0:
+    if cfg.checkpoint.checkpoint_every < 0:
         raise UsageError(
-            f"--checkpoint-every {train.checkpoint_every} must be a step count, or 0 (at the end)"
+            f"--checkpoint-every {cfg.checkpoint.checkpoint_every} must be a step count, or 0 "
+            f"(at the end)"
         )
-    if train.keep_checkpoints < 1:
-        raise UsageError(f"--keep-checkpoints {train.keep_checkpoints} must be at least 1")
-    if not 0 <= train.stop_after <= train.steps:
+    if cfg.checkpoint.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints {cfg.checkpoint.keep_checkpoints} must be at least 1")
+    if not 0 <= cfg.run.stop_after <= cfg.run.steps:
         raise UsageError(
-            f"--stop-after {train.stop_after} must be a step in 1..--steps {train.steps} (0: off)"
+            f"--stop-after {cfg.run.stop_after} must be a step in 1..--steps {cfg.run.steps} "
+            f"(0: off)"
         )
-    for flag, given in (("--resume", train.resume), ("--stop-after", train.stop_after)):
-        if given and not train.checkpoint_dir:
+    given_flags = (("--resume", cfg.checkpoint.resume), ("--stop-after", cfg.run.stop_after))
+    for flag, given in given_flags:
+        if given and not cfg.checkpoint.checkpoint_dir:
             raise UsageError(f"{flag} needs --checkpoint-dir, the folder of the run's checkpoints")
 
 
-def check_observability(train: TrainConfig) -> None:
+def check_observability(cfg: Config) -> None:
     """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
-    if train.profile:
-        profile.parse_window(train.profile, train.steps)
+    if cfg.observe.profile:
+        profile.parse_window(cfg.observe.profile, cfg.run.steps)
     # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
-    if not (0 <= train.peak_tflops < math.inf):
-        raise UsageError(f"--peak-tflops {train.peak_tflops} must be 0 (the table) or positive")
-    if not 0 < train.comm_warn <= 1:
-        raise UsageError(f"--comm-warn {train.comm_warn} must be a fraction in (0, 1]")
-    if not (0 <= train.straggler_threshold < math.inf):
-        raise UsageError(f"--straggler-threshold {train.straggler_threshold} must be >= 0")
+    if not (0 <= cfg.observe.peak_tflops < math.inf):
+        raise UsageError(
+            f"--peak-tflops {cfg.observe.peak_tflops} must be 0 (the table) or positive"
+        )
+    if not 0 < cfg.observe.comm_warn <= 1:
+        raise UsageError(f"--comm-warn {cfg.observe.comm_warn} must be a fraction in (0, 1]")
+    if not (0 <= cfg.observe.straggler_threshold < math.inf):
+        raise UsageError(f"--straggler-threshold {cfg.observe.straggler_threshold} must be >= 0")
 
 
-def check_checkpoint_dir(train: TrainConfig) -> None:
+def check_checkpoint_dir(cfg: Config) -> None:
     """UsageError for a --checkpoint-dir that a fresh run would overwrite or that --resume
     cannot continue (a params-only conversion)."""
     from spmd.io import checkpoint
 
-    checkpoint.check_directory(train.checkpoint_dir, train.resume)
-    if train.resume:
+    checkpoint.check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume)
+    if cfg.checkpoint.resume:
         from spmd.io.params_io import refuse_resume
 
-        refuse_resume(train.checkpoint_dir)
+        refuse_resume(cfg.checkpoint.checkpoint_dir)
 
 
 def check_sequence_split(
@@ -149,21 +159,21 @@ def check_sequence_split(
         raise UsageError(split)
 
 
-def batch_arithmetic(train: TrainConfig, data_parallel: int) -> dict[str, Any]:
+def batch_arithmetic(cfg: Config, data_parallel: int) -> dict[str, Any]:
     """The textbook self-check of a run: per-device micro-batch x accum x data-parallel size =
     global batch (sequences), tokens per optimizer step, and the LR before and after scaling."""
     from spmd.engine.optim import peak_lr
 
     return {
-        "micro_batch_per_device": train.batch // (data_parallel * train.accum),
-        "accum": train.accum,
+        "micro_batch_per_device": cfg.run.batch // (data_parallel * cfg.run.accum),
+        "accum": cfg.run.accum,
         "data_parallel": data_parallel,
-        "global_batch": train.batch,
-        "tokens_per_step": train.batch * train.seq_len,
-        "lr": train.lr,
-        "lr_scaling": train.lr_scaling,
-        "ref_batch": train.ref_batch,
-        "peak_lr": peak_lr(train),
+        "global_batch": cfg.run.batch,
+        "tokens_per_step": cfg.run.batch * cfg.run.seq_len,
+        "lr": cfg.optimizer.lr,
+        "lr_scaling": cfg.optimizer.lr_scaling,
+        "ref_batch": cfg.optimizer.ref_batch,
+        "peak_lr": peak_lr(cfg.optimizer, cfg.run.batch),
     }
 
 

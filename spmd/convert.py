@@ -85,7 +85,7 @@ def run(argv: list[str] | None) -> int:
         hf_llama.check_new_folder(cfg.to_hf)
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
-        seq_len = loaded.run_config.get("train", {}).get("seq_len", 2048)
+        seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)
         files = hf_llama.save(
             loaded.params,
             loaded.model,
@@ -94,7 +94,7 @@ def run(argv: list[str] | None) -> int:
             cfg.max_shard_mb << 20,
             max_positions=seq_len,
         )
-        tokenizer = loaded.run_config.get("train", {}).get("tokenizer", "")
+        tokenizer = config.flat_values(loaded.run_config).get("tokenizer", "")
         if tokenizer and Path(tokenizer).is_file():  # the run's tokenizer goes with its weights
             shutil.copyfile(tokenizer, Path(cfg.to_hf) / "tokenizer.json")
             files.append(Path(cfg.to_hf) / "tokenizer.json")

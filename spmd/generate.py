@@ -199,7 +199,7 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
 
     path = (
         cfg.tokenizer
-        or run_config.get("train", {}).get("tokenizer", "")
+        or config.flat_values(run_config).get("tokenizer", "")
         or run_config.get("tokenizer", "")  # a converted checkpoint's
     )
     beside = Path(cfg.from_hf) / "tokenizer.json" if cfg.from_hf else None

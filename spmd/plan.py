@@ -29,12 +29,14 @@ from typing import Any
 
 from models import llama, moe
 from spmd import config
-from spmd.config import TrainConfig
+from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, llama_shape
 from spmd.parallel import schedules
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
+from spmd.sections import SECTIONS as RUN_SECTIONS
+from spmd.sections import ParallelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +69,11 @@ class PlanConfig:
 PLANNING_DEFAULTS = ("precision", "seq_len")
 
 
-def _own_fields(cls: type, taken: type) -> type:
-    """`cls` without the fields `taken` already defines: a flag has one owner (TrainConfig
-    owns --precision; PlanConfig's `precision` is only the planner's default for it)."""
-    names = {f.name for f in dataclasses.fields(taken)}
+def _own_fields(cls: type, taken: list[type]) -> type:
+    """`cls` without the fields the `taken` sections already define: a flag has one owner
+    (PrecisionConfig owns --precision; PlanConfig's `precision` is only the planner's default
+    for it)."""
+    names = {f.name for section in taken for f in dataclasses.fields(section)}
     hints = typing.get_type_hints(cls)
     kept = [f for f in dataclasses.fields(cls) if f.name not in names]
     if len(kept) == len(dataclasses.fields(cls)):
@@ -79,8 +82,8 @@ def _own_fields(cls: type, taken: type) -> type:
     return dataclasses.make_dataclass(cls.__name__, fields, frozen=True)
 
 
-PLAN_SECTION = _own_fields(PlanConfig, TrainConfig)
-SECTIONS = {"model": moe.MoEConfig, "train": TrainConfig, "plan": PLAN_SECTION}
+PLAN_SECTION = _own_fields(PlanConfig, list(RUN_SECTIONS.values()))
+SECTIONS = {"model": moe.MoEConfig, **RUN_SECTIONS, "plan": PLAN_SECTION}
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
@@ -137,15 +140,13 @@ HELP = {
 
 def _help_parser() -> argparse.ArgumentParser:
     """The --help text: the planner's flags, the training flags that matter, the model's."""
-    hints = typing.get_type_hints(TrainConfig)
-    view = dataclasses.make_dataclass(
-        "TrainFlags",
-        [
-            (f.name, hints[f.name], dataclasses.field(default=f.default))
-            for f in dataclasses.fields(TrainConfig)
-            if f.name in TRAIN_FLAGS
-        ],
-    )
+    fields = [
+        (f.name, typing.get_type_hints(section)[f.name], dataclasses.field(default=f.default))
+        for section in RUN_SECTIONS.values()
+        for f in dataclasses.fields(section)
+        if f.name in TRAIN_FLAGS
+    ]
+    view = dataclasses.make_dataclass("TrainFlags", fields)
     sections = {"plan": PLAN_SECTION, "training run (every spmd.train flag is accepted)": view}
     sections["model (with --params only --remat applies)"] = moe.MoEConfig
     parser = config.build_parser("python -m spmd.plan", sections, __doc__.split("\n\n")[1])
@@ -182,14 +183,14 @@ def _expand(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     values = expand_layout(values)
     given.update(values)
     if "mesh" not in values:
-        values["mesh"] = "dp=-1" if values.get("zero", TrainConfig.zero) == 0 else "fsdp=-1"
+        values["mesh"] = "dp=-1" if values.get("zero", ParallelConfig.zero) == 0 else "fsdp=-1"
     for name in PLANNING_DEFAULTS:
         values.setdefault(name, getattr(PlanConfig, name))
     values.setdefault("batch", 0)
     return values
 
 
-def check_values(train: TrainConfig, plan: Any) -> None:
+def check_values(cfg: Config, plan: Any) -> None:
     """UsageError for a planner or batch value outside its range."""
     for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops", "devices_per_node"):
         if getattr(plan, name) <= 0:
@@ -203,16 +204,17 @@ def check_values(train: TrainConfig, plan: Any) -> None:
         raise UsageError(f"--tokens-per-step {plan.tokens_per_step} must be positive")
     lowest = {"accum": 1, "seq_len": 1, "batch": 0, "devices": 0, "microbatches": 0}
     for name, low in (lowest | {"pp_virtual": 1}).items():
-        if getattr(train, name) < low:
-            raise UsageError(
-                f"{config.flag_name(name)} {getattr(train, name)} is out of range; use {low} "
-                f"or more"
-            )
-    if train.dcn_sync == "diloco" and train.sync_every < 1:
-        raise UsageError(f"--sync-every {train.sync_every} must be a positive number of steps")
-    if train.pp_schedule not in schedules.SCHEDULES:
+        value = config.flat_values(config.as_dict(cfg.sections()))[name]
+        if value < low:
+            raise UsageError(f"{config.flag_name(name)} {value} is out of range; use {low} or more")
+    if cfg.parallel.dcn_sync == "diloco" and cfg.parallel.sync_every < 1:
         raise UsageError(
-            f"--pp-schedule {train.pp_schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+            f"--sync-every {cfg.parallel.sync_every} must be a positive number of steps"
+        )
+    if cfg.parallel.pp_schedule not in schedules.SCHEDULES:
+        raise UsageError(
+            f"--pp-schedule {cfg.parallel.pp_schedule!r} is not one of "
+            f"{', '.join(schedules.SCHEDULES)}"
         )
 
 
@@ -222,36 +224,36 @@ def run(argv: list[str]) -> int:
         return 0
     given: set[str] = set()
     sections = config.resolve(
-        argv, SECTIONS, "python -m spmd.plan", expand_train=lambda v: _expand(v, given)
+        argv, SECTIONS, "python -m spmd.plan", expand=lambda v: _expand(v, given)
     )
-    train, model_cfg, plan = sections["train"], sections["model"], sections["plan"]
+    cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
     plan = _with_gpu(plan, argv)
-    check_values(train, plan)
-    shape, n_params, name, model_args = model_shape(argv, model_cfg, train, plan)
-    sizes = parse_mesh(train.mesh)
-    devices = train.devices or (
+    check_values(cfg, plan)
+    shape, n_params, name, model_args = model_shape(argv, model_cfg, cfg, plan)
+    sizes = parse_mesh(cfg.parallel.mesh)
+    devices = cfg.parallel.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
     )
     cluster = _cluster(plan)
     space = search.Space(
-        batch=train.batch,
+        batch=cfg.run.batch,
         tokens=plan.tokens_per_step,
-        interleave=train.collectives != "explicit",  # explicit runs gpipe and 1f1b only
+        interleave=cfg.parallel.collectives != "explicit",  # explicit runs gpipe and 1f1b only
     )
-    base = _base(shape, n_params, train, model_cfg, plan)
+    base = _base(shape, n_params, cfg, model_cfg, plan)
     chosen = None
     if plan.recommend:
-        chosen = _recommend(base, space, cluster, devices, train.mesh, given, argv)
+        chosen = _recommend(base, space, cluster, devices, cfg.parallel.mesh, given, argv)
         setup = chosen.best.setup
     else:
-        setup = _as_given(base, space, resolve_mesh(sizes, devices), train)
+        setup = _as_given(base, space, resolve_mesh(sizes, devices), cfg)
     out = summary.report(setup, cluster, name)
-    out["lr"] = summary.lr_figures(dataclasses.replace(train, batch=setup.batch))
+    out["lr"] = summary.lr_figures(cfg.optimizer, setup.batch)
     out["defaults"] = summary.defaults_used(setup, space, PLANNING_DEFAULTS, given)
     if chosen is not None:
         out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
-        out["measured"] = _measure(setup, shape, train)
+        out["measured"] = _measure(setup, shape, cfg)
     if plan.plot:
         plot.draw(setup, cluster, chosen, plan.plot)
         out["plot"] = plan.plot
@@ -269,25 +271,25 @@ def _cluster(plan: Any) -> search.Cluster:
     )
 
 
-def _base(shape: Any, n_params: float, train: TrainConfig, model_cfg: Any, plan: Any) -> Any:
+def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -> Any:
     """The run on one device, before a mesh and batch are chosen for it."""
     return cost.Setup(
         shape=shape,
         n_params=n_params,
         mesh=dict.fromkeys(MESH_AXES, 1),
-        zero=train.zero,
-        precision=train.precision,
+        zero=cfg.parallel.zero,
+        precision=cfg.precision.precision,
         optimizer=plan.optimizer,
-        batch=train.batch or 1,
-        seq_len=train.seq_len,
-        accum=train.accum,
+        batch=cfg.run.batch or 1,
+        seq_len=cfg.run.seq_len,
+        accum=cfg.run.accum,
         remat=model_cfg.remat,
-        grad_reduce=train.grad_reduce,
-        schedule=train.pp_schedule,
+        grad_reduce=cfg.precision.grad_reduce,
+        schedule=cfg.parallel.pp_schedule,
         microbatches=1,
-        virtual=train.pp_virtual,
-        sync_every=train.sync_every if train.dcn_sync == "diloco" else 0,
-        sequence_parallel=train.sequence_parallel,
+        virtual=cfg.parallel.pp_virtual,
+        sync_every=cfg.parallel.sync_every if cfg.parallel.dcn_sync == "diloco" else 0,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
 
 
@@ -302,11 +304,13 @@ def _with_gpu(plan: Any, argv: list[str]) -> Any:
     return dataclasses.replace(plan, **{k: v for k, v in figures.items() if k not in given})
 
 
-def _as_given(base: cost.Setup, space: search.Space, sizes: dict, train: TrainConfig) -> Any:
+def _as_given(base: cost.Setup, space: search.Space, sizes: dict, cfg: Config) -> Any:
     """The layout the command line names, with its batch chosen when --batch is left out."""
     setup = dataclasses.replace(base, mesh=sizes)
     if setup.pipelined:
-        setup = dataclasses.replace(setup, microbatches=train.microbatches or 2 * sizes["pipeline"])
+        setup = dataclasses.replace(
+            setup, microbatches=cfg.parallel.microbatches or 2 * sizes["pipeline"]
+        )
     ways = setup.data_parallel * setup.micro_steps
     setup = dataclasses.replace(setup, batch=search.batch_for(space, setup.seq_len, ways))
     cost.check_setup(setup)
@@ -361,35 +365,56 @@ def _named_axes(mesh: str, given: set[str]) -> dict[str, int] | None:
     return {axis: size for axis, size in named.items() if size != -1}
 
 
-def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
+def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | None = None):
+    """(Program, Mesh) of layout `s` on `devices` as `python -m spmd.train` would build it
+    (spmd.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
+    the defaults). The engine has no stage 0: plain DDP is the fsdp devices folded into
+    `data`."""
+    from spmd import builder
+    from spmd.parallel import mesh as mesh_lib
+
+    measure.check_engine_can_build(s)
+    cfg = cfg or Config(model=model_cfg)
+    sizes = dict(s.sharding_mesh)
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        mesh=mesh_lib.format_mesh(sizes),
+        zero=max(s.zero, 1),
+        sequence_parallel=s.sequence_parallel,
+        pp_schedule=s.schedule,
+        microbatches=s.microbatches,
+        pp_virtual=s.virtual,
+        dcn_sync="every-step",
+    )
+    run_cfg = dataclasses.replace(cfg.run, batch=s.batch, seq_len=s.seq_len, accum=s.accum)
+    precision = dataclasses.replace(cfg.precision, precision=s.precision)
+    engine_cfg = dataclasses.replace(
+        cfg, model=model_cfg, run=run_cfg, parallel=parallel, precision=precision
+    )
+    mesh = mesh_lib.build_mesh(sizes, devices)
+    return builder.program(engine_cfg, mesh), mesh
+
+
+def _measure(s: cost.Setup, shape: Any, cfg: Config) -> dict:
     """Compile the layout's real train step on simulated CPU devices (spmd.estimate.measure)."""
     built = dataclasses.replace(shape, remat=s.remat)
-    build_kwargs = {}
-    if s.pipelined:
-        from spmd.parallel.pipeline import Pipeline
-
-        pipe = Pipeline(s.schedule, s.microbatches, s.virtual, llama.logits_loss)
-        build_kwargs["pipeline"] = pipe
-    return measure.measure(
-        dataclasses.replace(s, n_params=float(built.n_params())),
-        lambda seed, dtype: moe.create(built, seed, dtype),  # llama.create without experts
-        moe.lm_loss,
-        train,
-        executor=train.collectives,
-        **build_kwargs,
-    )
+    s = dataclasses.replace(s, n_params=float(built.n_params()))
+    measure.check_engine_can_build(s)
+    devices = measure.simulated_devices(s.devices)
+    program, mesh = engine_program(s, built, devices, cfg)
+    return measure.measure(s, program, mesh, executor=cfg.parallel.collectives)
 
 
-def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) -> tuple:
+def model_shape(argv: list[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
     """(shape, parameter count, description, spmd.train model flags) of the preset, or of
     --params' Llama shape."""
     if not plan.params:
-        preset = config.build(moe.MoEConfig, config.preset(train.model), "preset")
+        preset = config.build(moe.MoEConfig, config.preset(cfg.run.model), "preset")
         moe.check(model_cfg)
         fields = (*FIELDS, *MOE_FIELDS) if model_cfg.n_experts or preset.n_experts else FIELDS
         changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f)]
-        args = ["--model", train.model, *_shape_flags(model_cfg, changed)]
-        return model_cfg, float(model_cfg.n_params()), f"{train.model} preset", args
+        args = ["--model", cfg.run.model, *_shape_flags(model_cfg, changed)]
+        return model_cfg, float(model_cfg.n_params()), f"{cfg.run.model} preset", args
     arch = {f.name for f in dataclasses.fields(moe.MoEConfig)} - {"remat"}
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     clash = sorted(given & (arch | {"model"}))

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from spmd.config import flat_values
 from spmd.errors import UsageError
 
 PANELS = (  # (train record field, axis label, scale applied to the values)
@@ -36,7 +37,7 @@ def load_run(path: str | Path) -> tuple[str, list[dict]]:
     train = [r for r in records if r.get("kind") == "train"]
     if config is None or not train:
         raise UsageError(f"{path}: no config and train records; is it a spmd.train --metrics file?")
-    zero = config.get("config", {}).get("train", {}).get("zero")
+    zero = flat_values(config.get("config", {})).get("zero")
     label = config.get("mesh_text") or str(config.get("mesh"))
     sharded = config.get("mesh", {}).get("fsdp", 1) > 1  # the stage means nothing otherwise
     return (f"{label} zero{zero}" if sharded and zero is not None else label), train

@@ -1,7 +1,7 @@
 """Where the params of `spmd.generate` and `spmd.convert` come from: an spmd checkpoint folder
 or a Hugging Face folder, loaded straight onto the shardings of a mesh.
 
-Both build the same Program as training (spmd.engine.step.build_program) for the model the source
+Both build the same Program as training (spmd.builder) for the model the source
 describes, so params land in exactly the layout a training run of that mesh would use.
 """
 
@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import optax
-
 from models import hf_llama, llama, moe
-from spmd import config
-from spmd.engine.step import Program, build_program
+from spmd import builder, config
+from spmd.engine.step import Program
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
 
@@ -41,8 +39,8 @@ def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
 def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:
     """The Program of `cfg` (dense Llama, or MoE when cfg.n_experts) on `layout`, for its
     param shardings and forward pass (no training: the optimizer is the identity, which has no
-    state)."""
-    return build_program(lambda seed: moe.create(cfg, seed), moe.lm_loss, optax.identity(), layout)
+    state); spmd.builder's, as training builds it."""
+    return builder.model_program(cfg, layout)
 
 
 def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd.config import TrainConfig
-from spmd.engine.optim import make_optimizer
+from spmd.builder import optimizer
+from spmd.config import flat
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
 from spmd.estimate import hlo
@@ -33,13 +33,13 @@ BUCKET = int(BUCKET_MB * 2**20)
 
 def _program(mesh_text: str, zero: int, bucket_mb: float):
     cfg = trainer.tiny_config()
-    train = TrainConfig(
-        steps=trainer.STEPS, batch=trainer.BATCH, seq_len=trainer.SEQ_LEN, warmup=2, lr=3e-3
+    train = flat(
+        None, steps=trainer.STEPS, batch=trainer.BATCH, seq_len=trainer.SEQ_LEN, warmup=2, lr=3e-3
     )
     return build_program(
         lambda seed: llama.create(cfg, seed),
         llama.lm_loss,
-        lambda names: make_optimizer(train, names),
+        lambda names: optimizer(train)(names),
         trainer.layout(mesh_text, zero),
         executor="explicit",
         bucket_mb=bucket_mb,

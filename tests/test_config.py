@@ -8,6 +8,7 @@ from spmd import config
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
+from spmd.sections import RunConfig
 from spmd.train import SECTIONS, expand_layout
 
 
@@ -34,24 +35,39 @@ def test_bad_mesh_strings(spec):
 
 
 def resolve(*argv, **kwargs):
-    return config.resolve(list(argv), SECTIONS, "test", expand_train=expand_layout, **kwargs)
+    return config.resolve(list(argv), SECTIONS, "test", expand=expand_layout, **kwargs)
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
     file = tmp_path / "run.toml"
     file.write_text('[train]\nmodel = "tiny"\nsteps = 7\n[model]\nn_layers = 2\n')
     resolved = resolve("--config", str(file), "--steps", "9")
-    assert resolved["train"].steps == 9  # flag beats file
+    assert resolved["run"].steps == 9  # flag beats file
     assert resolved["model"].n_layers == 2  # file beats preset
     assert resolved["model"].embed_dim == 64  # the tiny preset
-    assert resolved["train"].batch == config.TrainConfig().batch  # dataclass default
+    assert resolved["run"].batch == RunConfig().batch  # dataclass default
     assert isinstance(resolved["model"], LlamaConfig)
 
 
+def test_sectioned_tables_and_the_flat_train_table_read_alike(tmp_path):
+    sectioned, flat = tmp_path / "sectioned.toml", tmp_path / "flat.toml"
+    sectioned.write_text(
+        '[run]\nmodel = "tiny"\nsteps = 7\n[optimizer]\nlr = 0.01\n[parallel]\nzero = 2\n'
+    )
+    flat.write_text('[train]\nmodel = "tiny"\nsteps = 7\nlr = 0.01\nzero = 2\n')
+    a, b = resolve("--config", str(sectioned)), resolve("--config", str(flat))
+    assert config.as_dict(a) == config.as_dict(b)
+    assert (a["run"].steps, a["optimizer"].lr, a["parallel"].zero) == (7, 0.01, 2)
+    misplaced = tmp_path / "misplaced.toml"
+    misplaced.write_text("[optimizer]\nmesh = 'dp=2'\n")
+    with pytest.raises(UsageError, match="unknown key 'mesh'"):
+        resolve("--config", str(misplaced))
+
+
 def test_layout_fills_mesh_and_zero_unless_given():
-    assert resolve("--layout", "zero1")["train"].mesh == "fsdp=-1"
-    assert resolve("--layout", "zero1")["train"].zero == 1
-    assert resolve("--layout", "zero1", "--mesh", "fsdp=4")["train"].mesh == "fsdp=4"
+    assert resolve("--layout", "zero1")["parallel"].mesh == "fsdp=-1"
+    assert resolve("--layout", "zero1")["parallel"].zero == 1
+    assert resolve("--layout", "zero1", "--mesh", "fsdp=4")["parallel"].mesh == "fsdp=4"
 
 
 def test_config_file_mistakes_are_named(tmp_path):

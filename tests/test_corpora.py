@@ -223,7 +223,7 @@ CHATML = (  # a small ChatML-style template, written the way Hugging Face templa
 def test_chat_messages_rendered_by_the_template_count_assistant_turns_only(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from spmd.config import TrainConfig
+    from spmd.config import flat
     from spmd.io import run_data
 
     chats = [
@@ -258,14 +258,15 @@ def test_chat_messages_rendered_by_the_template_count_assistant_turns_only(tmp_p
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": chats[0]}) + "\n")
     pq.write_table(pa.table({"messages": [chats[1]]}), tmp_path / "chats.parquet")
-    train = TrainConfig(
+    train = flat(
+        None,
         data=str(tmp_path / "chats.*"),
         tokenizer=str(folder / "tokenizer.json"),
         data_cache=str(tmp_path / "cache"),
         messages_field="messages",
         tokenize_workers=2,  # the pool: each worker compiles the template
     )
-    token_file = run_data.open_token_file(train, train.data)
+    token_file = run_data.open_token_file(train.data, train.data.data)
     ids, mask = token_file.load(), token_file.loss_mask()
 
     # Oracle, written out: ChatML text; counted = each assistant content and its end of turn.

@@ -193,9 +193,9 @@ def cost_bytes(precision: str) -> int:
 
 def test_unknown_sync_mode_and_stray_diloco_axis_are_refused():
     from spmd.checks import check_dcn_sync
-    from spmd.config import TrainConfig
+    from spmd.config import flat
 
     with pytest.raises(UsageError, match="--dcn-sync 'often' is not one of every-step, diloco"):
-        check_dcn_sync(TrainConfig(dcn_sync="often"))
+        check_dcn_sync(flat(None, dcn_sync="often"))
     with pytest.raises(UsageError, match="--diloco-axis data needs --dcn-sync diloco"):
-        check_dcn_sync(TrainConfig(diloco_axis="data"))
+        check_dcn_sync(flat(None, diloco_axis="data"))

@@ -21,8 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from spmd import config, train
+from spmd import train
 from spmd.io import checkpoint, data, tokens
+from spmd.sections import DivergenceConfig
 from spmd.training import divergence
 from spmd.training.resume import program_state_target
 from tests.cli import ROOT, records
@@ -69,7 +70,7 @@ def test_guard_flags_non_finite_values_and_spikes_against_the_running_median():
     def check(guard, step, loss, grad_norm=1.0):
         return guard.check(step, {"loss": loss, "grad_norm": grad_norm})
 
-    guard = divergence.Guard(config.TrainConfig(spike_threshold=3, spike_window=4))
+    guard = divergence.Guard(DivergenceConfig(spike_threshold=3, spike_window=4), "fp32")
     assert check(guard, 1, 5.0) is None and check(guard, 2, 4.0) is None
     assert check(guard, 3, 13.0) is None  # 13 < 3 x median(5, 4) = 13.5
     assert check(guard, 4, 14.0) is None  # median(5, 4, 13) = 5
@@ -80,11 +81,11 @@ def test_guard_flags_non_finite_values_and_spikes_against_the_running_median():
     assert check(guard, 7, 3.0, float("inf")).what == "grad_norm"
     assert [s for s, _ in guard.history] == [1, 2, 3, 4]  # diverged losses stay out
     # fp16's loss scale skips a step with an infinite gradient itself: not a divergence.
-    fp16 = divergence.Guard(config.TrainConfig(precision="fp16"))
+    fp16 = divergence.Guard(DivergenceConfig(), "fp16")
     assert check(fp16, 1, 3.0, float("inf")) is None
     assert check(fp16, 2, float("inf")).what == "loss"
     # What a checkpoint saves of the guard makes a resumed one judge spikes the same way.
-    resumed = divergence.Guard(guard.train, guard.saved_fields(4))
+    resumed = divergence.Guard(guard.cfg, "fp32", guard.saved_fields(4))
     assert list(resumed.history) == list(guard.history)
 
 
@@ -182,11 +183,11 @@ def compiled_steps(monkeypatch):
         reuse = True
         last = None
 
-    def compile_step(train_cfg, model_cfg, program):
+    def compile_step(cfg, program):
         if Steps.reuse and "step" in shared:
             compiled, facts = shared["step"]
         else:
-            compiled, facts = real(train_cfg, model_cfg, program)
+            compiled, facts = real(cfg, program)
             shared.setdefault("step", (compiled, facts))
         Steps.last = compiled
         return Faulty(compiled, Steps.fault_at), facts

@@ -141,7 +141,7 @@ def test_dry_run_report_sets_measured_beside_expected():
 
 def test_collectives_flag_and_bad_executor():
     sections = resolve(["--collectives", "explicit", "--model", "tiny"], SECTIONS, "test")
-    assert sections["train"].collectives == "explicit"
+    assert sections["parallel"].collectives == "explicit"
     with pytest.raises(UsageError, match="--collectives 'manual'"):
         _program("dp=8", 3, "manual")
     assert train_main(["--model", "tiny", "--collectives", "manual", "--dry-run"]) == 2

@@ -99,7 +99,7 @@ def test_16bit_layouts_equal_one_device(one_device, mesh, zero, policy, executor
 def test_bf16_pipeline_equals_one_device(one_device):
     from models import llama
     from spmd import config
-    from spmd.engine.optim import make_optimizer
+    from spmd.builder import optimizer
     from spmd.engine.step import build_program
     from spmd.parallel.pipeline import Pipeline
     from tests import trainer
@@ -110,7 +110,7 @@ def test_bf16_pipeline_equals_one_device(one_device):
     program = build_program(
         lambda seed: llama.create(cfg, seed, policy.compute_dtype),
         llama.lm_loss,
-        lambda names: make_optimizer(tiny_train_config(), names),
+        lambda names: optimizer(tiny_train_config())(names),
         trainer.layout("dp=2,pp=2,tp=2"),
         policy=policy,
         pipeline=Pipeline("1f1b", 4, 1, llama.logits_loss),

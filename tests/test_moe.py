@@ -19,8 +19,8 @@ from flax import nnx
 
 from models import llama, moe
 from spmd import config, train
-from spmd.config import TrainConfig
-from spmd.engine.optim import make_optimizer
+from spmd.builder import optimizer
+from spmd.config import flat
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.estimate import flops, hlo, theory
@@ -53,12 +53,12 @@ def moe_config(**overrides: object) -> moe.MoEConfig:
 def program(mesh: str, executor: str = "auto", schedule: str | None = None, **overrides: object):
     """The tiny MoE's program on `mesh`, made once per session."""
     cfg = moe_config(**overrides)
-    run = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
+    run = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     pipe = Pipeline(schedule, 4, 1, llama.logits_loss) if schedule else None
     return build_program(
         lambda seed: moe.create(cfg, seed),
         moe.lm_loss,
-        lambda names: make_optimizer(run, names),
+        lambda names: optimizer(run)(names),
         trainer.layout(mesh),
         executor=executor,
         pipeline=pipe,

@@ -154,14 +154,14 @@ def test_pipelines_carry_segments_and_loss_weights_with_their_micro_batches():
 def test_document_mask_choices_are_checked():
     import pytest
 
-    from spmd.config import TrainConfig
+    from spmd.config import flat
     from spmd.errors import UsageError
     from spmd.io import run_data
 
     with pytest.raises(UsageError, match="--document-mask 'yes' is not one of auto, on, off"):
-        run_data.check_choices(TrainConfig(document_mask="yes"))
+        run_data.check_choices(flat(None, document_mask="yes").data)
     with pytest.raises(UsageError, match="give both"):
-        run_data.check_choices(TrainConfig(prompt_field="q"))
+        run_data.check_choices(flat(None, prompt_field="q").data)
     plain = np.arange(10 * SEQ_LEN + 1)
     with pytest.raises(UsageError, match="--document-mask on needs a corpus read record by"):
         data.TokenWindows(plain, SEQ_LEN, 0.0, document_mask=True)

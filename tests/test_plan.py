@@ -18,11 +18,9 @@ import pytest
 
 from models import llama, moe
 from spmd import config, plan, train
-from spmd.config import TrainConfig
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     cost,
-    measure,
     memory,
     pipeline_figures,
     plot,
@@ -209,10 +207,7 @@ def test_state_bytes_agree_with_the_engine_across_layouts(preset):
             shape=shape, n_params=shape.n_params(), mesh=sizes, zero=zero, batch=16, microbatches=4
         )
         cost.check_setup(s)
-        program, _ = measure.build(
-            s, lambda seed, dtype: llama.create(shape, seed, dtype), llama.lm_loss,
-            TrainConfig(), jax.devices()[:8],
-        )  # fmt: skip
+        program, _ = plan.engine_program(s, shape, jax.devices()[:8])
         engine = sharded_bytes(program.abstract_params) + sharded_bytes(program.abstract_opt_state)
         state = memory.model_state_bytes(s)
         analytic = state["params"] + state["optimizer"]
@@ -468,8 +463,10 @@ def test_the_train_command_runs_the_recommended_layout():
     out = planned("--params", "175e9", "--devices", "1024", "--hbm", "80", "--recommend")
     command = out["recommendation"]["train_command"].split()
     assert command[:3] == ["python", "-m", "spmd.train"]
-    sections = config.resolve(command[3:], train.SECTIONS, "t", expand_train=train.expand_layout)
-    run, model = sections["train"], sections["model"]
+    sections = config.resolve(command[3:], train.SECTIONS, "t", expand=train.expand_layout)
+    run = config.flat_values(config.as_dict(sections))
+    run = type("Flags", (), run)  # the flat flags, read as attributes
+    model = sections["model"]
     # the planner's mesh names the axes it models; the others (expert) are 1
     assert parse_mesh(run.mesh) == {**dict.fromkeys(MESH_AXES, 1), **out["mesh"]}
     assert run.batch == out["batch"]["global"]
@@ -588,10 +585,7 @@ def test_moe_executed_flops_match_the_compiled_dots():
     cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
     s = setup_2b(shape=cfg, n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
                  mesh={**dict.fromkeys(MESH_AXES, 1), "expert": 4})  # fmt: skip
-    program, _ = measure.build(
-        s, lambda seed, dtype: moe.create(cfg, seed, dtype), moe.lm_loss, TrainConfig(),
-        jax.devices()[:4],
-    )  # fmt: skip
+    program, _ = plan.engine_program(s, cfg, jax.devices()[:4])
     dots = hlo_dot_flops(program.compile_train_step(16, 32)) * s.devices
     assert timing.executed_flops(s) == pytest.approx(dots, rel=0.01)
     assert dots / timing.model_flops(s) > 1.8

@@ -95,7 +95,8 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_then_training_continues(e
     assert int(metrics["skipped_steps"]) == 1
     assert float(metrics["loss_scale"]) == float(loss_scale["scale"]) == overflow / 2
     assert not np.isfinite(float(metrics["grad_norm"]))
-    schedule = lr_schedule(tiny_train_config())
+    run = tiny_train_config()
+    schedule = lr_schedule(run.optimizer, run.run.steps, run.run.batch)
     record = loop.train_record(2, jax.device_get(metrics), 0.1, schedule, BATCH * SEQ_LEN)
     assert record["loss_scale"] == overflow / 2 and record["skipped_steps"] == 1
     assert record["lr"] == float(schedule(0))  # one update applied so far: schedule held still

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from spmd import checks, train
-from spmd.config import TrainConfig
+from spmd.config import flat
 
 # The runs differ only in --remat, so the temp memory difference is the policy's.
 SAME = ["--model", "tiny", "--mesh", "dp=-1", "--batch", "16", "--seq-len", "64"]
@@ -39,7 +39,7 @@ def test_dry_run_shows_remat_temp_memory_and_the_batch_self_check(capsys):
 
 
 def test_batch_arithmetic_with_the_linear_scaling_rule():
-    cfg = TrainConfig(batch=256, accum=4, seq_len=128, lr=1e-3, lr_scaling="linear", ref_batch=64)
+    cfg = flat(None, batch=256, accum=4, seq_len=128, lr=1e-3, lr_scaling="linear", ref_batch=64)
     check = checks.batch_arithmetic(cfg, data_parallel=8)
     assert check["micro_batch_per_device"] * check["accum"] * check["data_parallel"] == 256
     assert check["micro_batch_per_device"] == 8 and check["tokens_per_step"] == 256 * 128

@@ -11,9 +11,9 @@ import numpy as np
 
 from models import llama
 from spmd import config
-from spmd.config import TrainConfig
+from spmd.builder import optimizer
+from spmd.config import Config, flat
 from spmd.engine import precision
-from spmd.engine.optim import make_optimizer
 from spmd.engine.step import Program, build_program
 from spmd.io import data
 from spmd.parallel.layout import Layout
@@ -25,8 +25,8 @@ BATCH, SEQ_LEN = 16, 32
 EXECUTORS = ["auto", "explicit"]
 
 
-def tiny_train_config(accum: int = 1, lr: float = 3e-3) -> TrainConfig:
-    return TrainConfig(model="tiny", batch=BATCH, seq_len=SEQ_LEN, accum=accum, lr=lr, warmup=5)
+def tiny_train_config(accum: int = 1, lr: float = 3e-3) -> Config:
+    return flat(None, model="tiny", batch=BATCH, seq_len=SEQ_LEN, accum=accum, lr=lr, warmup=5)
 
 
 def tiny_program(
@@ -47,7 +47,7 @@ def tiny_program(
     return build_program(
         lambda seed: llama.create(model_cfg, seed, policy.compute_dtype),
         llama.lm_loss,
-        lambda names: make_optimizer(train, names),
+        lambda names: optimizer(train)(names),
         layout,
         accum=accum,
         policy=policy,

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd.config import TrainConfig, build, preset
-from spmd.engine.optim import make_optimizer
+from spmd.builder import optimizer
+from spmd.config import build, flat, preset
 from spmd.engine.step import Program, build_program
 from spmd.io import data
 from spmd.parallel.layout import Layout
@@ -55,11 +55,11 @@ def program(
     """The tiny model's program on `lay`; `pipeline` (spmd.parallel.pipeline.Pipeline) pipelines
     it; `prefetch` as build_program's (explicit ZeRO-3)."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
-    train = TrainConfig(steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
+    train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     return build_program(
         lambda seed: llama.create(cfg, seed),
         llama.lm_loss,
-        lambda names: make_optimizer(train, names),
+        lambda names: optimizer(train)(names),
         lay,
         seed=0,
         accum=accum,

@@ -214,12 +214,22 @@ def build(
     accum: int = 1,
     policy: precision.Policy = precision.POLICIES["fp32"],
     executor: str = "auto",
+    batch_fields: tuple[str, ...] = ("inputs", "targets"),
 ) -> DilocoProgram:
     """The DiLoCo program of a model (arguments as spmd.engine.step.build_program's) whose
     replicas are the ways of the layout's data axis."""
     check(sync, layout, executor, policy, layout.mesh.shape["pipeline"])
     inner = build_program(
-        make_model, loss_fn, tx, layout, seed, accum, policy, executor, exclude_axes=(AXIS,)
+        make_model,
+        loss_fn,
+        tx,
+        layout,
+        seed,
+        accum,
+        policy,
+        executor,
+        exclude_axes=(AXIS,),
+        batch_fields=batch_fields,
     )
     outer_tx = outer_optimizer(sync)
     abstract = _abstract_state(inner, outer_tx, layout)
@@ -364,20 +374,3 @@ def _steps(
         return inner.eval_step(mean, batch)
 
     return local_step, synced_step, eval_step
-
-
-def from_config(
-    train: Any, make_model: Callable, loss_fn: Callable, tx: Any, layout: Layout
-) -> DilocoProgram:
-    """The DiLoCo program of a `python -m spmd.train` run (TrainConfig `train`)."""
-    return build(
-        make_model,
-        loss_fn,
-        tx,
-        layout,
-        Sync(train.sync_every, train.outer_lr, train.outer_momentum),
-        seed=train.seed,
-        accum=train.accum,
-        policy=precision.get(train.precision, train.grad_reduce),
-        executor=train.collectives,
-    )

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.parallel.collectives import global_norm
+from spmd.sections import OptimizerConfig
 
 LR_SCALINGS = ("none", "linear")
 
@@ -25,7 +25,7 @@ def check_number(flag: str, value: float, low: float, high: float, valid: str) -
         raise UsageError(f"{flag} {value:g} must be {valid}")
 
 
-def check_hyperparameters(cfg: TrainConfig) -> None:
+def check_hyperparameters(cfg: OptimizerConfig) -> None:
     """UsageError for an optimizer number that cannot train: NaN, infinite, negative or out of
     its range (a NaN LR would otherwise train to the end on NaN params)."""
     check_number("--lr", cfg.lr, math.ulp(0.0), math.inf, "a positive, finite learning rate")
@@ -39,26 +39,27 @@ def check_hyperparameters(cfg: TrainConfig) -> None:
         check_number(flag, beta, 0.0, 1.0 - math.ulp(1.0), "a decay rate in [0, 1)")
 
 
-def peak_lr(cfg: TrainConfig) -> float:
-    """The peak LR after the scaling rule: lr, or lr * batch / ref_batch for "linear"."""
+def peak_lr(cfg: OptimizerConfig, global_batch: int) -> float:
+    """The peak LR after the scaling rule: lr, or lr * global_batch / ref_batch for "linear"."""
     if cfg.lr_scaling not in LR_SCALINGS:
         raise UsageError(f"--lr-scaling {cfg.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}")
     if cfg.lr_scaling == "linear":
         if cfg.ref_batch <= 0:
             raise UsageError(f"--ref-batch {cfg.ref_batch} must be a positive batch size")
-        return cfg.lr * cfg.batch / cfg.ref_batch
+        return cfg.lr * global_batch / cfg.ref_batch
     return cfg.lr
 
 
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """LR at each optimizer step: 0 -> peak over `warmup` steps, cosine to min_lr_ratio*peak."""
-    peak = peak_lr(cfg)
-    warmup = min(cfg.warmup, max(cfg.steps - 1, 0))
+def lr_schedule(cfg: OptimizerConfig, steps: int, global_batch: int) -> optax.Schedule:
+    """LR at each of `steps` optimizer steps: 0 -> peak over `warmup` steps, cosine to
+    min_lr_ratio * peak."""
+    peak = peak_lr(cfg, global_batch)
+    warmup = min(cfg.warmup, max(steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=peak,
         warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1),
+        decay_steps=max(steps, warmup + 1),
         end_value=peak * cfg.min_lr_ratio,
     )
 
@@ -88,10 +89,14 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(cfg: TrainConfig, names_tree: Any) -> optax.GradientTransformation:
-    """Clip by global norm (if grad_clip > 0), then AdamW on the schedule."""
+def make_optimizer(
+    cfg: OptimizerConfig, steps: int, global_batch: int, names_tree: Any
+) -> optax.GradientTransformation:
+    """Clip by global norm (if grad_clip > 0), then AdamW on the schedule of a run of `steps`
+    optimizer steps of `global_batch` sequences; `names_tree` holds each param's logical axis
+    names (they decide weight decay)."""
     adamw = optax.adamw(
-        lr_schedule(cfg),
+        lr_schedule(cfg, steps, global_batch),
         b1=cfg.beta1,
         b2=cfg.beta2,
         eps=1e-8,

@@ -21,7 +21,6 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from spmd.config import TrainConfig
 from spmd.engine import precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
@@ -29,6 +28,7 @@ from spmd.engine.explicit import explicit_steps
 from spmd.errors import UsageError
 from spmd.parallel import hooks
 from spmd.parallel.layout import Layout
+from spmd.sections import ParallelConfig
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
 EXECUTORS = ("auto", "explicit")
@@ -155,7 +155,8 @@ def build_program(
     pipeline: Any = None,
     exclude_axes: tuple[str, ...] = (),
     bucket_mb: float = 0.0,
-    prefetch: bool = TrainConfig.prefetch,
+    prefetch: bool = ParallelConfig.prefetch,
+    batch_fields: tuple[str, ...] = ("inputs", "targets"),
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -181,6 +182,8 @@ def build_program(
 
     `prefetch`: the explicit executor's ZeRO-3 gathers each layer's params while the layer
     before it computes (spmd.parallel.layer_scan); the auto executor leaves that to XLA.
+
+    `batch_fields`: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields).
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
@@ -219,6 +222,7 @@ def build_program(
         policy=policy,
         train_fn=train_step,
         prefetch=prefetch and executor == "explicit",
+        batch_fields=batch_fields,
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )

@@ -1,24 +1,22 @@
 """Check the analytic plan against the compiled step (`python -m spmd.plan --measure`).
 
-Builds and compiles the real train step (spmd.engine.step, AOT: nothing runs) for a planned
-layout on simulated CPU devices and puts the figures of spmd.estimate.memory and .cost beside
-the compiled ones: bytes of params and of master + optimizer state per device (from the
-shardings the step takes its state in, spmd.engine.state_layout.state_bytes_per_device), the
-compiled peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo).
-All figures are bytes per device.
+Compiles the real train step (built by spmd.builder, AOT: nothing runs) for a planned layout on
+simulated CPU devices and puts the figures of spmd.estimate.memory and .cost beside the
+compiled ones: bytes of params and of master + optimizer state per device (from the shardings
+the step takes its state in, spmd.engine.state_layout.state_bytes_per_device), the compiled
+peak memory, and the bytes of each collective kind per optimizer step (spmd.estimate.hlo). All
+figures are bytes per device.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
-from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
 from spmd.parallel.mesh import format_mesh
+from spmd.sections import PrecisionConfig, RunConfig
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -71,57 +69,12 @@ def check_engine_can_build(s: cost.Setup) -> None:
         )
 
 
-def build(
-    s: cost.Setup,
-    make_model: Callable[[int, Any], Any],
-    loss_fn: Callable,
-    train: TrainConfig,
-    devices: list,
-    **build_kwargs: Any,
-) -> tuple[Any, Any]:
-    """(spmd.engine.step Program, Mesh) of the engine's train step for layout `s` on `devices`:
-    the model is `make_model(seed, compute_dtype)`, the optimizer spmd.engine.optim's AdamW for
-    `train`. The engine has no stage 0: plain DDP is the fsdp devices folded into `data`."""
-    import jax.numpy as jnp
+def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> dict:
+    """Compile `program`'s train step (built for layout `s` on `mesh`, by spmd.builder) and
+    compare it with the analytic figures of `s`.
 
-    from spmd.engine import precision
-    from spmd.engine.optim import make_optimizer
-    from spmd.engine.step import build_program
-    from spmd.parallel import mesh as mesh_lib
-    from spmd.parallel.layout import Layout
-
-    check_engine_can_build(s)
-    sizes = dict(s.sharding_mesh)
-    mesh = mesh_lib.build_mesh(sizes, devices)
-    zero = max(s.zero, 1)
-    optimizer_cfg = dataclasses.replace(train, mesh=format_mesh(sizes), zero=zero)
-    dtype = getattr(jnp, COMPUTE_DTYPES[s.precision])
-    program = build_program(
-        lambda seed: make_model(seed, dtype),
-        loss_fn,
-        lambda names: make_optimizer(optimizer_cfg, names),
-        Layout(mesh, zero, s.sequence_parallel),
-        seed=train.seed,
-        accum=s.accum,
-        policy=precision.get(s.precision),  # the dtypes `python -m spmd.train` would use
-        **build_kwargs,
-    )
-    return program, mesh
-
-
-def measure(
-    s: cost.Setup,
-    make_model: Callable[[int, Any], Any],
-    loss_fn: Callable,
-    train: TrainConfig,
-    executor: str = "auto",
-    **build_kwargs: Any,
-) -> dict:
-    """Compile the train step of `make_model(seed, compute_dtype)` for layout `s` and compare.
-
-    `s.n_params` must be the built model's parameter count (compare like with like).
-    `build_kwargs` go to spmd.engine.step.build_program (e.g. a pipeline); `executor` is the
-    one the step uses. XLA:CPU reports an auto-mode reduce-scatter as an
+    `s.n_params` must be the built model's parameter count (compare like with like);
+    `executor` is the one the step uses. XLA:CPU reports an auto-mode reduce-scatter as an
     all-reduce of the whole buffer, so on CPU with the auto executor the analytic
     reduce-scatters are counted that way. Returns {"rows": {what: {"analytic", "compiled"
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
@@ -130,10 +83,7 @@ def measure(
     from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
-    check_engine_can_build(s)
-    devices = simulated_devices(s.devices)
-    build_kwargs["executor"] = executor
-    program, mesh = build(s, make_model, loss_fn, train, devices, **build_kwargs)
+    devices = list(mesh.devices.flat)
     started = time.perf_counter()
     compiled = program.compile_train_step(s.batch, s.seq_len)
     compile_s = time.perf_counter() - started
@@ -182,7 +132,12 @@ def measure(
 
 
 def state_against_formula(
-    train: TrainConfig, model_cfg: Any, mesh_sizes: dict[str, int], held: dict[str, int]
+    run: RunConfig,
+    zero: int,
+    precision: PrecisionConfig,
+    model_cfg: Any,
+    mesh_sizes: dict[str, int],
+    held: dict[str, int],
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
@@ -193,13 +148,13 @@ def state_against_formula(
         shape=model_cfg,
         n_params=model_cfg.n_params(),
         mesh=dict(mesh_sizes),
-        zero=train.zero,
-        precision=train.precision,
+        zero=zero,
+        precision=precision.precision,
         optimizer="adamw",  # the engine's optimizer (spmd.engine.optim)
-        batch=train.batch,
-        seq_len=train.seq_len,
-        accum=train.accum,
-        grad_reduce=train.grad_reduce,
+        batch=run.batch,
+        seq_len=run.seq_len,
+        accum=run.accum,
+        grad_reduce=precision.grad_reduce,
     )
     state = memory.model_state_bytes(s)
     parts = []
@@ -214,6 +169,6 @@ def state_against_formula(
     per_param = memory.bytes_per_param(s)
     return (
         f"state per device against the ZeRO formula ({per_param['params']} + "
-        f"{per_param['grads']} + {per_param['optimizer']} B/param, stage {train.zero}): "
+        f"{per_param['grads']} + {per_param['optimizer']} B/param, stage {zero}): "
         + "; ".join(parts)
     )

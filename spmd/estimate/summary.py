@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd.config import TrainConfig
 from spmd.engine.optim import peak_lr
 from spmd.estimate import cost, experts, long_sequence, memory, pipeline_figures, search, timing
 from spmd.estimate.recommend import ms
 from spmd.parallel.mesh import format_mesh
+from spmd.sections import OptimizerConfig
 
 MEMORY_ROLES = {
     "params": "params",
@@ -204,13 +204,13 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
     return out
 
 
-def lr_figures(train: TrainConfig) -> dict[str, Any]:
-    """The learning rate before and after --lr-scaling at the planned batch."""
+def lr_figures(optimizer: OptimizerConfig, global_batch: int) -> dict[str, Any]:
+    """The learning rate before and after --lr-scaling at the planned global batch."""
     return {
-        "lr": train.lr,
-        "lr_scaling": train.lr_scaling,
-        "ref_batch": train.ref_batch,
-        "peak_lr": peak_lr(train),
+        "lr": optimizer.lr,
+        "lr_scaling": optimizer.lr_scaling,
+        "ref_batch": optimizer.ref_batch,
+        "peak_lr": peak_lr(optimizer, global_batch),
     }
 
 

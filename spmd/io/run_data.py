@@ -12,59 +12,64 @@ from typing import Any
 from spmd.errors import UsageError
 from spmd.io import corpora, data, mixture, shards, tokens
 from spmd.log import say
+from spmd.sections import DataConfig
 
 DOCUMENT_MASK = ("auto", "on", "off")
 
 
-def check_choices(train: Any) -> None:
+def check_choices(data_cfg: DataConfig) -> None:
     """UsageError for data flags that cannot work (before any device work)."""
-    if train.document_mask not in DOCUMENT_MASK:
+    if data_cfg.document_mask not in DOCUMENT_MASK:
         raise UsageError(
-            f"--document-mask {train.document_mask!r} is not one of {', '.join(DOCUMENT_MASK)}"
+            f"--document-mask {data_cfg.document_mask!r} is not one of {', '.join(DOCUMENT_MASK)}"
         )
-    if train.tokenize_workers < 0:
+    if data_cfg.tokenize_workers < 0:
         raise UsageError(
-            f"--tokenize-workers {train.tokenize_workers} must be 0 (the machine's cores) or a "
+            f"--tokenize-workers {data_cfg.tokenize_workers} must be 0 (the machine's cores) or a "
             f"process count"
         )
-    fields_of(train).check()
+    fields_of(data_cfg).check()
 
 
-def fields_of(train: Any) -> corpora.Fields:
+def fields_of(data_cfg: DataConfig) -> corpora.Fields:
     return corpora.Fields(
-        train.text_field, train.prompt_field, train.response_field, train.messages_field
+        data_cfg.text_field, data_cfg.prompt_field, data_cfg.response_field, data_cfg.messages_field
     )
 
 
-def open_token_file(train: Any, path: str) -> tokens.TokenFile:
+def open_token_file(data_cfg: DataConfig, path: str) -> tokens.TokenFile:
     """The token file of one source (`path`: text, token .bin or record shards)."""
     if corpora.is_record_corpus(path):
         return shards.open_records(
             path,
-            train.tokenizer,
-            train.data_cache,
-            fields_of(train),
-            train.tokenize_workers or os.cpu_count() or 1,
-            train.skip_bad_records,
+            data_cfg.tokenizer,
+            data_cfg.data_cache,
+            fields_of(data_cfg),
+            data_cfg.tokenize_workers or os.cpu_count() or 1,
+            data_cfg.skip_bad_records,
             say=say,
         )
-    if train.prompt_field or train.messages_field:
-        flag = "prompt" if train.prompt_field else "messages"
+    if data_cfg.prompt_field or data_cfg.messages_field:
+        flag = "prompt" if data_cfg.prompt_field else "messages"
         raise UsageError(
-            f"--{flag}-field {train.prompt_field or train.messages_field} needs JSONL / Parquet / "
-            f"Arrow records; --data "
+            f"--{flag}-field {data_cfg.prompt_field or data_cfg.messages_field} needs JSONL / "
+            f"Parquet / Arrow records; --data "
             f"{path or '(the stdlib sources)'} is text or tokens"
         )
-    return tokens.open_tokens(path, train.tokenizer, train.data_cache)
+    return tokens.open_tokens(path, data_cfg.tokenizer, data_cfg.data_cache)
 
 
-def windows_of(train: Any, token_file: tokens.TokenFile, eval_fraction: float) -> data.TokenWindows:
+def windows_of(
+    data_cfg: DataConfig, seq_len: int, token_file: tokens.TokenFile, eval_fraction: float
+) -> data.TokenWindows:
     """The windows of a token file under the run's --document-mask."""
     ends = token_file.document_ends()
-    masking = train.document_mask == "on" or (train.document_mask == "auto" and ends is not None)
+    masking = data_cfg.document_mask == "on" or (
+        data_cfg.document_mask == "auto" and ends is not None
+    )
     return data.TokenWindows(
         token_file.load(),
-        train.seq_len,
+        seq_len,
         eval_fraction,
         document_ends=ends,
         loss_mask=token_file.loss_mask(),
@@ -80,39 +85,43 @@ class MixtureData:
     source: str
 
 
-def open_run_data(train: Any, vocab_size: int) -> tuple[Any, Any]:
+def open_run_data(
+    data_cfg: DataConfig, seq_len: int, batch: int, vocab_size: int
+) -> tuple[Any, Any]:
     """(token file, train/eval windows) of --data, tokenized once and cached; for a mixture
     (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
-    if not (mixture.is_mixture(train.data) and not Path(train.data).exists()):
-        return open_source(train, train.data, vocab_size, "data")
+    if not (mixture.is_mixture(data_cfg.data) and not Path(data_cfg.data).exists()):
+        return open_source(data_cfg, seq_len, data_cfg.data, vocab_size, "data")
     names, files, sources, weights = [], [], [], []
-    for name, path, weight in mixture.parse_sources(train.data):
-        token_file, windows = open_source(train, path, vocab_size, f"data {name}")
+    for name, path, weight in mixture.parse_sources(data_cfg.data):
+        token_file, windows = open_source(data_cfg, seq_len, path, vocab_size, f"data {name}")
         names.append(name)
         files.append(token_file)
         sources.append(windows)
         weights.append(weight)
-    mix = mixture.Mixture(names, sources, weights, train.batch)
+    mix = mixture.Mixture(names, sources, weights, batch)
     say(f"mixture: {mix.describe()}")
     fingerprint = mixture.fingerprint(names, weights, [f.fingerprint for f in files])
-    return MixtureData(fingerprint, train.data), mix
+    return MixtureData(fingerprint, data_cfg.data), mix
 
 
-def open_eval_sets(train: Any, vocab_size: int, windows: Any) -> dict[str, data.TokenWindows]:
+def open_eval_sets(
+    data_cfg: DataConfig, seq_len: int, vocab_size: int, windows: Any
+) -> dict[str, data.TokenWindows]:
     """The named eval sets: --eval-data (a path, named "eval", or name=path,...; all their
     windows are eval windows) and, for a mixture, each source's held-out windows."""
     sets = dict(windows.eval_sets()) if hasattr(windows, "eval_sets") else {}
-    if not train.eval_data:
+    if not data_cfg.eval_data:
         return sets
-    named = [("eval", train.eval_data, 1.0)]
-    if mixture.is_mixture(train.eval_data) and not Path(train.eval_data).exists():
-        named = mixture.parse_sources(train.eval_data, "--eval-data", weighted=False)
+    named = [("eval", data_cfg.eval_data, 1.0)]
+    if mixture.is_mixture(data_cfg.eval_data) and not Path(data_cfg.eval_data).exists():
+        named = mixture.parse_sources(data_cfg.eval_data, "--eval-data", weighted=False)
     for name, path, _ in named:
-        token_file = open_token_file(train, path)
+        token_file = open_token_file(data_cfg, path)
         tokens.check_vocab(token_file, vocab_size)
         if name in sets:
             raise UsageError(f"--eval-data: the eval set name {name!r} is taken; rename it")
-        sets[name] = windows_of(train, token_file, 1.0)
+        sets[name] = windows_of(data_cfg, seq_len, token_file, 1.0)
         if sets[name].fields != windows.fields:
             raise UsageError(
                 f"--eval-data {path} gives batches of {'/'.join(sets[name].fields)}, the training "
@@ -122,11 +131,13 @@ def open_eval_sets(train: Any, vocab_size: int, windows: Any) -> dict[str, data.
     return sets
 
 
-def open_source(train: Any, path: str, vocab_size: int, label: str) -> tuple[Any, Any]:
+def open_source(
+    data_cfg: DataConfig, seq_len: int, path: str, vocab_size: int, label: str
+) -> tuple[Any, Any]:
     """(token file, windows) of one source."""
-    token_file = open_token_file(train, path)
+    token_file = open_token_file(data_cfg, path)
     tokens.check_vocab(token_file, vocab_size)
-    windows = windows_of(train, token_file, train.eval_fraction)
+    windows = windows_of(data_cfg, seq_len, token_file, data_cfg.eval_fraction)
     extras = [
         name
         for name, on in (
@@ -138,6 +149,6 @@ def open_source(train: Any, path: str, vocab_size: int, label: str) -> tuple[Any
     say(
         f"{label}: {token_file.source}, {token_file.n_tokens / 1e6:.2f} M tokens "
         f"({token_file.path}), {windows.n_train} train / {windows.n_eval} eval windows of "
-        f"{train.seq_len + 1}" + (f" | {', '.join(extras)}" if extras else "")
+        f"{seq_len + 1}" + (f" | {', '.join(extras)}" if extras else "")
     )
     return token_file, windows

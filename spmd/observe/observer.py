@@ -17,6 +17,7 @@ from spmd.estimate import flops
 from spmd.log import say
 from spmd.observe import profile, stragglers
 from spmd.observe.metrics import MetricsLog, device_memory
+from spmd.sections import ObserveConfig, RunConfig
 
 
 @dataclasses.dataclass
@@ -97,31 +98,38 @@ class Observer:
         return spent
 
 
-def make_observer(train: Any, model_cfg: Any, mesh: Any, compiled: Any) -> Observer:
-    """An Observer for a run of `train` (TrainConfig) on `mesh` with the compiled step."""
+def make_observer(
+    observe: ObserveConfig,
+    run: RunConfig,
+    precision: str,
+    model_cfg: Any,
+    mesh: Any,
+    compiled: Any,
+) -> Observer:
+    """An Observer for a run (`run`'s steps, batch and sequence length, in `precision`) on
+    `mesh` with the compiled step, reporting as `observe` says."""
     import jax
 
     device_kind = mesh.devices.flat[0].device_kind
-    precision = getattr(train, "precision", "fp32")
-    peak = flops.peak_tflops(device_kind, precision, train.peak_tflops)
-    source = "--peak-tflops" if train.peak_tflops > 0 else f"the {device_kind} {precision} peak"
+    peak = flops.peak_tflops(device_kind, precision, observe.peak_tflops)
+    source = "--peak-tflops" if observe.peak_tflops > 0 else f"the {device_kind} {precision} peak"
     profiler = None
-    if train.profile:
-        window = profile.parse_window(train.profile, train.steps)
-        trace_dir = Path(train.profile_dir or train.tensorboard or "profile")
+    if observe.profile:
+        window = profile.parse_window(observe.profile, run.steps)
+        trace_dir = Path(observe.profile_dir or observe.tensorboard or "profile")
         if jax.process_count() > 1:
             trace_dir = trace_dir / f"process_{jax.process_index()}"
         profiler = profile.StepProfiler(window, str(trace_dir), profile.module_name(compiled))
     return Observer(
-        flops_per_step=flops.decoder_flops_per_token(model_cfg, train.seq_len)
-        * train.batch
-        * train.seq_len,
+        flops_per_step=flops.decoder_flops_per_token(model_cfg, run.seq_len)
+        * run.batch
+        * run.seq_len,
         devices=mesh.size,
         local_devices=[d for d in mesh.devices.flat if d.process_index == jax.process_index()],
         peak=peak,
         peak_source=source,
-        straggler_threshold=train.straggler_threshold,
-        comm_warn=train.comm_warn,
+        straggler_threshold=observe.straggler_threshold,
+        comm_warn=observe.comm_warn,
         profiler=profiler,
     )
 

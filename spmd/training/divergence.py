@@ -44,36 +44,36 @@ import math
 import statistics
 from typing import Any
 
-from spmd.config import TrainConfig
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say, warn
+from spmd.sections import DivergenceConfig
 
 DIVERGED_EXIT = 3  # exit status of a run that --on-divergence stop ended (2 is a usage error)
 POLICIES = ("stop", "rollback", "ignore")
 MIN_SPIKE_HISTORY = 2  # earlier finite losses a spike is measured against, at the least
 
 
-def check_choices(train: TrainConfig) -> None:
+def check_choices(cfg: DivergenceConfig, checkpoint_dir: str) -> None:
     """UsageError for divergence flags out of range or without what they need."""
-    if train.on_divergence not in POLICIES:
+    if cfg.on_divergence not in POLICIES:
         raise UsageError(
-            f"--on-divergence {train.on_divergence!r} is not one of {', '.join(POLICIES)}"
+            f"--on-divergence {cfg.on_divergence!r} is not one of {', '.join(POLICIES)}"
         )
-    threshold = train.spike_threshold
+    threshold = cfg.spike_threshold
     if not (threshold == 0 or 1 < threshold < math.inf):
         raise UsageError(f"--spike-threshold {threshold:g} must be 0 (off) or a factor above 1")
-    if train.spike_window < MIN_SPIKE_HISTORY:
+    if cfg.spike_window < MIN_SPIKE_HISTORY:
         raise UsageError(
-            f"--spike-window {train.spike_window} must be at least {MIN_SPIKE_HISTORY} steps"
+            f"--spike-window {cfg.spike_window} must be at least {MIN_SPIKE_HISTORY} steps"
         )
-    if train.max_rollbacks < 0:
-        raise UsageError(f"--max-rollbacks {train.max_rollbacks} must be 0 or more")
-    if not 0 < train.rollback_lr_factor <= 1:
+    if cfg.max_rollbacks < 0:
+        raise UsageError(f"--max-rollbacks {cfg.max_rollbacks} must be 0 or more")
+    if not 0 < cfg.rollback_lr_factor <= 1:
         raise UsageError(
-            f"--rollback-lr-factor {train.rollback_lr_factor:g} must be in (0, 1] (1: keep the LR)"
+            f"--rollback-lr-factor {cfg.rollback_lr_factor:g} must be in (0, 1] (1: keep the LR)"
         )
-    if train.on_divergence == "rollback" and not train.checkpoint_dir:
+    if cfg.on_divergence == "rollback" and not checkpoint_dir:
         raise UsageError(
             "--on-divergence rollback needs --checkpoint-dir, the checkpoints it rolls back to"
         )
@@ -109,12 +109,14 @@ class Guard:
     """The divergence policy of one run and what it has changed so far (skipped data steps, LR
     factor, rollbacks), restored from a checkpoint's data state `saved` on resume."""
 
-    def __init__(self, train: TrainConfig, saved: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, cfg: DivergenceConfig, precision_name: str, saved: dict[str, Any] | None = None
+    ) -> None:
         from spmd.engine import precision
 
         saved = saved or {}
-        self.train = train
-        self.loss_scaling = precision.get(train.precision).loss_scaling
+        self.cfg = cfg
+        self.loss_scaling = precision.get(precision_name).loss_scaling
         self.skipped: list[int] = sorted(saved.get("skipped_data_steps", []))
         self.lr_factor = float(saved.get("lr_factor", 1.0))
         self.rollbacks = int(saved.get("rollbacks", 0))
@@ -128,7 +130,7 @@ class Guard:
     def _history(self, saved: dict[str, Any]) -> collections.deque:
         """The recent (step, finite loss) pairs the spike median is taken over."""
         pairs = [(int(s), float(loss)) for s, loss in saved.get("recent_losses", [])]
-        return collections.deque(pairs, maxlen=self.train.spike_window)
+        return collections.deque(pairs, maxlen=self.cfg.spike_window)
 
     def data_step(self, step: int) -> int:
         """The data step optimizer step `step` (1-based) reads."""
@@ -159,7 +161,7 @@ class Guard:
             anomaly = Anomaly(step, "params", None, "params not all finite")
         elif (median := self._spike_median(loss)) is not None:
             reason = (
-                f"loss {loss:.4g} above {self.train.spike_threshold:g} x {median:.4g}, the "
+                f"loss {loss:.4g} above {self.cfg.spike_threshold:g} x {median:.4g}, the "
                 f"median of the last {len(self.history)} losses"
             )
             anomaly = Anomaly(step, "spike", loss, reason)
@@ -179,10 +181,10 @@ class Guard:
 
     def _spike_median(self, loss: float) -> float | None:
         """The median `loss` is a spike against, or None."""
-        if not self.train.spike_threshold or len(self.history) < MIN_SPIKE_HISTORY:
+        if not self.cfg.spike_threshold or len(self.history) < MIN_SPIKE_HISTORY:
             return None
         median = statistics.median(value for _, value in self.history)
-        return median if loss > self.train.spike_threshold * median else None
+        return median if loss > self.cfg.spike_threshold * median else None
 
     def _params_finite(self, params: Any) -> bool:
         import jax
@@ -199,7 +201,7 @@ class Guard:
     def respond(self, run: Any, anomaly: Anomaly) -> Response:
         """Report the anomaly (console and the JSONL "anomaly" record) and act on it by
         --on-divergence. `run` is the loop's spmd.training.loop.Run."""
-        policy = self.train.on_divergence
+        policy = self.cfg.on_divergence
         if policy == "ignore":
             # One console line per streak of diverged steps; the JSONL gets every one.
             quiet = anomaly.step == self._previous_anomaly + 1
@@ -243,10 +245,8 @@ class Guard:
             say(f"divergence at step {anomaly.step}: {anomaly.reason} (--on-divergence {action})")
 
     def _why_no_rollback(self, run: Any) -> str | None:
-        if self.rollbacks >= self.train.max_rollbacks:
-            return (
-                f"{self.rollbacks} rollbacks already (--max-rollbacks {self.train.max_rollbacks})"
-            )
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            return f"{self.rollbacks} rollbacks already (--max-rollbacks {self.cfg.max_rollbacks})"
         if newest_checkpoint(run) is None:
             return "no checkpoint to roll back to yet"
         return None
@@ -256,7 +256,7 @@ class Guard:
     ) -> Response:
         """Save nothing more; one line naming the step and the checkpoint to resume from."""
         newest = newest_checkpoint(run)
-        folder = run.train.checkpoint_dir
+        folder = run.cfg.checkpoint.checkpoint_dir
         self._report(
             run,
             anomaly,
@@ -296,7 +296,7 @@ class Guard:
         restored = checkpoint.restore_newest(
             run.manager,
             program_state_target(run.program),
-            dataclasses.asdict(run.sections["model"]),
+            dataclasses.asdict(run.cfg.model),
             say,
         )
         undone = [self.data_step(t) for t in range(restored.step + 1, anomaly.step + 1)]
@@ -304,7 +304,7 @@ class Guard:
         self.skipped = sorted({*self.skipped, *saved, *undone})
         self.rollbacks += 1
         self.history = self._history(restored.data)
-        factor = self.lr_factor * self.train.rollback_lr_factor
+        factor = self.lr_factor * self.cfg.rollback_lr_factor
         if factor != self.lr_factor:
             run.compiled = run.recompile(factor)  # the LR schedule is compiled into the step
             self.lr_factor = factor
@@ -321,7 +321,7 @@ class Guard:
         )
         say(
             f"rolled back to the checkpoint of step {restored.step} (rollback {self.rollbacks} of "
-            f"at most {self.train.max_rollbacks}); skipping data steps {undone[0]}-{undone[-1]}, "
+            f"at most {self.cfg.max_rollbacks}); skipping data steps {undone[0]}-{undone[-1]}, "
             f"LR x{self.lr_factor:g}"
         )
         state = run.program.from_checkpoint(restored.state)._asdict()  # working params too
@@ -346,5 +346,5 @@ def newest_checkpoint(run: Any) -> int | None:
     from spmd.io import checkpoint
 
     run.manager.wait_until_finished()
-    steps = checkpoint.complete_steps(run.train.checkpoint_dir)
+    steps = checkpoint.complete_steps(run.cfg.checkpoint.checkpoint_dir)
     return steps[-1] if steps else None

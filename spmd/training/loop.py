@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spmd import config
-from spmd.config import TrainConfig
+from spmd.config import Config
 from spmd.io import data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
@@ -52,8 +52,7 @@ _STEP_METRICS = ("loss", "grad_norm", "loss_scale", "skipped_steps")
 class Run:
     """What the step loop works with, built once by `python -m spmd.train`."""
 
-    train: TrainConfig
-    sections: dict[str, Any]  # the resolved config tree, saved with each checkpoint
+    cfg: Config  # the resolved config, saved with each checkpoint
     program: Any  # spmd.engine.step.Program
     compiled: Any  # the compiled train step
     log: MetricsLog
@@ -81,12 +80,12 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
     import jax
     import numpy as np
 
-    train, program = run.train, run.program
+    program = run.program
     compiled_eval: list[Any] = []
 
     def evaluate(params: Any, step: int) -> float:
         if not compiled_eval:
-            abstract_batch = program.abstract_batch(train.batch, train.seq_len)
+            abstract_batch = program.abstract_batch(run.cfg.run.batch, run.cfg.run.seq_len)
             compiled_eval.append(
                 program.eval_step.lower(program.abstract_params, abstract_batch).compile()
             )
@@ -95,8 +94,10 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
         losses = {}
         for name, windows in {**sets, **run.eval_sets}.items():
             batches = [
-                data.global_batch(windows, data.eval_window_ids(i, train.batch, windows), sharding)
-                for i in range(train.eval_batches)
+                data.global_batch(
+                    windows, data.eval_window_ids(i, run.cfg.run.batch, windows), sharding
+                )
+                for i in range(run.cfg.data.eval_batches)
             ]
             losses[name] = float(
                 np.mean(jax.device_get([compiled_eval[0](params, b) for b in batches]))
@@ -125,7 +126,7 @@ class Progress:
 
     def __post_init__(self) -> None:
         self.schedules: dict[float, Any] = {}  # by the LR factor of rollbacks
-        self.tokens_per_step = self.run.train.batch * self.run.train.seq_len
+        self.tokens_per_step = self.run.cfg.run.batch * self.run.cfg.run.seq_len
         self.clock_step, self.clock = self.first_step - 1, time.perf_counter()
 
     def pause(self, seconds: float) -> None:
@@ -144,10 +145,9 @@ class Progress:
         from spmd.engine.optim import lr_schedule
 
         if lr_factor not in self.schedules:
-            train = self.run.train
-            self.schedules[lr_factor] = lr_schedule(
-                dataclasses.replace(train, lr=train.lr * lr_factor)
-            )
+            cfg = self.run.cfg
+            optimizer = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr * lr_factor)
+            self.schedules[lr_factor] = lr_schedule(optimizer, cfg.run.steps, cfg.run.batch)
         return self.schedules[lr_factor]
 
     def report(self, step: int, metrics: dict) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class Progress:
         if still on the device)."""
         import jax
 
-        train, observer = self.run.train, self.run.observer
+        observer = self.run.observer
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         step_time = (now - self.clock) / (step - self.clock_step)
@@ -169,10 +169,10 @@ class Progress:
             record["source_tokens"] = self.run.windows.source_tokens(step)
         self.run.log.write("train", **record)
         loss, grad_norm, rate = record["loss"], record["grad_norm"], record["tokens_per_s"]
-        line = progress_line(step, train.steps, loss, grad_norm, step_time, rate)
+        line = progress_line(step, self.run.cfg.run.steps, loss, grad_norm, step_time, rate)
         if observer is not None:
             line += throughput_text(record)
-        if train.precision == "fp16":
+        if self.run.cfg.precision.precision == "fp16":
             line += f" | loss scale {record['loss_scale']:g}, {record['skipped_steps']} skipped"
         say(line)
         self.last = record
@@ -184,20 +184,19 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
     refuse (and report) when the step was not finite. Returns whether it saved."""
     from spmd.io import checkpoint
 
-    train = run.train
     refusal = run.guard.refusal(step)
     if refusal is not None:
         run.log.write("checkpoint_refused", step=step, reason=refusal)
         say(f"checkpoint of step {step} not saved: {refusal}; the earlier ones are kept")
         return False
-    data_state = run_data_state(train, step, run.token_file.fingerprint)
+    data_state = run_data_state(run.cfg, step, run.token_file.fingerprint)
     data_state.update(run.guard.saved_fields(step))
     blocked = checkpoint.save(
         run.manager,
         step,
         run.program.checkpoint_view(state),
         data_state,
-        config.as_dict(run.sections),
+        config.as_dict(run.cfg.sections()),
     )
     run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
     return True
@@ -212,13 +211,17 @@ def settle(
     on ends it with the guard's response."""
     import jax
 
-    train, guard = run.train, run.guard
+    guard = run.guard
     for step, metrics in due:
         newest = step == due[-1][0]
         metrics = jax.device_get(metrics)
         anomaly = guard.check(step, metrics, params if newest else None)
-        acting = anomaly is not None and train.on_divergence != "ignore"
-        logged = step % train.log_every == 0 or step == train.steps or (newest and report_last)
+        acting = anomaly is not None and run.cfg.divergence.on_divergence != "ignore"
+        logged = (
+            step % run.cfg.observe.log_every == 0
+            or step == run.cfg.run.steps
+            or (newest and report_last)
+        )
         if logged or acting:
             progress.report(step, metrics)
         if anomaly is not None:
@@ -232,14 +235,16 @@ def run_step(
     run: Run, progress: Progress, state: dict[str, Any], step: int
 ) -> tuple[dict[str, Any], Any]:
     """Dispatch optimizer step `step` on its batch: (the new state, its metrics on the device)."""
-    train, observer = run.train, run.observer
+    observer = run.observer
     data_step = run.guard.data_step(step)
     sharding = run.program.layout.batch_sharding()
-    batch = run.windows.batch_at(train.seed, data_step, train.batch, sharding)
+    batch = run.windows.batch_at(run.cfg.run.seed, data_step, run.cfg.run.batch, sharding)
     extra = {}
     if observer is not None:  # starting and reading a --profile trace is not step time
         progress.pause(observer.before_step(step, (state["params"], state["opt_state"])))
-        logged = step % train.log_every == 0 or step == (train.stop_after or train.steps)
+        logged = step % run.cfg.observe.log_every == 0 or step == (
+            run.cfg.run.stop_after or run.cfg.run.steps
+        )
         extra = observer.model_fields(step, logged, state["params"], batch)
     # --dcn-sync diloco compiles two programs: the round's last step is the synced one.
     compiled = run.compiled.for_step(step) if hasattr(run.compiled, "for_step") else run.compiled
@@ -256,17 +261,24 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     """Run optimizer steps `first`..--steps from `state` (params, opt_state, loss_scale);
     returns the exit status: 0, or divergence.DIVERGED_EXIT when a divergence stopped the run.
     A rollback restores a checkpoint and goes on from the step after it."""
-    train = run.train
-    run.guard = run.guard or divergence.Guard(train)
+    run.guard = run.guard or divergence.Guard(run.cfg.divergence, run.cfg.precision.precision)
     evaluate, progress = make_evaluator(run), Progress(run, first)
     eval_loss, pending, stop_reason, saved = None, None, None, False
-    step, last = first, train.stop_after or train.steps
+    step, last = first, run.cfg.run.stop_after or run.cfg.run.steps
     while step <= last:
         state, metrics = run_step(run, progress, state, step)
-        stop_reason = run.stop.received or ("stop_after" if step == train.stop_after else None)
-        evaluating = bool(run.evaluates and train.eval_every and step % train.eval_every == 0)
-        periodic = train.checkpoint_every and step % train.checkpoint_every == 0
-        saving = run.manager is not None and bool(stop_reason or periodic or step == train.steps)
+        stop_reason = run.stop.received or (
+            "stop_after" if step == run.cfg.run.stop_after else None
+        )
+        evaluating = bool(
+            run.evaluates and run.cfg.data.eval_every and step % run.cfg.data.eval_every == 0
+        )
+        periodic = (
+            run.cfg.checkpoint.checkpoint_every and step % run.cfg.checkpoint.checkpoint_every == 0
+        )
+        saving = run.manager is not None and bool(
+            stop_reason or periodic or step == run.cfg.run.steps
+        )
         due, pending = ([pending] if pending else []), (step, metrics)
         if evaluating or saving or stop_reason or step == last:  # they wait for the step anyway
             due, pending = [*due, pending], None
@@ -283,27 +295,29 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             eval_loss = evaluate(state["params"], step)
             progress.restart_clock()  # eval time is not step time
         if saving:
-            reason = stop_reason or ("end" if step == train.steps else "every")
+            reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
             saved = save_checkpoint(run, step, state, reason)
         if stop_reason:
-            finish_stopped(train, run.manager, run.log, step, stop_reason, saved)
+            finish_stopped(run.cfg, run.manager, run.log, step, stop_reason, saved)
             return 0
         step += 1
-    if run.evaluates and (not train.eval_every or train.steps % train.eval_every):
-        eval_loss = evaluate(state["params"], train.steps)
+    if run.evaluates and (
+        not run.cfg.data.eval_every or run.cfg.run.steps % run.cfg.data.eval_every
+    ):
+        eval_loss = evaluate(state["params"], run.cfg.run.steps)
     write_summary(run, progress, eval_loss)
     return 0
 
 
 def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None:
     """The JSONL summary record and the closing line of a run that reached --steps."""
-    train, observer = run.train, run.observer
+    observer = run.observer
     median_step = statistics.median(progress.step_times[1:] or progress.step_times)
     tokens_per_step = progress.tokens_per_step
     final_loss = progress.last["loss"]
     run.log.write(
         "summary",
-        steps=train.steps,
+        steps=run.cfg.run.steps,
         final_loss=final_loss,
         eval_loss=eval_loss,
         median_step_time_s=median_step,
@@ -314,7 +328,7 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
         **(observer.throughput(median_step) if observer is not None else {}),
     )
     say(
-        f"done: {train.steps} steps, final loss {final_loss:.4f}, eval loss "
+        f"done: {run.cfg.run.steps} steps, final loss {final_loss:.4f}, eval loss "
         f"{eval_loss if eval_loss is None else round(eval_loss, 4)}, median "
         f"{median_step * 1e3:.1f} ms/step, {tokens_per_step / median_step:,.0f} tokens/s"
     )

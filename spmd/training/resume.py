@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from spmd import config
-from spmd.config import TrainConfig
+from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say
@@ -35,44 +35,46 @@ BOOKKEEPING_FIELDS = (
 )
 
 
-def open_checkpoints(
-    train: TrainConfig, program: Any, sections: dict[str, Any], fingerprint: str
-) -> tuple[Any, Any]:
+def open_checkpoints(cfg: Config, program: Any, fingerprint: str) -> tuple[Any, Any]:
     """(the checkpoint manager, the restored checkpoint or None): with --resume, the newest
     readable checkpoint, read onto this run's mesh, after checking it continues this run."""
     from spmd.io import checkpoint
 
-    manager = checkpoint.open_manager(train.checkpoint_dir, train.keep_checkpoints)
-    if not train.resume:
+    manager = checkpoint.open_manager(
+        cfg.checkpoint.checkpoint_dir, cfg.checkpoint.keep_checkpoints
+    )
+    if not cfg.checkpoint.resume:
         return manager, None
     try:
         restored = checkpoint.restore_newest(
-            manager, program_state_target(program), dataclasses.asdict(sections["model"]), say
+            manager, program_state_target(program), dataclasses.asdict(cfg.model), say
         )
-        current = run_data_state(train, restored.step, fingerprint)
+        current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)
         if restored.data.get("diloco") != current.get("diloco"):
             raise UsageError(
                 f"the checkpoint's outer loop {restored.data.get('diloco')} differs from this "
                 f"run's {current.get('diloco')}; resume with the same --dcn-sync and --sync-every"
             )
-        if train.stop_after and restored.step >= train.stop_after:
+        if cfg.run.stop_after and restored.step >= cfg.run.stop_after:
             raise UsageError(
-                f"--stop-after {train.stop_after} is not after step {restored.step}, where the "
-                f"checkpoint in {train.checkpoint_dir} resumes; give a later step or 0"
+                f"--stop-after {cfg.run.stop_after} is not after step {restored.step}, where the "
+                f"checkpoint in {cfg.checkpoint.checkpoint_dir} resumes; give a later step or 0"
             )
     except BaseException:
         manager.close()
         raise
-    saved_train = restored.config.get("train", {})
+    saved = config.flat_values(restored.config)
     say(
-        f"resumed from step {restored.step} in {train.checkpoint_dir} (saved on mesh "
-        f"{saved_train.get('mesh', '?')}, now on mesh {train.mesh})"
+        f"resumed from step {restored.step} in {cfg.checkpoint.checkpoint_dir} (saved on mesh "
+        f"{saved.get('mesh', '?')}, now on mesh {cfg.parallel.mesh})"
     )
     changed = [
-        f"{config.flag_name(k)} {saved_train[k]!r} -> {v!r}"
-        for k, v in dataclasses.asdict(train).items()
-        if k in saved_train and saved_train[k] != v and k not in BOOKKEEPING_FIELDS
+        f"{config.flag_name(k)} {saved[k]!r} -> {v!r}"
+        for section in cfg.sections().values()
+        if section is not cfg.model
+        for k, v in dataclasses.asdict(section).items()
+        if k in saved and saved[k] != v and k not in BOOKKEEPING_FIELDS
     ]
     if changed:
         say(f"changed since the checkpoint was saved: {', '.join(changed)}")
@@ -85,20 +87,20 @@ def program_state_target(program: Any) -> dict[str, Any]:
     return program.abstract_checkpoint()
 
 
-def run_data_state(train: TrainConfig, step: int, fingerprint: str) -> dict[str, Any]:
+def run_data_state(cfg: Config, step: int, fingerprint: str) -> dict[str, Any]:
     """The data state after `step` optimizer steps; under --dcn-sync diloco also H and the
     position within the round (inner steps since the last sync), which a resume must match."""
     state = data.data_state(
-        step, train.seed, train.batch, train.seq_len, train.eval_fraction, fingerprint
+        step, cfg.run.seed, cfg.run.batch, cfg.run.seq_len, cfg.data.eval_fraction, fingerprint
     )
-    if train.dcn_sync == "diloco":
-        position = step % train.sync_every
-        state["diloco"] = {"sync_every": train.sync_every, "round_position": position}
+    if cfg.parallel.dcn_sync == "diloco":
+        position = step % cfg.parallel.sync_every
+        state["diloco"] = {"sync_every": cfg.parallel.sync_every, "round_position": position}
     return state
 
 
 def finish_stopped(
-    train: TrainConfig, manager: Any, log: MetricsLog, step: int, reason: str, saved: bool = True
+    cfg: Config, manager: Any, log: MetricsLog, step: int, reason: str, saved: bool = True
 ) -> None:
     """Wait for the stop's checkpoint to be written, then say how to continue. `saved` is False
     when the step's state was not finite, so its checkpoint was refused."""
@@ -107,11 +109,12 @@ def finish_stopped(
         say(f"stopped after step {step} ({reason}); no --checkpoint-dir, so nothing was saved")
         return
     manager.wait_until_finished()
-    log.write("stopped", step=step, reason=reason, checkpoint=train.checkpoint_dir)
+    folder = cfg.checkpoint.checkpoint_dir
+    log.write("stopped", step=step, reason=reason, checkpoint=cfg.checkpoint.checkpoint_dir)
     what = (
-        f"checkpoint saved in {train.checkpoint_dir}"
+        f"checkpoint saved in {folder}"
         if saved
-        else f"its state was not finite, so not saved: {train.checkpoint_dir} keeps older steps"
+        else f"its state was not finite, so not saved: {folder} keeps older steps"
     )
     say(
         f"stopped after step {step} ({reason}); {what}; continue with the same command and --resume"

@@ -1,0 +1,168 @@
+"""The sections of a run's config: one frozen dataclass each, whose field defaults are the
+single source of truth for every command and the library.
+
+The bottom of spmd's package order (it imports nothing of spmd): each core package takes the
+section it needs (spmd.engine.optim an OptimizerConfig, spmd.training.divergence a
+DivergenceConfig, ...), never the command line's whole config (spmd.config.Config). The model
+section is the model family's own config (models/). Field names are unique across sections, so
+every field is a flat flag: `seq_len` is `--seq-len`. The comment beside or above a field is
+its --help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What to train and for how long: the model preset, the batch arithmetic, the seed, the job's
+    processes. `batch` is the global batch in sequences per optimizer step; `seq_len` in tokens."""
+
+    model: str = "small"  # model preset: a file configs/<model>.toml with a [model] table
+    steps: int = 200  # optimizer steps
+    batch: int = 32  # global batch: sequences per optimizer step, over all devices
+    accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)
+    seq_len: int = 128  # tokens per sequence
+    seed: int = 0  # model init and data order
+    init_from_hf: str = ""  # start from a HF Llama or Mixtral folder (its config.json: the model)
+    stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
+    dry_run: bool = False  # compile the step, print memory and collectives, do not train
+    coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
+    num_processes: int = 0  # processes in the job (0: from spmd.launch, SLURM or Open MPI)
+    process_id: int = -1  # this process's rank (-1: detect)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from: the corpus, its tokenizer and fields, the held-out split and
+    eval sets."""
+
+    # text file, folder of text files, token .bin, JSONL / Parquet / Arrow shards (a file, folder
+    # or glob), or a mixture "web=a/*.parquet:0.7,code=b:0.3"; empty: the stdlib sources
+    data: str = ""
+    tokenizer: str = ""  # Hugging Face tokenizer.json for text (empty: bytes, vocabulary 256)
+    data_cache: str = ""  # folder of tokenized corpora (empty: $XDG_CACHE_HOME or ~/.cache/spmd)
+    text_field: str = "text"  # the text column of JSONL / Parquet / Arrow records
+    prompt_field: str = ""  # SFT: the prompt column (not counted in the loss); + response_field
+    response_field: str = ""  # SFT: the response column (the loss counts only its tokens)
+    messages_field: str = ""  # chat SFT: a list of {role, content}, rendered by the chat template
+    skip_bad_records: bool = False  # count and report unusable records instead of exit 2
+    tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
+    # on: attention stays within each packed document, positions restart; off: as plain text;
+    # auto: on for record corpora (JSONL / Parquet / Arrow), off for text files and token .bin
+    document_mask: str = "auto"
+    eval_fraction: float = 0.02  # share of the corpus's windows held out for eval
+    eval_data: str = ""  # eval sets beside the held-out split: a path, or "name=path,name=path"
+    eval_every: int = 100  # steps between eval losses (0: only at the end)
+    eval_batches: int = 4  # batches of `batch` sequences per eval
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, its LR schedule (linear warm-up, then cosine decay), DiLoCo's outer optimizer."""
+
+    lr: float = 3e-3  # peak learning rate (before the scaling rule)
+    lr_scaling: str = "none"  # none | linear: lr * batch / ref_batch
+    ref_batch: int = 32  # the global batch at which `lr` was tuned (for --lr-scaling linear)
+    warmup: int = 20  # linear warm-up steps, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # decoupled (AdamW), matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate
+    outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the run is split over devices: the mesh, what fsdp shards (ZeRO), the executor,
+    pipelines, gradient buckets, and the cross-host sync."""
+
+    layout: str = ""  # named layout from meshes/ (ddp, zero3, megatron, ...); sets mesh + zero
+    mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
+    devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
+    zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
+    collectives: str = "auto"  # auto: XLA inserts them (jit); explicit: hand-written (shard_map)
+    sequence_parallel: bool = False  # Megatron-SP (tp > 1): norms/residuals split along length
+    # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
+    # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
+    bucket_mb: float = 0.0
+    # explicit ZeRO-3: all-gather layer i+1's params while layer i computes (forward and
+    # backward); 0: each layer gathers its own params when it starts
+    prefetch: bool = True
+    xla_preset: str = "throughput"  # XLA flags spmd sets on GPU (yours win): throughput | none
+    pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
+    microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
+    pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)
+    dcn_mesh: str = ""  # ways of each mesh axis that cross hosts, e.g. "dp=2" (empty: data first)
+    # every-step: all-reduce the gradients over the data axis every step; diloco: each way of
+    # the data axis is a replica taking --sync-every local steps, then one all-reduce of the
+    # pseudo-gradient (start-of-round params - local params) feeds the outer optimizer
+    dcn_sync: str = "every-step"
+    sync_every: int = 10  # diloco: inner steps per round (H); the all-reduce runs once per round
+    diloco_axis: str = ""  # diloco on one host: the mesh axis of the replicas ("data")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """The dtypes of compute, working params and gradient reductions (the master weights stay
+    fp32)."""
+
+    precision: str = "fp32"  # fp32 | bf16 | fp16: compute and working-param dtype (master fp32)
+    # dtype of gradient accumulation and of the cross-device gradient reduction: fp32, or the
+    # 16-bit compute dtype; "" = the precision's default (its compute dtype, as in ZeRO)
+    grad_reduce: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often the state is saved, how many steps are kept, whether to resume."""
+
+    checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
+    checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
+    keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergenceConfig:
+    """What a diverging run does (a non-finite loss or gradient norm, or a loss spike)."""
+
+    # What a diverging run does (a non-finite loss or gradient norm, or a loss spike): stop =
+    # save nothing more and exit with status 3, naming the newest finite checkpoint; rollback =
+    # restore that checkpoint, skip the data of the steps it undoes, go on; ignore = go on.
+    # Under every policy a state whose loss, gradient norm or params are not finite is never saved.
+    on_divergence: str = "stop"
+    spike_threshold: float = 0.0  # a loss above this x the median of recent ones diverges (0: off)
+    spike_window: int = 50  # how many recent finite losses (steps) the spike median is taken over
+    max_rollbacks: int = 3  # rollbacks over the whole run (resumes included); then as `stop`
+    rollback_lr_factor: float = 1.0  # each rollback multiplies the LR schedule by this, in (0, 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+    """What the run reports: progress lines, the metrics JSONL, TensorBoard, profiles, MFU."""
+
+    log_every: int = 10  # steps between progress lines and JSONL train records
+    metrics: str = ""  # path of the metrics JSONL (empty: none)
+    tensorboard: str = ""  # directory for TensorBoard scalars of the same records (empty: none)
+    profile: str = ""  # START:STOP: trace those steps, print compute vs collectives per device
+    profile_dir: str = ""  # where the trace goes (empty: the --tensorboard dir, else ./profile)
+    comm_warn: float = 0.3  # warn when exposed communication exceeds this share of the step
+    peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
+    straggler_threshold: float = 0.2  # name a process this fraction slower than the median
+
+
+# section name -> its dataclass, in the order a resolved config is printed
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "parallel": ParallelConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "divergence": DivergenceConfig,
+    "observe": ObserveConfig,
+}
