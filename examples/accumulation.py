@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     updates, reductions = {}, {}
     for accum in (1, args.accum):
-        program = spmd.builder(
+        program = spmd.build(
             lambda seed: llama.create(cfg, seed),
             llama.lm_loss,
             optax.sgd(0.5),

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = llama.LlamaConfig(**config.preset("tiny"))
 
     def build(mesh_spec: str) -> spmd.Program:
-        return spmd.builder(
+        return spmd.build(
             lambda seed: llama.create(cfg, seed),
             llama.lm_loss,
             optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, 5, args.steps)),

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mesh_batch = Layout(mesh).batch_sharding()
     results = {}
-    sync = spmd.builder(make_model, llama.lm_loss, tx, mesh)
+    sync = spmd.build(make_model, llama.lm_loss, tx, mesh)
     compiled = sync.compile_train_step(batch, seq_len)
     sync_bytes = sum(c.bytes * c.count for c in hlo.collectives(compiled, mesh) if "data" in c.axes)
     state = sync.init()

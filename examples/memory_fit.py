@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0
     for name, (axis, zero) in LAYOUTS.items():
         mesh = spmd.make_mesh(f"{axis}={args.devices}")
-        program = spmd.builder(
+        program = spmd.build(
             lambda seed: llama.create(cfg, seed), llama.lm_loss, optax.adam(1e-3), mesh,
             zero_stage=zero,
         )  # fmt: skip

@@ -69,7 +69,7 @@ def train_and_score(mesh_spec: str, devices: list, steps: int, executor: str):
     import spmd
 
     mesh = spmd.make_mesh(mesh_spec, devices)
-    program = spmd.builder(
+    program = spmd.build(
         make_classifier, classification_loss, optax.adam(1e-2), mesh, executor=executor
     )
     train, test = make_data(32 * steps, seed=0), make_data(512, seed=1)

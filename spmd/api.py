@@ -3,7 +3,7 @@
     import optax, spmd
 
     mesh = spmd.make_mesh("dp=2,fsdp=4")
-    program = spmd.builder(make_model, loss_fn, optax.adamw(1e-3), mesh, zero_stage=3)
+    program = spmd.build(make_model, loss_fn, optax.adamw(1e-3), mesh, zero_stage=3)
     state = program.init()                                   # sharded on the mesh
     for host_batch in batches:
         state, metrics = program.step(state, spmd.put_batch(host_batch, program))

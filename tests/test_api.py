@@ -49,7 +49,7 @@ def mse(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
 def losses(model_cls, mesh_spec: str, zero: int = 3, executor: str = "auto") -> np.ndarray:
     count = int(np.prod([int(part.split("=")[1]) for part in mesh_spec.split(",")]))
     mesh = spmd.make_mesh(mesh_spec, jax.devices()[:count])
-    program = spmd.builder(
+    program = spmd.build(
         lambda seed: model_cls(nnx.Rngs(seed)), mse, optax.adam(3e-2), mesh,
         zero_stage=zero, executor=executor,
     )  # fmt: skip
@@ -83,7 +83,7 @@ def test_model_without_names_runs_fsdp_and_says_what_it_split(zero, capsys):
     notice = capsys.readouterr().out
     assert "names no logical axes: fsdp=4 splits the largest divisible dimension" in notice
     assert "of 2 of 3 params (288 of 291 scalars" in notice  # w_in's 32, readout's 32
-    program = spmd.builder(
+    program = spmd.build(
         lambda seed: PlainRegressor(nnx.Rngs(seed)), mse, optax.adam(1e-2),
         spmd.make_mesh("fsdp=4", jax.devices()[:4]), zero_stage=3,
     )  # fmt: skip
