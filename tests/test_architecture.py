@@ -14,9 +14,14 @@ COMMANDS = {
         "__main__ train plan convert generate bench bench_collectives launch report weights"
     ).split()
 }
-# What models/ may import from spmd: the hooks, the exception that means "exit 2", and the
-# file format the Hugging Face mapping reads.
-MODEL_ALLOWED = {"spmd.parallel.hooks", "spmd.errors", "spmd.io.safetensors_io"}
+# What models/ may import from spmd: the hooks, the exception that means "exit 2", the file
+# format the Hugging Face mapping reads, and the shape they describe themselves with.
+MODEL_ALLOWED = {
+    "spmd.parallel.hooks",
+    "spmd.errors",
+    "spmd.io.safetensors_io",
+    "spmd.model_shape",
+}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -92,3 +97,8 @@ def test_no_import_cycle():
     for name in sorted(GRAPH):
         if name not in state:
             visit(name, [name])
+
+
+def test_model_shape_sits_at_the_bottom():
+    # models/ build it, so it may import nothing from spmd but the errors
+    assert GRAPH["spmd.model_shape"] <= {"spmd.errors"}
