@@ -27,7 +27,7 @@ import sys
 import typing
 from typing import Any
 
-from models import llama, moe
+from models import family, llama, moe
 from spmd import config
 from spmd.config import TrainConfig
 from spmd.errors import UsageError
@@ -227,7 +227,8 @@ def run(argv: list[str]) -> int:
     train, model_cfg, plan = sections["train"], sections["model"], sections["plan"]
     plan = _with_gpu(plan, argv)
     check_values(train, plan)
-    shape, n_params, name, model_args = model_shape(argv, model_cfg, train, plan)
+    planned, n_params, name, model_args = model_shape(argv, model_cfg, train, plan)
+    shape = family.of(planned).shape(planned)
     sizes = parse_mesh(train.mesh)
     devices = train.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
@@ -251,7 +252,7 @@ def run(argv: list[str]) -> int:
     if chosen is not None:
         out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
-        out["measured"] = _measure(setup, shape, train)
+        out["measured"] = _measure(setup, planned, train)
     if plan.plot:
         plot.draw(setup, cluster, chosen, plan.plot)
         out["plot"] = plan.plot
@@ -336,9 +337,8 @@ def _recommend(
             f"--recommend does not search ep (its experts are split over fsdp); drop "
             f"ep={named['expert']} from --mesh, or drop --recommend to plan the layout as given"
         )
-    if getattr(base.shape, "aux_loss_coef", 0) or getattr(base.shape, "z_loss_coef", 0):
-        if getattr(base.shape, "n_experts", 0):  # models.moe.check_layout: no pipeline
-            named = {"pipeline": 1, **named}
+    if not base.shape.pipelines:  # e.g. an MoE's router losses (models.moe.check_layout)
+        named = {"pipeline": 1, **named}
     space = dataclasses.replace(
         space,
         mesh=named or None,
@@ -361,19 +361,20 @@ def _named_axes(mesh: str, given: set[str]) -> dict[str, int] | None:
     return {axis: size for axis, size in named.items() if size != -1}
 
 
-def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
+def _measure(s: cost.Setup, model_cfg: Any, train: TrainConfig) -> dict:
     """Compile the layout's real train step on simulated CPU devices (spmd.estimate.measure)."""
-    built = dataclasses.replace(shape, remat=s.remat)
+    built = dataclasses.replace(model_cfg, remat=s.remat)
+    fam = family.of(built)
     build_kwargs = {}
     if s.pipelined:
         from spmd.parallel.pipeline import Pipeline
 
-        pipe = Pipeline(s.schedule, s.microbatches, s.virtual, llama.logits_loss)
+        pipe = Pipeline(s.schedule, s.microbatches, s.virtual, fam.logits_loss)
         build_kwargs["pipeline"] = pipe
     return measure.measure(
-        dataclasses.replace(s, n_params=float(built.n_params())),
-        lambda seed, dtype: moe.create(built, seed, dtype),  # llama.create without experts
-        moe.lm_loss,
+        dataclasses.replace(s, n_params=float(fam.n_params(built))),
+        lambda seed, dtype: fam.create(built, seed, dtype),
+        fam.loss,
         train,
         executor=train.collectives,
         **build_kwargs,
@@ -381,8 +382,8 @@ def _measure(s: cost.Setup, shape: Any, train: TrainConfig) -> dict:
 
 
 def model_shape(argv: list[str], model_cfg: Any, train: TrainConfig, plan: Any) -> tuple:
-    """(shape, parameter count, description, spmd.train model flags) of the preset, or of
-    --params' Llama shape."""
+    """(model config, parameter count, description, spmd.train model flags) of the preset, or
+    of --params' Llama shape."""
     if not plan.params:
         preset = config.build(moe.MoEConfig, config.preset(train.model), "preset")
         moe.check(model_cfg)

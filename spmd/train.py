@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any
 
-from models import llama, moe
+from models import family, llama, moe
 from spmd import config
 from spmd.checks import (
     batch_arithmetic,
@@ -183,7 +183,7 @@ def report_dry_run(
 
     mesh = program.layout.mesh
     say(measure.state_against_formula(train, model_cfg, dict(mesh.shape), facts["state_bytes"]))
-    shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
+    shape = family.of(model_cfg).shape(model_cfg)
     if train.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
         say(theory.report(program, compiled, shape, train.batch, train.seq_len, pipe_report))
     say(hlo.format_grad_reductions(hlo.collectives(compiled, mesh)))
@@ -250,7 +250,7 @@ def build_run_program(
         train.seq_len,
         dict(mesh.shape),
         train.sequence_parallel,
-        moe=bool(getattr(model_cfg, "n_experts", 0)),
+        moe=bool(family.of(model_cfg).shape(model_cfg).n_experts),
         document_mask="segments" in windows.fields,
     )
     policy = precision.get(train.precision, train.grad_reduce)
@@ -327,7 +327,7 @@ def compile_step(train: TrainConfig, model_cfg: llama.LlamaConfig, program: Any)
         "device_kind": jax.devices()[0].device_kind,
         "observer": make_observer(train, model_cfg, program.layout.mesh, compiled),
     }
-    if getattr(model_cfg, "n_experts", 0):  # each logged record shows the router's statistics
+    if family.of(model_cfg).shape(model_cfg).n_experts:  # the router's statistics in each record
         facts["observer"].model_metrics = model_metrics(program, moe.router_stats)
     if train.dcn_sync == "diloco":
         from spmd.estimate import dcn_traffic

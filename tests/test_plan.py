@@ -32,6 +32,7 @@ from spmd.estimate import (
     timing,
 )
 from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
+from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
 
@@ -54,7 +55,7 @@ def planned(*args: str) -> dict:
 def setup_2b(**changes) -> cost.Setup:
     """The ZeRO paper's kind of example: 2 B params on 8 devices."""
     values = dict(
-        shape=types.SimpleNamespace(**shape.llama_shape(2e9)),
+        shape=ModelShape(**shape.llama_shape(2e9)),
         n_params=2e9,
         mesh={"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1},
         zero=3,
@@ -544,7 +545,7 @@ def test_moe_plan_splits_the_experts_and_counts_the_all_to_all(mesh, zero):
     rows = 16 // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     closed_form = 4 * cfg.n_experts * rows * 64 * cfg.embed_dim * 4  # dropless: capacity 64
     expected = theory.expert_all_to_all(
-        theory.shape_of(cfg, "float32"), types.SimpleNamespace(shape=sizes), 16, 64
+        cfg.shape(), types.SimpleNamespace(shape=sizes), 16, 64, element_bytes=4
     )
     assert x["all_to_all_bytes_per_layer"] == expected["bytes_per_layer"] == closed_form
     all_to_all = [c for c in out["collectives"] if c["kind"] == "all-to-all"]
@@ -619,8 +620,8 @@ def test_context_parallel_splits_activations_and_sends_theorys_ring():
     (ring,) = [c for c in cost.collectives(cp4) if c.kind == "collective-permute"]
     layers = cp4.shape.n_layers
     assert (ring.count, ring.bytes) == (2 * 2 * 3 * layers, 8 * 256 * 4 * 8 * 4)
-    model = theory.shape_of(cp4.shape, "float32")
-    count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024)
+    model = cp4.shape
+    count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024, 4)
     assert (count, nbytes) == (ring.count, ring.count * ring.bytes)
     (grads,) = [c for c in cost.collectives(cp4) if c.purpose == "gradients"]
     assert (grads.axes, grads.group) == (("context",), 4)  # averaged over context too
