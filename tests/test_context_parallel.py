@@ -181,7 +181,7 @@ def test_temp_memory_at_cp4_is_at_most_035_of_one_device_as_the_planner_predicts
     planned = [
         memory.activation_bytes(
             cost.Setup(
-                cfg,
+                cfg.shape(),
                 cfg.n_params(),
                 {**axes, "context": cp},
                 1,

@@ -115,7 +115,7 @@ def test_communication_volume_per_layout():
 
 def test_activation_formula_for_tiny():
     shape = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
-    s = setup_2b(shape=shape, n_params=shape.n_params(), batch=16, seq_len=64)
+    s = setup_2b(shape=shape.shape(), n_params=shape.n_params(), batch=16, seq_len=64)
     b, t = 2, 64  # 16 sequences over 8 devices
     block = b * t * (4 * 64 + (8 + 2 * 4) * 8 + 8 * 8 + 4 * 256) + b * 8 * t * t
     outside = 2 * b * t * 64 * 4 + 2 * b * t * 256 * 4
@@ -207,7 +207,12 @@ def test_state_bytes_agree_with_the_engine_across_layouts(preset):
     for mesh, zero in LAYOUTS:
         sizes = parse_mesh(mesh)
         s = setup_2b(
-            shape=shape, n_params=shape.n_params(), mesh=sizes, zero=zero, batch=16, microbatches=4
+            shape=shape.shape(),
+            n_params=shape.n_params(),
+            mesh=sizes,
+            zero=zero,
+            batch=16,
+            microbatches=4,
         )
         cost.check_setup(s)
         program, _ = measure.build(
@@ -587,7 +592,7 @@ def test_moe_executed_flops_match_the_compiled_dots():
     capacity slot, the one-hot dispatch and combine) equal the compiled step's dot FLOPs
     within 1% (moe-tiny, ep=4, dropless; model FLOPs alone are 1.89x fewer)."""
     cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
-    s = setup_2b(shape=cfg, n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
+    s = setup_2b(shape=cfg.shape(), n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
                  mesh={**dict.fromkeys(MESH_AXES, 1), "expert": 4})  # fmt: skip
     program, _ = measure.build(
         s, lambda seed, dtype: moe.create(cfg, seed, dtype), moe.lm_loss, TrainConfig(),
@@ -604,7 +609,7 @@ def test_moe_executed_flops_match_the_compiled_dots():
 def tiny_setup(mesh: str, **changes) -> cost.Setup:
     cfg = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
     sizes = {**dict.fromkeys(MESH_AXES, 1), **parse_mesh(mesh)}
-    values = dict(shape=cfg, n_params=cfg.n_params(), mesh=sizes, zero=1, precision="fp32",
+    values = dict(shape=cfg.shape(), n_params=cfg.n_params(), mesh=sizes, zero=1, precision="fp32",
                   optimizer="adamw", batch=8, seq_len=1024)  # fmt: skip
     return cost.Setup(**{**values, **changes})
 
