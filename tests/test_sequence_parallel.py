@@ -80,7 +80,8 @@ def test_explicit_collectives_are_reduce_scatters_and_all_gathers_of_theory():
 def test_temp_memory_is_lower_than_tensor_parallel_alone():
     cfg = trainer.tiny_config()
     plain = cost.Setup(
-        shape=cfg.shape(), n_params=cfg.n_params(), mesh={**dict.fromkeys(MESH_AXES, 1), "tensor": 4},
+        shape=cfg.shape(), n_params=cfg.n_params(),
+        mesh={**dict.fromkeys(MESH_AXES, 1), "tensor": 4},
         zero=1, precision="fp32", optimizer="adamw", batch=BATCH, seq_len=SEQ,
     )  # fmt: skip
     with_sp = dataclasses.replace(plain, sequence_parallel=True)
