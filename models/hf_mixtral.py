@@ -69,7 +69,7 @@ def mixtral_config(hf: dict[str, Any], where: str, remat: str = "none") -> moe.M
         )
     dense = dense_config(hf, where, remat)
     return moe.MoEConfig(
-        **dataclasses.asdict(dense),
+        **(dataclasses.asdict(dense) | {"family": "moe"}),
         n_experts=experts,
         experts_per_token=per_token,
         expert_mlp_dim=0,  # every expert is intermediate_size wide, as mlp_dim

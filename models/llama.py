@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     attention,
     constrain,
@@ -65,6 +66,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     remat: str = "none"  # none | full | dots_saveable: what the backward pass may keep
+    family: str = "llama"  # the model family (models.family) this config describes
 
     def n_params(self) -> int:
         """Parameter count (number of scalars)."""
@@ -72,6 +74,24 @@ class LlamaConfig:
         block = attn + 3 * self.embed_dim * self.mlp_dim + 2 * self.embed_dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.embed_dim
         return self.vocab_size * self.embed_dim + self.n_layers * block + self.embed_dim + head
+
+    def n_active_params(self) -> int:
+        """Parameters one token uses: all of them (a dense model)."""
+        return self.n_params()
+
+    def shape(self) -> ModelShape:
+        """The sizes the estimators read (spmd.model_shape): a dense model, no experts."""
+        return ModelShape(
+            vocab_size=self.vocab_size,
+            embed_dim=self.embed_dim,
+            mlp_dim=self.mlp_dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            tie_embeddings=self.tie_embeddings,
+            remat=self.remat,
+        )
 
 
 def _param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]):

@@ -35,6 +35,7 @@ from flax import nnx
 from models import llama
 from models.llama import REMAT_POLICIES, Attention, LlamaConfig, RMSNorm, _param
 from spmd.errors import UsageError
+from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     batch_mean,
     constrain,
@@ -52,6 +53,7 @@ from spmd.parallel.hooks import (
 class MoEConfig(LlamaConfig):
     """LlamaConfig plus the experts (n_experts 0: the dense Llama). Sizes are counts."""
 
+    family: str = "moe"
     n_experts: int = 0  # experts per block (0: the dense Llama MLP)
     experts_per_token: int = 2  # top-k: experts each token is routed to
     expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
@@ -83,6 +85,20 @@ class MoEConfig(LlamaConfig):
         idle = (self.n_experts - self.experts_per_token) * self._expert_params()
         return self.n_params() - self.n_layers * idle
 
+    def shape(self) -> ModelShape:
+        """The sizes the estimators read (spmd.model_shape), the experts' included. A pipeline
+        cannot carry the router losses between its stages (check_layout)."""
+        router_losses = bool(self.n_experts and (self.aux_loss_coef or self.z_loss_coef))
+        return dataclasses.replace(
+            super().shape(),
+            n_experts=self.n_experts,
+            experts_per_token=self.experts_per_token,
+            expert_mlp_dim=self.expert_mlp_dim,
+            shared_expert=self.shared_expert,
+            capacity_factor=self.capacity_factor,
+            pipelines=not router_losses,
+        )
+
     def capacity(self, seq_len: int) -> int:
         """(token, choice) pairs one expert takes per sequence."""
         if self.capacity_factor <= 0:
@@ -104,11 +120,11 @@ def check(cfg: MoEConfig) -> None:
         )
 
 
-def check_layout(cfg: Any, mesh: Any, executor: str) -> None:
+def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
     """UsageError for what an MoE model does not compose with: a pipeline (pp > 1) passes
     only activations between stages, so it cannot carry the router losses: it needs
     --aux-loss-coef 0 --z-loss-coef 0 (the router still trains through the output weights)."""
-    if not getattr(cfg, "n_experts", 0):
+    if not isinstance(cfg, MoEConfig) or not cfg.n_experts:  # dense: nothing to check
         return
     check(cfg)
     if mesh.shape["pipeline"] > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef):
@@ -227,9 +243,10 @@ class MoELlama(llama.Llama):
         return scan_layers(layer, x, block_state, REMAT_POLICIES[self.cfg.remat])
 
 
-def create(cfg: MoEConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:
-    """A freshly initialised model: MoELlama, or llama.Llama when cfg.n_experts is 0."""
-    if not getattr(cfg, "n_experts", 0):
+def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:
+    """A freshly initialised model: MoELlama, or llama.Llama for a dense config (a LlamaConfig,
+    or n_experts 0)."""
+    if not isinstance(cfg, MoEConfig) or not cfg.n_experts:
         return llama.create(cfg, seed, dtype)
     with nnx.use_eager_sharding(False):
         return MoELlama(cfg, nnx.Rngs(seed), dtype)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from models import llama, moe
+from models import family
 from spmd.checks import check_sequence_split
 from spmd.config import Config
 from spmd.engine import precision
@@ -52,8 +52,8 @@ def pipeline_of(cfg: Config, layout: Layout) -> Any:
         return None
     from spmd.parallel import pipeline
 
-    p = cfg.parallel
-    pipe = pipeline.Pipeline(p.pp_schedule, p.microbatches, p.pp_virtual, llama.logits_loss)
+    p, logits_loss = cfg.parallel, family.of(cfg.model).logits_loss
+    pipe = pipeline.Pipeline(p.pp_schedule, p.microbatches, p.pp_virtual, logits_loss)
     pipeline.check(pipe, layout, cfg.model.n_layers, cfg.run.batch, cfg.run.accum)
     return pipe
 
@@ -86,20 +86,20 @@ def program(
     ids, loss weights); `train` False builds the same params and forward pass with the
     identity optimizer (no optimizer state), for loading and converting weights. UsageError
     before compiling for a layout the model or the batch cannot use."""
-    layout = layout_of(cfg, mesh)
+    fam, layout = family.of(cfg.model), layout_of(cfg, mesh)
     check_batch(cfg.run.batch, layout, cfg.run.accum)
     check_sequence_split(
         cfg.run.seq_len,
         dict(mesh.shape),
         cfg.parallel.sequence_parallel,
-        moe=bool(getattr(cfg.model, "n_experts", 0)),
+        moe=bool(fam.shape(cfg.model).n_experts),
         document_mask="segments" in batch_fields,
     )
-    moe.check_layout(cfg.model, mesh, cfg.parallel.collectives)
+    fam.check_layout(cfg.model, mesh, cfg.parallel.collectives)
     policy = policy_of(cfg)
 
     def make_model(seed: int) -> Any:
-        return moe.create(cfg.model, seed, policy.compute_dtype)
+        return fam.create(cfg.model, seed, policy.compute_dtype)
 
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     common = dict(
@@ -114,10 +114,10 @@ def program(
 
         p, o = cfg.parallel, cfg.optimizer
         sync = diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
-        return diloco.build(make_model, moe.lm_loss, tx, layout, sync, **common)
+        return diloco.build(make_model, fam.loss, tx, layout, sync, **common)
     return build_program(
         make_model,
-        moe.lm_loss,
+        fam.loss,
         tx,
         layout,
         pipeline=pipeline_of(cfg, layout),

@@ -27,7 +27,7 @@ import sys
 import typing
 from typing import Any
 
-from models import llama, moe
+from models import family, llama, moe
 from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
@@ -229,7 +229,8 @@ def run(argv: list[str]) -> int:
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
     plan = _with_gpu(plan, argv)
     check_values(cfg, plan)
-    shape, n_params, name, model_args = model_shape(argv, model_cfg, cfg, plan)
+    planned, n_params, name, model_args = model_shape(argv, model_cfg, cfg, plan)
+    shape = family.of(planned).shape(planned)
     sizes = parse_mesh(cfg.parallel.mesh)
     devices = cfg.parallel.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
@@ -253,7 +254,7 @@ def run(argv: list[str]) -> int:
     if chosen is not None:
         out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
-        out["measured"] = _measure(setup, shape, cfg)
+        out["measured"] = _measure(setup, planned, cfg)
     if plan.plot:
         plot.draw(setup, cluster, chosen, plan.plot)
         out["plot"] = plan.plot
@@ -340,9 +341,8 @@ def _recommend(
             f"--recommend does not search ep (its experts are split over fsdp); drop "
             f"ep={named['expert']} from --mesh, or drop --recommend to plan the layout as given"
         )
-    if getattr(base.shape, "aux_loss_coef", 0) or getattr(base.shape, "z_loss_coef", 0):
-        if getattr(base.shape, "n_experts", 0):  # models.moe.check_layout: no pipeline
-            named = {"pipeline": 1, **named}
+    if not base.shape.pipelines:  # e.g. an MoE's router losses (models.moe.check_layout)
+        named = {"pipeline": 1, **named}
     space = dataclasses.replace(
         space,
         mesh=named or None,
@@ -395,10 +395,10 @@ def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | N
     return builder.program(engine_cfg, mesh), mesh
 
 
-def _measure(s: cost.Setup, shape: Any, cfg: Config) -> dict:
+def _measure(s: cost.Setup, model_cfg: Any, cfg: Config) -> dict:
     """Compile the layout's real train step on simulated CPU devices (spmd.estimate.measure)."""
-    built = dataclasses.replace(shape, remat=s.remat)
-    s = dataclasses.replace(s, n_params=float(built.n_params()))
+    built = dataclasses.replace(model_cfg, remat=s.remat)
+    s = dataclasses.replace(s, n_params=float(family.of(built).n_params(built)))
     measure.check_engine_can_build(s)
     devices = measure.simulated_devices(s.devices)
     program, mesh = engine_program(s, built, devices, cfg)
@@ -406,8 +406,8 @@ def _measure(s: cost.Setup, shape: Any, cfg: Config) -> dict:
 
 
 def model_shape(argv: list[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
-    """(shape, parameter count, description, spmd.train model flags) of the preset, or of
-    --params' Llama shape."""
+    """(model config, parameter count, description, spmd.train model flags) of the preset, or
+    of --params' Llama shape."""
     if not plan.params:
         preset = config.build(moe.MoEConfig, config.preset(cfg.run.model), "preset")
         moe.check(model_cfg)

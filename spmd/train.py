@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any
 
-from models import moe
+from models import family, moe
 from spmd import builder, config
 from spmd.checks import (
     batch_arithmetic,
@@ -200,7 +200,7 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
             facts["state_bytes"],
         )
     )
-    shape = theory.shape_of(model_cfg, program.policy.compute_dtype)
+    shape = family.of(model_cfg).shape(model_cfg)
     if cfg.parallel.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
         say(theory.report(program, compiled, shape, cfg.run.batch, cfg.run.seq_len, pipe_report))
     say(hlo.format_grad_reductions(hlo.collectives(compiled, mesh)))
@@ -285,8 +285,9 @@ def compile_step(cfg: Config, program: Any) -> tuple:
             compiled,
         ),
     }
-    if getattr(cfg.model, "n_experts", 0):  # each logged record shows the router's statistics
-        facts["observer"].model_metrics = model_metrics(program, moe.router_stats)
+    step_metrics = family.of(cfg.model).step_metrics
+    if step_metrics and family.of(cfg.model).shape(cfg.model).n_experts:  # e.g. the router's
+        facts["observer"].model_metrics = model_metrics(program, step_metrics)
     if cfg.parallel.dcn_sync == "diloco":
         from spmd.estimate import dcn_traffic
 

@@ -21,9 +21,14 @@ COMMANDS = {
         "__main__ train plan convert generate bench bench_collectives launch report weights"
     ).split()
 }
-# What models/ may import from spmd: the hooks, the exception that means "exit 2", and the
-# file format the Hugging Face mapping reads.
-MODEL_ALLOWED = {"spmd.parallel.hooks", "spmd.errors", "spmd.io.safetensors_io"}
+# What models/ may import from spmd: the hooks, the exception that means "exit 2", the file
+# format the Hugging Face mapping reads, and the shape they describe themselves with.
+MODEL_ALLOWED = {
+    "spmd.parallel.hooks",
+    "spmd.errors",
+    "spmd.io.safetensors_io",
+    "spmd.model_shape",
+}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -137,3 +142,29 @@ def assert_acyclic(graph: dict[str, set[str]]) -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_model_shape_sits_at_the_bottom():
+    # models/ build it, so it may import nothing from spmd but the errors
+    assert GRAPH["spmd.model_shape"] <= {"spmd.errors"}
+
+
+def test_spmd_asks_the_model_family_instead_of_probing_configs():
+    # getattr(cfg, "n_experts", 0) let model knowledge leak into the engine; a model's figures
+    # come from models.family (its ModelShape) instead
+    import dataclasses
+
+    from models import family
+
+    fields = {f.name for fam in family.FAMILIES.values() for f in dataclasses.fields(fam.config)}
+    probes = []
+    for path in (ROOT / "spmd").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in ("getattr", "hasattr") or len(node.args) < 2:
+                continue
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and name.value in fields:
+                probes.append(f"{path.relative_to(ROOT)}:{node.lineno} {name.value}")
+    assert not probes, f"model config fields probed: {probes}"

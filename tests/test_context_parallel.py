@@ -143,7 +143,7 @@ def test_explicit_ring_sends_match_theory(layout):
     prog, step = compiled(*layout)
     colls = hlo.collectives(step, prog.layout.mesh)
     measured = hlo.collective_summary(colls)
-    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    shape = trainer.tiny_config().shape()
     expected = theory.collectives(prog, shape, BATCH, SEQ)
     assert set(measured) == set(expected)
     for kind, want in expected.items():
@@ -164,7 +164,7 @@ def test_pipelined_ring_sends_match_theory(case):
     prog, step = pipelined(*case[:4])
     permutes = hlo.collective_summary(hlo.collectives(step, prog.layout.mesh))
     summary = schedules.build(case[2], 2, 4).summary()
-    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    shape = trainer.tiny_config().shape()
     stage = theory.pipeline_sends(prog, shape, summary, BATCH, SEQ)
     ring = theory.pipelined_ring_sends(prog, shape, summary, BATCH, SEQ)
     assert ring["count"] > 0
@@ -181,7 +181,7 @@ def test_temp_memory_at_cp4_is_at_most_035_of_one_device_as_the_planner_predicts
     planned = [
         memory.activation_bytes(
             cost.Setup(
-                cfg,
+                cfg.shape(),
                 cfg.n_params(),
                 {**axes, "context": cp},
                 1,

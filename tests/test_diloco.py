@@ -186,9 +186,9 @@ def test_planner_replaces_the_gradient_all_reduce_over_data_by_one_params_sync_p
 
 
 def cost_bytes(precision: str) -> int:
-    from spmd.estimate import cost
+    from spmd.engine import precision as precision_policy
 
-    return cost.DTYPE_BYTES[cost.PRECISIONS[precision].weights]
+    return precision_policy.get(precision).itemsize("param")
 
 
 def test_unknown_sync_mode_and_stray_diloco_axis_are_refused():

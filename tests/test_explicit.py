@@ -17,6 +17,7 @@ from spmd.config import resolve
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import hlo, theory
+from spmd.model_shape import ModelShape
 from spmd.parallel import mesh
 from spmd.train import SECTIONS
 from spmd.train import main as train_main
@@ -43,8 +44,8 @@ def _compiled(mesh_text: str, zero: int, executor: str, accum: int = 1):
     return trainer.compiled(mesh_text, zero, executor, accum)
 
 
-def _shape(model=TINY) -> theory.Transformer:
-    return theory.shape_of(model, np.float32)
+def _shape(model=TINY) -> ModelShape:
+    return model.shape()
 
 
 def _measured(compiled, program) -> dict:

@@ -106,8 +106,8 @@ def test_all_to_all_bytes_match_the_formula_and_experts_are_split_ep_ways():
     ):
         prog, step = compiled(mesh, executor)
         found = [c for c in hlo.collectives(step, prog.layout.mesh) if c.kind == "all-to-all"]
-        shape = theory.shape_of(moe_config(), jnp.float32)
-        want = theory.expert_all_to_all(shape, prog.layout.mesh, BATCH, SEQ_LEN)
+        shape = moe_config().shape()
+        want = theory.expert_all_to_all(shape, prog.layout.mesh, BATCH, SEQ_LEN, element_bytes=4)
         measured = sum(c.bytes * c.count for c in found)
         assert abs(measured - want["bytes"]) <= 0.01 * want["bytes"], (mesh, executor)
         assert want["bytes_per_layer"] * moe_config().n_layers == want["bytes"]

@@ -242,7 +242,7 @@ def test_compiled_activation_sends_match_the_schedule(schedule):
     prog, step = compiled_step("pp=2", 3, schedule, 4, trainer.BATCH)
     sends = hlo.collective_summary(hlo.collectives(step, prog.layout.mesh))["collective-permute"]
     summary = schedules.build(schedule, 2, 4).summary()
-    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    shape = trainer.tiny_config().shape()
     want = theory.pipeline_sends(prog, shape, summary, trainer.BATCH, trainer.SEQ_LEN)
     assert (sends["count"], sends["bytes"]) == (want["count"], want["bytes"])
 

@@ -30,6 +30,7 @@ from spmd.estimate import (
     timing,
 )
 from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
+from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
 
@@ -52,7 +53,7 @@ def planned(*args: str) -> dict:
 def setup_2b(**changes) -> cost.Setup:
     """The ZeRO paper's kind of example: 2 B params on 8 devices."""
     values = dict(
-        shape=types.SimpleNamespace(**shape.llama_shape(2e9)),
+        shape=ModelShape(**shape.llama_shape(2e9)),
         n_params=2e9,
         mesh={"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1},
         zero=3,
@@ -112,7 +113,7 @@ def test_communication_volume_per_layout():
 
 def test_activation_formula_for_tiny():
     shape = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
-    s = setup_2b(shape=shape, n_params=shape.n_params(), batch=16, seq_len=64)
+    s = setup_2b(shape=shape.shape(), n_params=shape.n_params(), batch=16, seq_len=64)
     b, t = 2, 64  # 16 sequences over 8 devices
     block = b * t * (4 * 64 + (8 + 2 * 4) * 8 + 8 * 8 + 4 * 256) + b * 8 * t * t
     outside = 2 * b * t * 64 * 4 + 2 * b * t * 256 * 4
@@ -204,7 +205,12 @@ def test_state_bytes_agree_with_the_engine_across_layouts(preset):
     for mesh, zero in LAYOUTS:
         sizes = parse_mesh(mesh)
         s = setup_2b(
-            shape=shape, n_params=shape.n_params(), mesh=sizes, zero=zero, batch=16, microbatches=4
+            shape=shape.shape(),
+            n_params=shape.n_params(),
+            mesh=sizes,
+            zero=zero,
+            batch=16,
+            microbatches=4,
         )
         cost.check_setup(s)
         program, _ = plan.engine_program(s, shape, jax.devices()[:8])
@@ -541,7 +547,7 @@ def test_moe_plan_splits_the_experts_and_counts_the_all_to_all(mesh, zero):
     rows = 16 // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     closed_form = 4 * cfg.n_experts * rows * 64 * cfg.embed_dim * 4  # dropless: capacity 64
     expected = theory.expert_all_to_all(
-        theory.shape_of(cfg, "float32"), types.SimpleNamespace(shape=sizes), 16, 64
+        cfg.shape(), types.SimpleNamespace(shape=sizes), 16, 64, element_bytes=4
     )
     assert x["all_to_all_bytes_per_layer"] == expected["bytes_per_layer"] == closed_form
     all_to_all = [c for c in out["collectives"] if c["kind"] == "all-to-all"]
@@ -583,7 +589,7 @@ def test_moe_executed_flops_match_the_compiled_dots():
     capacity slot, the one-hot dispatch and combine) equal the compiled step's dot FLOPs
     within 1% (moe-tiny, ep=4, dropless; model FLOPs alone are 1.89x fewer)."""
     cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
-    s = setup_2b(shape=cfg, n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
+    s = setup_2b(shape=cfg.shape(), n_params=cfg.n_params(), zero=1, batch=16, seq_len=32,
                  mesh={**dict.fromkeys(MESH_AXES, 1), "expert": 4})  # fmt: skip
     program, _ = plan.engine_program(s, cfg, jax.devices()[:4])
     dots = hlo_dot_flops(program.compile_train_step(16, 32)) * s.devices
@@ -597,7 +603,7 @@ def test_moe_executed_flops_match_the_compiled_dots():
 def tiny_setup(mesh: str, **changes) -> cost.Setup:
     cfg = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
     sizes = {**dict.fromkeys(MESH_AXES, 1), **parse_mesh(mesh)}
-    values = dict(shape=cfg, n_params=cfg.n_params(), mesh=sizes, zero=1, precision="fp32",
+    values = dict(shape=cfg.shape(), n_params=cfg.n_params(), mesh=sizes, zero=1, precision="fp32",
                   optimizer="adamw", batch=8, seq_len=1024)  # fmt: skip
     return cost.Setup(**{**values, **changes})
 
@@ -613,8 +619,8 @@ def test_context_parallel_splits_activations_and_sends_theorys_ring():
     (ring,) = [c for c in cost.collectives(cp4) if c.kind == "collective-permute"]
     layers = cp4.shape.n_layers
     assert (ring.count, ring.bytes) == (2 * 2 * 3 * layers, 8 * 256 * 4 * 8 * 4)
-    model = theory.shape_of(cp4.shape, "float32")
-    count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024)
+    model = cp4.shape
+    count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024, 4)
     assert (count, nbytes) == (ring.count, ring.count * ring.bytes)
     (grads,) = [c for c in cost.collectives(cp4) if c.purpose == "gradients"]
     assert (grads.axes, grads.group) == (("context",), 4)  # averaged over context too

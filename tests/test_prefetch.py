@@ -135,7 +135,7 @@ def test_layer_gathers_equal_theory(prefetch):
     program, compiled = _compiled(*LAYOUTS[0], prefetch)
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))[GATHER]
     model = dataclasses.replace(trainer.tiny_config(), remat=LAYOUTS[0][1])
-    shape = theory.shape_of(model, np.float32)
+    shape = model.shape()
     expected = theory.collectives(program, shape, trainer.BATCH, trainer.SEQ_LEN)[GATHER]
     assert (measured["count"], measured["bytes"]) == (expected["count"], expected["bytes"])
     per_layer = len(jax.tree.leaves(program.abstract_params["blocks"]))
@@ -151,7 +151,7 @@ def test_without_remat_the_layers_gather_in_place():
     compiled = program.compile_train_step(trainer.BATCH, trainer.SEQ_LEN)
     assert hooks.notes()["layer_scan"] == "prefetch off: --remat none"
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))[GATHER]
-    shape = theory.shape_of(trainer.tiny_config(), np.float32)
+    shape = trainer.tiny_config().shape()
     expected = theory.collectives(program, shape, trainer.BATCH, trainer.SEQ_LEN)[GATHER]
     assert measured["count"] == expected["count"] == 9 * 2 * 4 + 3
 

@@ -57,9 +57,7 @@ def test_explicit_collectives_are_reduce_scatters_and_all_gathers_of_theory():
     # what is left of all-reduces: norm-weight grads, the cross-entropy's [b, t] sums, scalars
     assert all(c.bytes < activation // 8 for c in colls if c.kind == "all-reduce")
     measured = hlo.collective_summary(colls)
-    expected = theory.collectives(
-        prog, theory.shape_of(trainer.tiny_config(), np.float32), BATCH, SEQ
-    )
+    expected = theory.collectives(prog, trainer.tiny_config().shape(), BATCH, SEQ)
     assert set(measured) == set(expected) == {"all-reduce", "all-gather", "reduce-scatter"}
     for kind, want in expected.items():
         assert measured[kind]["bytes"] == pytest.approx(want["bytes"], rel=0.01), kind
@@ -68,7 +66,7 @@ def test_explicit_collectives_are_reduce_scatters_and_all_gathers_of_theory():
     # 2(N-1)/N A, an all-gather of A plus a reduce-scatter to A/N (N-1)/N A each
     plain = theory.collectives(
         compiled("explicit", False)[0],
-        theory.shape_of(trainer.tiny_config(), np.float32),
+        trainer.tiny_config().shape(),
         BATCH,
         SEQ,
     )
@@ -82,7 +80,8 @@ def test_explicit_collectives_are_reduce_scatters_and_all_gathers_of_theory():
 def test_temp_memory_is_lower_than_tensor_parallel_alone():
     cfg = trainer.tiny_config()
     plain = cost.Setup(
-        shape=cfg, n_params=cfg.n_params(), mesh={**dict.fromkeys(MESH_AXES, 1), "tensor": 4},
+        shape=cfg.shape(), n_params=cfg.n_params(),
+        mesh={**dict.fromkeys(MESH_AXES, 1), "tensor": 4},
         zero=1, precision="fp32", optimizer="adamw", batch=BATCH, seq_len=SEQ,
     )  # fmt: skip
     with_sp = dataclasses.replace(plain, sequence_parallel=True)

@@ -56,6 +56,18 @@ class Policy:
         """True when the optimizer state keeps master weights apart from the working params."""
         return jnp.dtype(self.param_dtype) != jnp.dtype(self.master_dtype)
 
+    def itemsize(self, role: str) -> int:
+        """Bytes per element of the policy's "param", "master", "compute", "reduce" or "output"
+        dtype (what the planner counts per parameter or activation)."""
+        dtypes = {
+            "param": self.param_dtype,
+            "master": self.master_dtype,
+            "compute": self.compute_dtype,
+            "reduce": self.reduce_dtype,
+            "output": self.output_dtype,
+        }
+        return jnp.dtype(dtypes[role]).itemsize
+
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # The 16-bit policies reduce gradients in their compute dtype by default, as the ZeRO paper,

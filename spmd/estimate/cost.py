@@ -16,37 +16,20 @@ all run by one schedule (spmd.parallel.pipeline.with_accumulation); the remat po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
 
+from spmd.engine import precision
 from spmd.errors import UsageError
-from spmd.estimate import experts as experts_math
-from spmd.estimate import long_sequence
+from spmd.estimate import long_sequence, volumes
 from spmd.estimate.pipeline_figures import pipeline_ticks
 from spmd.estimate.shape import EXPERT_AXES, param_groups, shape_params
+from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """Dtypes of a --precision policy: the working params (what the step reads, what ZeRO-3
-    gathers), whether an fp32 master copy lives with the optimizer state, and the compute
-    dtype (activations; also the default gradient dtype, as in the ZeRO paper)."""
-
-    weights: str
-    master: bool
-    compute: str
-
-
-# bf16 / fp16 are the ZeRO paper's mixed precision: 16-bit params and grads, fp32 master
-# weights with the Adam moments (2 + 2 + 12 = 16 bytes per param). fp32 keeps one copy.
-PRECISIONS = {
-    "fp32": Precision(weights="fp32", master=False, compute="fp32"),
-    "bf16": Precision(weights="bf16", master=True, compute="bf16"),
-    "fp16": Precision(weights="fp16", master=True, compute="fp16"),
-}
+# The dtypes of --precision are spmd.engine.precision's policies: bf16 / fp16 are the ZeRO
+# paper's mixed precision (16-bit params and grads, fp32 master weights with the Adam moments:
+# 2 + 2 + 12 = 16 bytes per param); fp32 keeps one copy.
 # Optimizer state bytes per parameter besides any master copy (fp32 moments).
 OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
 REMATS = ("none", "dots_saveable", "full")  # cheapest compute first
@@ -56,11 +39,11 @@ REMATS = ("none", "dots_saveable", "full")  # cheapest compute first
 class Setup:
     """One planned run: model, layout, dtype policy, batch and how the step is cut."""
 
-    shape: Any  # a spmd.estimate.shape.ModelShape
+    shape: ModelShape
     n_params: float  # parameters (scalars); may differ from the shape's count (--params)
     mesh: dict[str, int]  # data, pipeline, fsdp, tensor -> devices along the axis
     zero: int  # 0 (DDP), 1, 2 or 3
-    precision: str  # a key of PRECISIONS
+    precision: str  # a --precision policy (spmd.engine.precision.POLICIES)
     optimizer: str  # a key of OPTIMIZERS
     batch: int  # global batch, sequences per optimizer step
     seq_len: int  # tokens per sequence
@@ -115,15 +98,19 @@ class Setup:
         """Sequences per device per micro-batch."""
         return self.batch // (self.data_parallel * self.micro_steps)
 
+    @functools.cached_property
+    def policy(self) -> precision.Policy:
+        """The --precision policy with this run's --grad-reduce (UsageError when invalid)."""
+        return precision.get(self.precision, self.grad_reduce)
+
     @property
     def grad_dtype(self) -> str:
-        return self.grad_reduce or PRECISIONS[self.precision].compute
+        return precision.short_name(self.policy.reduce_dtype)
 
     def bytes_of(self, role: str) -> int:
         """Bytes per element of "weights", "grads" or "compute" (activations)."""
-        p = PRECISIONS[self.precision]
-        dtype = {"weights": p.weights, "grads": self.grad_dtype, "compute": p.compute}[role]
-        return DTYPE_BYTES[dtype]
+        names = {"weights": "param", "grads": "reduce", "compute": "compute"}
+        return self.policy.itemsize(names[role])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +143,13 @@ class Comm:
 
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
-    choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "remat": REMATS}
+    choices = {"precision": precision.POLICIES, "optimizer": OPTIMIZERS, "remat": REMATS}
     for name, valid in choices.items():
         if getattr(s, name) not in valid:
             flag = f"--{name} {getattr(s, name)!r}"
             hint = "; bf16 is the ZeRO paper's mixed precision" if name == "precision" else ""
             raise UsageError(f"{flag} is not one of {', '.join(valid)}{hint}")
-    compute = PRECISIONS[s.precision].compute
+    compute = precision.short_name(precision.POLICIES[s.precision].compute_dtype)
     if s.grad_reduce not in ("", "fp32", compute):
         raise UsageError(
             f"--grad-reduce {s.grad_reduce!r} does not go with --precision {s.precision}; use "
@@ -173,7 +160,7 @@ def check_setup(s: Setup) -> None:
     split = long_sequence.split_error(s.seq_len, s.context, s.mesh["tensor"], s.sequence_parallel)
     if split:
         raise UsageError(split)
-    if getattr(s.shape, "n_experts", 0) and (s.context > 1 or s.sequence_parallel):
+    if s.shape.n_experts and (s.context > 1 or s.sequence_parallel):
         raise UsageError("an MoE model does not compose with cp > 1 or --sequence-parallel yet")
     pipeline = s.mesh["pipeline"]
     if s.pipelined:
@@ -191,10 +178,18 @@ def check_setup(s: Setup) -> None:
             f"{what} = {ways}; use a multiple of {ways}"
         )
     tensor, fsdp = s.mesh["tensor"], s.sharded_fsdp
-    splits = [(tensor, "tp", "n_heads"), (tensor, "tp", "n_kv_heads"), (tensor, "tp", "mlp_dim")]
-    splits += [(tensor, "tp", "vocab_size"), (pipeline * s.virtual, "pp", "n_layers")]
-    splits += [(fsdp, "fsdp", "embed_dim")]
-    if getattr(s.shape, "n_experts", 0):
+    shape = s.shape
+    splits = [
+        (tensor, "tp", "n_heads", shape.n_heads),
+        (tensor, "tp", "n_kv_heads", shape.n_kv_heads),
+    ]
+    splits += [
+        (tensor, "tp", "mlp_dim", shape.mlp_dim),
+        (tensor, "tp", "vocab_size", shape.vocab_size),
+    ]
+    splits += [(pipeline * s.virtual, "pp", "n_layers", shape.n_layers)]
+    splits += [(fsdp, "fsdp", "embed_dim", shape.embed_dim)]
+    if shape.n_experts:
         ways, n = s.mesh.get("expert", 1) * s.sharded_fsdp, s.shape.n_experts
         if n % ways:
             good = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
@@ -202,14 +197,14 @@ def check_setup(s: Setup) -> None:
                 f"--mesh ep={ways // s.sharded_fsdp},fsdp={s.sharded_fsdp} splits the experts "
                 f"{ways} ways, which does not divide n_experts={n}; ep x fsdp must be one of {good}"
             )
-        splits += [(tensor, "tp", "expert_mlp_dim" if s.shape.expert_mlp_dim else "mlp_dim")]
+        width = "expert_mlp_dim" if shape.expert_mlp_dim else "mlp_dim"
+        splits += [(tensor, "tp", width, shape.expert_dim)]
     elif s.mesh.get("expert", 1) > 1:
         raise UsageError(
             f"--mesh ep={s.mesh['expert']} splits experts, but the model has none; use ep=1 or "
             f"an MoE model (--n-experts, e.g. --model moe-small)"
         )
-    for ways, axis, field in splits:
-        size = getattr(s.shape, field)
+    for ways, axis, field, size in splits:
         if size % ways:
             good = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
             raise UsageError(f"--mesh {axis}={ways} does not divide {field}={size}; use {good}")
@@ -257,20 +252,20 @@ def collectives(s: Setup) -> list[Comm]:
     activation = tokens * s.shape.embed_dim * s.bytes_of("compute")
     stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
-        per_block = 4 + (s.remat != "none") + 2 * s.pipelined
-        calls = n * (per_block * stage_layers + 2)
+        calls = volumes.tensor_parallel_calls(n, stage_layers, s.remat != "none", s.pipelined)
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
-        traffic = long_sequence.tensor_traffic(
+        traffic = volumes.tensor_traffic(
             activation, calls, n, tokens, (2 * stage_layers + 1, norm), tensor, s.sequence_parallel
         )
         out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
-    block, sends = long_sequence.ring_traffic(s)
+    block, sends = ring_traffic(s)
     if sends:
         out.append(Comm("collective-permute", ("context",), s.context, block, sends, "ring k, v"))
     out += expert_collectives(s)
     if s.pipelined:
-        sent = activation / long_sequence.residual_split(tensor, s.sequence_parallel)
-        sends = 2 * pipeline_ticks(s)
+        sends, sent = volumes.stage_sends(
+            pipeline_ticks(s), activation, tensor, s.sequence_parallel
+        )
         out.append(Comm("collective-permute", ("pipeline",), 2, sent, sends, "stage sends"))
         fsdp = s.sharded_fsdp
         local = params_per_device(s, fsdp_shards=False, experts=False)
@@ -314,27 +309,28 @@ def state_collectives(s: Setup) -> list[Comm]:
             out.append(Comm("all-reduce", outer, replicas, grads / fsdp, 1, "grad shards", True))
     if s.zero != 3:
         return out + [Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params", True)]
-    gathered = blocks * s.bytes_of("weights")
+    gathered = blocks * s.bytes_of("weights")  # all blocks' params, gathered as one
+    gathers = volumes.param_gathers(n, 1, s.pipelined, prefetch=False)
     return out + [
-        Comm("all-gather", ("fsdp",), fsdp, gathered, n * (2 + s.pipelined), "block params", True),
+        Comm("all-gather", ("fsdp",), fsdp, gathered, gathers, "block params", True),
         Comm("all-gather", ("fsdp",), fsdp, weights - gathered, 1, "embed, head", True),
     ]
 
 
 def expert_collectives(s: Setup) -> list[Comm]:
     """An MoE's expert traffic: the token all-to-alls over the axes that split the experts
-    (spmd.estimate.experts.all_to_all, the formula theory checks against compiled HLO; on the
+    (spmd.estimate.volumes.all_to_all, the formula theory checks against compiled HLO; on the
     critical path) and the all-reduce over data of the experts' gradients (replicated only
     there)."""
-    if not getattr(s.shape, "n_experts", 0):
+    if not s.shape.n_experts:
         return []
     out = []
     mesh = s.sharding_mesh
-    moved = experts_math.all_to_all(
+    moved = volumes.all_to_all(
         s.shape, mesh, s.batch, s.seq_len, s.micro_steps, s.remat != "none", s.bytes_of("compute")
     )
     if moved:
-        axes = tuple(experts_math.expert_axes(mesh))
+        axes = tuple(volumes.expert_axes(mesh))
         each = moved["bytes"] / moved["count"]
         out.append(Comm("all-to-all", axes, moved["group"], each, moved["count"], "tokens"))
     if mesh["data"] > 1:
@@ -356,7 +352,7 @@ def diloco_collectives(s: Setup, out: list[Comm]) -> list[Comm]:
                 continue
             c = dataclasses.replace(c, axes=axes, group=c.group // data)
         kept.append(c)
-    fp32 = params_per_device(s, fsdp_shards=s.zero == 3) * DTYPE_BYTES["fp32"]
+    fp32 = params_per_device(s, fsdp_shards=s.zero == 3) * s.policy.itemsize("master")
     kept.append(Comm("all-reduce", ("data",), data, fp32, 1 / s.sync_every, "pseudo-gradient"))
     return kept
 
@@ -407,3 +403,18 @@ def global_batch(micro_batch: int, data_parallel: int, micro_steps: int) -> int:
     """Sequences per optimizer step: per-device micro-batch x data-parallel size x the
     micro-batches per step."""
     return micro_batch * data_parallel * micro_steps
+
+
+def ring_traffic(s: Setup) -> tuple[float, int]:
+    """(bytes per send, sends per step) of ring attention in planned step `s`: per micro-batch,
+    layer of the stage and pass a key and a value block to the next device cp − 1 times
+    (spmd.estimate.volumes); (0, 0) at cp = 1."""
+    context = s.mesh.get("context", 1)
+    if context == 1:
+        return 0.0, 0
+    block = volumes.kv_block_bytes(
+        s.shape, s.micro_batch, s.seq_len, context, s.mesh["tensor"], s.bytes_of("compute")
+    )
+    layers = s.shape.n_layers // s.mesh["pipeline"]
+    passes = volumes.ring_passes(s.remat != "none", s.pipelined)
+    return block, volumes.ring_sends(context, layers, passes, s.micro_steps)

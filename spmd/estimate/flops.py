@@ -1,9 +1,9 @@
 """FLOPs per optimizer step, achieved TFLOP/s per device, and MFU that is never wrong.
 
-Model FLOPs follow the usual convention for a decoder-only transformer (Kaplan et al.; PaLM,
-appendix B): 6 FLOPs per matmul parameter per token (forward 2, backward 4) plus attention's
-two [length x length] matmuls, 12 * layers * length * heads * head_dim per token, counted in
-full even when causal. Recomputation (remat) is not model work, so it is not counted.
+Model FLOPs are the model's own (spmd.model_shape.ModelShape.flops_per_token: the usual
+convention for a decoder-only transformer, 6 FLOPs per matmul parameter per token plus
+attention's two [length x length] matmuls). Recomputation (remat) is not model work, so it is
+not counted.
 
 The compiled program is read two ways, to check the formula: XLA's own cost analysis (which
 counts the body of a while loop once, so a scanned model's layers are undercounted) and the
@@ -48,21 +48,9 @@ HALF_PRECISIONS = ("bf16", "fp16")
 
 
 def decoder_flops_per_token(cfg: Any, seq_len: int) -> float:
-    """Model FLOPs (forward + backward) per trained token of a decoder-only transformer with a
-    gated MLP; `cfg` has vocab_size, embed_dim, mlp_dim, n_layers, n_heads, n_kv_heads,
-    head_dim (an MoE config also n_experts, experts_per_token, expert_mlp_dim, shared_expert:
-    6 x active params x tokens). The embedding lookup is not a matmul; the output head always
-    is."""
-    e, d = cfg.embed_dim, cfg.head_dim
-    attention_params = e * d * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    mlp_params = 3 * e * cfg.mlp_dim
-    experts = getattr(cfg, "n_experts", 0)
-    if experts:  # MoE: only the active params count: the router, k experts, the shared one
-        routed = cfg.experts_per_token + int(cfg.shared_expert)
-        mlp_params = e * experts + routed * 3 * e * (cfg.expert_mlp_dim or cfg.mlp_dim)
-    matmul_params = cfg.n_layers * (attention_params + mlp_params) + e * cfg.vocab_size
-    attention_scores = 12 * cfg.n_layers * seq_len * cfg.n_heads * d
-    return 6.0 * matmul_params + attention_scores
+    """Model FLOPs (forward + backward) per trained token of model config `cfg` (any model
+    family's: the formula is its shape's, spmd.model_shape.ModelShape.flops_per_token)."""
+    return cfg.shape().flops_per_token(seq_len)
 
 
 def cost_analysis_flops(compiled: Any) -> float | None:

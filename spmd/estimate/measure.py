@@ -145,7 +145,7 @@ def state_against_formula(
     ratios.
     `model_cfg` is the run's model config (a Llama-shaped config with n_params())."""
     s = cost.Setup(
-        shape=model_cfg,
+        shape=model_cfg.shape(),  # any model family's config describes its shape
         n_params=model_cfg.n_params(),
         mesh=dict(mesh_sizes),
         zero=zero,

@@ -24,7 +24,7 @@ SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
 
 def bytes_per_param(s: cost.Setup) -> dict[str, int]:
     """Unsharded bytes per parameter: working params, gradients, master copy + moments."""
-    master = 4 if cost.PRECISIONS[s.precision].master else 0
+    master = s.policy.itemsize("master") if s.policy.has_master else 0
     return {
         "params": s.bytes_of("weights"),
         "grads": s.bytes_of("grads"),
@@ -41,7 +41,7 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
         for role in ROLES
     }
     out["model_state"] = sum(out.values())
-    if getattr(s.shape, "n_experts", 0):  # of which the routed experts' (split over ep x fsdp)
+    if s.shape.n_experts:  # of which the routed experts' (split over ep x fsdp)
         out["experts"] = sum(
             per_param[role] * cost.params_per_device(s, True, experts=True) for role in ROLES
         )
@@ -69,8 +69,8 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     tokens, r = b * t / cp, long_sequence.residual_split(tensor, s.sequence_parallel)
     h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
     mlp_none, mlp_dots = 4 * m, 2 * m
-    if getattr(shape, "n_experts", 0):  # per token: the expert buffers' slots, not k
-        width = (shape.expert_mlp_dim or shape.mlp_dim) / tensor
+    if shape.n_experts:  # per token: the expert buffers' slots, not k
+        width = shape.expert_dim / tensor
         slots = shape.n_experts * experts.capacity(shape, t) / t
         shared = 4 * width if shape.shared_expert else 0
         mlp_none = slots * (2 * e + 4 * width + 2) + shared

@@ -1,30 +1,17 @@
-"""The model as the planner sees it: a Llama-like shape, where its parameters live, and a shape
-for a bare parameter count (`--params 7e9`).
+"""Where a model's parameters live, as the planner sees it, and a Llama-like shape for a bare
+parameter count (`--params 7e9`).
 
-Pure arithmetic, no JAX. Counts are parameters (scalars).
+Pure arithmetic, no JAX. The model is a spmd.model_shape.ModelShape (its family builds it);
+counts are parameters (scalars).
 """
 
 from __future__ import annotations
 
 import math
-import types
-from typing import Any, Protocol
+from typing import Any
 
 from spmd.estimate import experts
-
-
-class ModelShape(Protocol):
-    """The Llama architecture fields the planner needs (models.llama.LlamaConfig has them)."""
-
-    vocab_size: int
-    embed_dim: int
-    mlp_dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    tie_embeddings: bool
-
+from spmd.model_shape import ModelShape
 
 # The fields that define a shape, in the order a `python -m spmd.train` command line gives them.
 FIELDS = (
@@ -49,10 +36,10 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
     e, layers = shape.embed_dim, shape.n_layers
     attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
     tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
-    n_experts = getattr(shape, "n_experts", 0)
+    n_experts = shape.n_experts
     mlp = 3 * e * shape.mlp_dim
     if n_experts:  # the shared expert (if any) is split like a dense MLP
-        mlp = (3 * e * (shape.expert_mlp_dim or shape.mlp_dim)) if shape.shared_expert else 0
+        mlp = 3 * e * shape.expert_dim if shape.shared_expert else 0
     groups = [
         (layers * (attention + mlp), ("tensor", "pipeline")),
         (layers * 2 * e, ("pipeline",)),  # the two RMSNorm scales of each block
@@ -96,7 +83,7 @@ def llama_shape(n_params: float) -> dict[str, Any]:
         )
 
     def count(width: int) -> float:
-        return shape_params(types.SimpleNamespace(**shape(width)))
+        return shape_params(ModelShape(**shape(width)))
 
     widths = [256, 512, 768, *range(1024, 65537, 1024)]  # heads divisible by 8 from 1024 on
     best = min(widths, key=lambda w: abs(math.log(count(w) / n_params)))

@@ -10,8 +10,9 @@ import dataclasses
 from typing import Any
 
 from spmd.engine.optim import peak_lr
-from spmd.estimate import cost, experts, long_sequence, memory, pipeline_figures, search, timing
+from spmd.estimate import cost, experts, memory, pipeline_figures, search, timing, volumes
 from spmd.estimate.recommend import ms
+from spmd.estimate.shape import shape_params
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import OptimizerConfig
 
@@ -47,9 +48,9 @@ def collective_rows(s: cost.Setup, net: cost.Network) -> list[dict]:
 def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
     """An MoE's figures: experts, top-k, capacity per sequence, active params per token, the
     routed experts' params and model-state bytes per device, and the token all-to-all bytes
-    per MoE layer per step on one device (spmd.estimate.experts.all_to_all)."""
+    per MoE layer per step on one device (spmd.estimate.volumes.all_to_all)."""
     shape = s.shape
-    moved = experts.all_to_all(
+    moved = volumes.all_to_all(
         shape,
         s.sharding_mesh,
         s.batch,
@@ -62,7 +63,7 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
         "n_experts": shape.n_experts,
         "experts_per_token": shape.experts_per_token,
         "capacity": experts.capacity(shape, s.seq_len),
-        "active_params": shape.n_active_params(),
+        "active_params": experts.active_params(shape, shape_params(shape)),
         "expert_params": experts.expert_params(shape),
         "expert_params_per_device": cost.params_per_device(s, True, experts=True),
         "expert_bytes_per_device": round(mem["experts"]),
@@ -73,9 +74,9 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
 
 def sequence_figures(s: cost.Setup) -> dict[str, Any]:
     """Context and sequence parallelism's figures: tokens of a sequence per device, the ring's
-    sends and bytes per layer per step (spmd.estimate.long_sequence, the formula theory
-    checks against compiled HLO), and the activations per device without either split."""
-    block, sends = long_sequence.ring_traffic(s)
+    sends and bytes per layer per step (spmd.estimate.volumes, the formula theory checks
+    against compiled HLO), and the activations per device without either split."""
+    block, sends = cost.ring_traffic(s)
     layers = s.shape.n_layers // s.mesh["pipeline"]
     whole = dataclasses.replace(s, mesh={**s.mesh, "context": 1}, sequence_parallel=False)
     return {
@@ -187,7 +188,7 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         }
         for v in memory.zero_stages(s)
     ]
-    if getattr(s.shape, "n_experts", 0):
+    if s.shape.n_experts:
         out["experts"] = expert_figures(s, mem)
     if s.context > 1 or s.sequence_parallel:
         out["long_sequence"] = sequence_figures(s)

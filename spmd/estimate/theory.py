@@ -49,7 +49,6 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
 from typing import Any
@@ -59,64 +58,43 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.estimate import experts as experts_math
-from spmd.estimate import hlo, long_sequence
+from spmd.estimate import hlo, volumes
+from spmd.model_shape import ModelShape
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
 
 
-@dataclasses.dataclass(frozen=True)
-class Transformer:
-    """The model dimensions that tensor-parallel traffic depends on (sizes are counts)."""
-
-    n_layers: int
-    embed_dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    remat: bool = False  # the backward pass replays each layer's forward
-    activation_bytes: int = 4  # bytes per element of the compute dtype
-    n_experts: int = 0  # MoE: experts per layer (0: a dense MLP)
-    experts_per_token: int = 0  # MoE: top-k
-    capacity_factor: float = 0.0  # MoE: 0 dropless (capacity = the sequence length)
+def activation_bytes(program: Any) -> int:
+    """Bytes per element of the program's compute dtype (activations)."""
+    return np.dtype(program.policy.compute_dtype).itemsize
 
 
-def shape_of(model: Any, compute_dtype: Any) -> Transformer:
-    """The Transformer figures of a model config with Llama's field names (spmd does not
-    import models/)."""
-    return Transformer(
-        n_layers=model.n_layers,
-        embed_dim=model.embed_dim,
-        n_heads=model.n_heads,
-        n_kv_heads=model.n_kv_heads,
-        head_dim=model.head_dim,
-        remat=model.remat != "none",
-        activation_bytes=np.dtype(compute_dtype).itemsize,
-        n_experts=getattr(model, "n_experts", 0),
-        experts_per_token=getattr(model, "experts_per_token", 0),
-        capacity_factor=getattr(model, "capacity_factor", 0.0),
-    )
-
-
-def expert_capacity(model: Transformer, seq_len: int) -> int:
+def expert_capacity(model: ModelShape, seq_len: int) -> int:
     """(token, choice) pairs one expert takes per sequence (spmd.estimate.experts.capacity)."""
     return experts_math.capacity(model, seq_len)
 
 
 def expert_all_to_all(
-    model: Transformer, mesh: Any, global_batch: int, seq_len: int, accum: int = 1
+    model: ModelShape,
+    mesh: Any,
+    global_batch: int,
+    seq_len: int,
+    accum: int = 1,
+    *,
+    element_bytes: int,
 ) -> dict[str, int]:
     """{"count", "bytes", "bytes_per_layer", "group"} of the MoE token all-to-alls of one step
-    per device ({} without experts or when no mesh axis splits them): the formula of
-    spmd.estimate.experts.all_to_all, which the planner uses too."""
-    return experts_math.all_to_all(
-        model, mesh.shape, global_batch, seq_len, accum, model.remat, model.activation_bytes
-    )
+    per device ({} without experts or when no mesh axis splits them), activations of
+    `element_bytes` each: the formula of spmd.estimate.volumes.all_to_all, which the planner
+    uses too."""
+    remat = model.remat != "none"
+    return volumes.all_to_all(model, mesh.shape, global_batch, seq_len, accum, remat, element_bytes)
 
 
 def report(
     program: Any,
     compiled: Any,
-    model: Transformer,
+    model: ModelShape,
     global_batch: int,
     seq_len: int,
     pipeline: dict | None = None,
@@ -142,7 +120,14 @@ def report(
             "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
             "recomputation and the sum of the embedding and head gradients over pipeline"
         )
-    experts = expert_all_to_all(model, program.layout.mesh, global_batch, seq_len, program.accum)
+    experts = expert_all_to_all(
+        model,
+        program.layout.mesh,
+        global_batch,
+        seq_len,
+        program.accum,
+        element_bytes=activation_bytes(program),
+    )
     if model.n_experts:
         text += f"\n{expert_summary(program, experts)}"
     return text
@@ -164,7 +149,7 @@ def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
 
 
 def pipeline_sends(
-    program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
+    program: Any, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the schedule's messages per device per step: each tick every
     stage sends one micro-batch's residual activations [rows, length, embed] forward and their
@@ -172,15 +157,15 @@ def pipeline_sends(
     under sequence parallelism."""
     layout = program.layout
     rows = global_batch // (layout.data_parallel * pipeline["microbatches"])
-    sp = getattr(layout, "sequence_parallel", False)
-    split = layout.mesh.shape["context"] * long_sequence.residual_split(
-        layout.mesh.shape["tensor"], sp
+    tokens = rows * seq_len / layout.mesh.shape["context"]
+    activation = tokens * model.embed_dim * activation_bytes(program)
+    count, sent = volumes.stage_sends(
+        pipeline["ticks"],
+        activation,
+        layout.mesh.shape["tensor"],
+        getattr(layout, "sequence_parallel", False),
     )
-    count = 2 * pipeline["ticks"]
-    return {
-        "count": count,
-        "bytes": count * rows * seq_len // split * model.embed_dim * model.activation_bytes,
-    }
+    return {"count": count, "bytes": round(count * sent)}
 
 
 def _axes(spec: PartitionSpec) -> list[tuple[str, ...]]:
@@ -216,7 +201,7 @@ def _specs(tree: Any) -> list[PartitionSpec]:
     return [s.spec for s in leaves]
 
 
-def collectives(program: Any, model: Transformer, global_batch: int, seq_len: int) -> dict:
+def collectives(program: Any, model: ModelShape, global_batch: int, seq_len: int) -> dict:
     """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
     mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
     names_tree, shapes_tree = program.names, program.abstract_params
@@ -234,6 +219,7 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
         out[kind]["count"] += count
         out[kind]["bytes"] += nbytes
 
+    element_bytes = activation_bytes(program)
     norm_groups = set()
     for i, (leaf_names, leaf) in enumerate(zip(names, shapes, strict=True)):
         param, grad, opt = (by_role[r][i] for r in ("params", "grads", "opt_state"))
@@ -250,13 +236,9 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
             gather_dtype = program.policy.reduce_dtype
             whole = _whole(param, batch_axes, leaf_names)
             gathered = _local_bytes(leaf.shape, gather_dtype, whole, mesh)
-            passes = 2 * accum if layers > 1 else 1
-            gathers = passes * layers
-            if layers > 1 and prefetching(program, model):
-                # the prefetching scan gathers one layer more per pass (L + 1 forward, the last
-                # kept for the backward's L); its first gather reads the params only, so XLA
-                # hoists it out of the micro-batch loop
-                gathers = accum * 2 * layers + 1
+            gathers = 1  # a param outside the layer stack: once
+            if layers > 1:  # each layer per pass (one more with prefetching, spmd.estimate.volumes)
+                gathers = volumes.param_gathers(accum, layers, False, prefetching(program, model))
             add("all-gather", gathers, gathers * gathered // layers)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
@@ -268,12 +250,19 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
         norm_groups |= {frozenset(s) for s in (grad_axes, opt_axes) if s}
     if mesh.shape["tensor"] > 1:
         sequence_parallel = getattr(program.layout, "sequence_parallel", False)
-        _tensor_parallel(out, model, mesh, zero, accum, global_batch, seq_len, sequence_parallel)
-    experts = expert_all_to_all(model, mesh, global_batch, seq_len, accum)
+        _tensor_parallel(
+            out, model, mesh, zero, accum, (global_batch, seq_len, element_bytes), sequence_parallel
+        )
+    experts = expert_all_to_all(
+        model, mesh, global_batch, seq_len, accum, element_bytes=element_bytes
+    )
     if experts:
         add("all-to-all", experts["count"], experts["bytes"])
     if mesh.shape.get("context", 1) > 1:
-        add("collective-permute", *ring_sends(model, mesh, accum, global_batch, seq_len))
+        add(
+            "collective-permute",
+            *ring_sends(model, mesh, accum, global_batch, seq_len, element_bytes),
+        )
     scalars = len(norm_groups) + bool(batch_axes)
     if scalars:
         add("all-reduce", scalars, 4 * scalars)
@@ -281,22 +270,21 @@ def collectives(program: Any, model: Transformer, global_batch: int, seq_len: in
 
 
 def ring_sends(
-    model: Transformer, mesh: Any, accum: int, global_batch: int, seq_len: int
+    model: ModelShape, mesh: Any, accum: int, global_batch: int, seq_len: int, element_bytes: int
 ) -> tuple[int, int]:
-    """(count, bytes per device) of ring attention's collective-permutes in one step
-    (spmd.estimate.long_sequence: per layer, pass and micro-batch 2(cp − 1) blocks)."""
+    """(count, bytes per device) of ring attention's collective-permutes in one step, key and
+    value blocks of `element_bytes` per element (spmd.estimate.volumes: per layer, pass and
+    micro-batch 2(cp − 1) blocks)."""
     context, tensor = mesh.shape["context"], mesh.shape["tensor"]
     rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
-    block = long_sequence.kv_block_bytes(
-        model, rows, seq_len, context, tensor, model.activation_bytes
-    )
-    passes = long_sequence.ring_passes(model.remat, pipelined=False)
-    sends = long_sequence.ring_sends(context, model.n_layers, passes, accum)
+    block = volumes.kv_block_bytes(model, rows, seq_len, context, tensor, element_bytes)
+    passes = volumes.ring_passes(model.remat != "none", pipelined=False)
+    sends = volumes.ring_sends(context, model.n_layers, passes, accum)
     return sends, round(sends * block)
 
 
 def pipelined_ring_sends(
-    program: Any, model: Transformer, pipeline: dict, global_batch: int, seq_len: int
+    program: Any, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
     pipeline schedule (`pipeline`: its summary) as spmd.estimate.hlo counts them: per tick a
@@ -309,35 +297,35 @@ def pipelined_ring_sends(
         return {"count": 0, "bytes": 0}
     rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
     chunk = model.n_layers // (pipeline["stages"] * pipeline["virtual"])
-    block = long_sequence.kv_block_bytes(
-        model, rows, seq_len, context, mesh.shape["tensor"], model.activation_bytes
+    block = volumes.kv_block_bytes(
+        model, rows, seq_len, context, mesh.shape["tensor"], activation_bytes(program)
     )
-    passes = long_sequence.ring_passes(model.remat, pipelined=True)
-    sends = long_sequence.ring_sends(context, chunk, passes, pipeline["ticks"])
+    passes = volumes.ring_passes(model.remat != "none", pipelined=True)
+    sends = volumes.ring_sends(context, chunk, passes, pipeline["ticks"])
     return {"count": sends, "bytes": round(sends * block)}
 
 
 def _tensor_parallel(
     out: dict,
-    model: Transformer,
+    model: ModelShape,
     mesh: Any,
     zero: int,
     accum: int,
-    global_batch: int,
-    seq_len: int,
+    step: tuple[int, int, int],
     sequence_parallel: bool = False,
 ) -> None:
     """Add Megatron's activation all-reduces over `tensor` (see the module docstring), or
-    under sequence parallelism their all-gathers and reduce-scatters."""
+    under sequence parallelism their all-gathers and reduce-scatters; `step`: (global batch,
+    sequence length, bytes per activation element)."""
+    global_batch, seq_len, element_bytes = step
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
-    activation = tokens * model.embed_dim * model.activation_bytes
-    per_layer = 4 + (1 if model.remat else 0)
-    calls = accum * (per_layer * model.n_layers + 2)
+    activation = tokens * model.embed_dim * element_bytes
+    calls = volumes.tensor_parallel_calls(accum, model.n_layers, model.remat != "none", False)
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
     norms = (2 * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
-    traffic = long_sequence.tensor_traffic(
+    traffic = volumes.tensor_traffic(
         activation, calls, accum, tokens, norms, tensor, sequence_parallel
     )
     for kind, nbytes, count, _ in traffic:
@@ -349,11 +337,12 @@ def _tensor_parallel(
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
 
 
-def prefetching(program: Any, model: Transformer) -> bool:
+def prefetching(program: Any, model: ModelShape) -> bool:
     """Whether the program's ZeRO-3 layer scan prefetches (hooks.scan_layers): the explicit
     executor with --prefetch 1 and rematerialised layers. Pipelined programs keep the count of
     gathering in place: theory does not model ZeRO-3 per pipeline chunk."""
-    return bool(program.prefetch) and model.remat and program.layout.mesh.shape["pipeline"] == 1
+    remat = model.remat != "none"
+    return bool(program.prefetch) and remat and program.layout.mesh.shape["pipeline"] == 1
 
 
 def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:

@@ -24,7 +24,7 @@ def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
     shape = s.shape
     scale = s.n_params / shape_params(shape)
     attention = shape.embed_dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
-    active = shape.n_layers * (attention + experts.active_mlp_params(shape))
+    active = shape.n_layers * (attention + shape.active_mlp_params())
     return {
         "blocks": 2 * active * scale,
         "attention": 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim,

@@ -1,0 +1,144 @@
+"""How many collectives of which size one training step makes: one formula for each, shared by
+the planner (spmd.estimate.cost) and --dry-run's figures of the compiled step
+(spmd.estimate.theory), so the plan and the check against compiled HLO cannot drift apart.
+
+Units are spmd.estimate.hlo's: bytes of each op's result on one device; counts are executions
+per optimizer step. Pure arithmetic, no JAX; `shape` is a spmd.model_shape.ModelShape and
+`sizes` maps mesh axis -> size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from spmd.estimate.experts import capacity
+from spmd.estimate.long_sequence import residual_split
+from spmd.model_shape import ModelShape
+from spmd.parallel import rules
+from spmd.parallel.mesh import BATCH_AXES
+
+# --- ZeRO-3 param gathers -----------------------------------------------------------------
+
+
+def param_gathers(micro_steps: int, layers: int, pipelined: bool, prefetch: bool) -> int:
+    """All-gathers per step of a ZeRO-3 stacked param counted as `layers` pieces: each piece
+    before its forward and again for its backward in every micro-batch, a third time when a
+    pipeline's backward slot recomputes its chunk. The explicit executor's prefetching layer
+    scan gathers each pass's next layer one iteration ahead (L + 1 per pass, the last kept for
+    the backward), and XLA hoists the first gather out of the micro-batch loop: 2L accum + 1."""
+    if prefetch:
+        return micro_steps * 2 * layers + 1
+    return micro_steps * (2 + int(pipelined)) * layers
+
+
+# --- tensor and sequence parallelism ------------------------------------------------------
+
+
+def tensor_parallel_calls(micro_steps: int, layers: int, remat: bool, pipelined: bool) -> int:
+    """Megatron's activation all-reduces per step: per layer 2 forward (after the attention and
+    MLP row-parallel matmuls) and 2 backward (at their column-parallel inputs), 1 more when the
+    backward replays the forward (remat), 2 more when a pipeline recomputes the chunk; plus the
+    vocab-parallel embedding (forward) and head (backward); each micro-batch."""
+    per_layer = 4 + int(remat) + 2 * int(pipelined)
+    return micro_steps * (per_layer * layers + 2)
+
+
+def tensor_traffic(
+    activation: float,
+    calls: float,
+    micro_steps: int,
+    tokens: float,
+    norms: tuple[int, float],
+    tensor: int,
+    sequence_parallel: bool,
+) -> list[tuple[str, float, float, str]]:
+    """(kind, bytes per call, calls per step, purpose) of tensor parallelism's activation
+    collectives: `calls` all-reduces of `activation` bytes; under sequence parallelism as
+    many all-gathers of it and reduce-scatters of 1/tp of it, plus per micro-batch an
+    all-reduce of each norm weight's gradient (`norms`: how many, bytes of each). Either way
+    the vocab-parallel cross-entropy's 3 sums of its `tokens` in fp32 per micro-batch."""
+    sums = ("all-reduce", tokens * 4, 3 * micro_steps, "cross-entropy sums")
+    if not sequence_parallel:
+        return [("all-reduce", activation, calls, "activations"), sums]
+    count, each = norms
+    return [
+        ("all-gather", activation, calls, "activations (SP)"),
+        ("reduce-scatter", activation / tensor, calls, "activations (SP)"),
+        ("all-reduce", each, count * micro_steps, "norm grads (SP)"),
+        sums,
+    ]
+
+
+# --- pipeline -----------------------------------------------------------------------------
+
+
+def stage_sends(ticks: int, activation: float, tensor: int, sequence_parallel: bool) -> tuple:
+    """(sends per step, bytes each) of a pipeline stage: each tick one micro-batch's residual
+    stream forward and its gradient back (a ppermute each way); `activation` is the bytes of
+    one micro-batch's [rows, length / cp, embed] on a device, split over tp too under
+    sequence parallelism."""
+    return 2 * ticks, activation / residual_split(tensor, sequence_parallel)
+
+
+# --- context parallelism (ring attention) -------------------------------------------------
+
+
+def kv_block_bytes(
+    shape: ModelShape, rows: int, seq_len: int, context: int, tensor: int, element_bytes: int
+) -> float:
+    """Bytes of one ring message: this device's key (or value) block, [rows, seq_len / cp,
+    kv_heads / tp (replicated, so at least 1, when tp > kv_heads), head_dim]."""
+    kv_heads = max(shape.n_kv_heads // tensor, 1)
+    return rows * (seq_len / context) * kv_heads * shape.head_dim * element_bytes
+
+
+def ring_passes(remat: bool, pipelined: bool) -> int:
+    """Passes over each layer's ring per micro-batch: the forward, the backward (its key and
+    value gradients go round the other way), the forward again when the backward replays it
+    (remat), and once more when a pipeline's backward slot recomputes its chunk."""
+    return 2 + int(remat) + int(pipelined)
+
+
+def ring_sends(context: int, layers: int, passes: int, executions: int) -> int:
+    """collective-permutes of ring attention per device: 2 (key and value) x (cp − 1) per layer
+    and pass, `executions` times (micro-batches; or a pipeline's ticks)."""
+    return executions * layers * passes * 2 * (context - 1)
+
+
+# --- expert parallelism -------------------------------------------------------------------
+
+
+def expert_axes(sizes: Mapping[str, int]) -> list[str]:
+    """The mesh axes of size > 1 that split the experts (spmd.parallel.rules: expert, fsdp)."""
+    return [a for a in rules.BASE_RULES["expert"] if sizes.get(a, 1) > 1]
+
+
+def all_to_all(
+    shape: ModelShape,
+    sizes: Mapping[str, int],
+    global_batch: int,
+    seq_len: int,
+    accum: int,
+    remat: bool,
+    element_bytes: int,
+) -> dict[str, int]:
+    """{"count", "bytes", "bytes_per_layer", "group"} of the MoE token all-to-alls of one step per
+    device ({} without experts or when no mesh axis splits them). Each one moves a buffer of
+    experts x rows x capacity x embed elements (rows: this device's sequences per
+    micro-batch): 4 per layer and micro-batch (dispatch and combine, forward and backward),
+    2 more when the backward replays the forward (remat). `bytes` is the result of each op,
+    summed over the step (spmd.estimate.hlo's convention)."""
+    axes = expert_axes(sizes)
+    if not shape.n_experts or not axes:
+        return {}
+    rows = global_batch // math.prod(sizes.get(a, 1) for a in BATCH_AXES) // accum
+    buffer = shape.n_experts * rows * capacity(shape, seq_len) * shape.embed_dim
+    calls = accum * (4 + (2 if remat else 0))
+    per_layer = calls * buffer * element_bytes
+    return {
+        "count": calls * shape.n_layers,
+        "bytes": per_layer * shape.n_layers,
+        "bytes_per_layer": per_layer,
+        "group": math.prod(sizes[a] for a in axes),
+    }

@@ -1,0 +1,62 @@
+"""The one description of a model that the estimators read: its sizes, as plain numbers.
+
+A model family (models.family) builds a ModelShape from its config; spmd.estimate (the planner,
+--dry-run's theory, the FLOP count) reads only these fields, so no estimator needs to know
+which family it is looking at. A dense model is the case n_experts = 0.
+
+This module sits at the bottom of spmd: it imports nothing from spmd, so models/ may build it.
+Sizes are counts (tokens, features, heads, layers, experts); FLOPs are per trained token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A Llama-like decoder's sizes, MoE included (n_experts 0: a dense gated MLP)."""
+
+    vocab_size: int
+    embed_dim: int
+    mlp_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tie_embeddings: bool = False
+    remat: str = "none"  # none | full | dots_saveable: what the backward pass keeps
+    n_experts: int = 0  # routed experts per block (0: the dense MLP)
+    experts_per_token: int = 0  # top-k
+    expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
+    shared_expert: bool = False  # one more expert that every token uses
+    capacity_factor: float = 0.0  # 0: dropless (capacity = the sequence length)
+    # False when the training loss needs what a pipeline cannot pass between its stages (an
+    # MoE's router losses): the planner then keeps pp = 1.
+    pipelines: bool = True
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden size of one expert (expert_mlp_dim, or mlp_dim when that is 0)."""
+        return self.expert_mlp_dim or self.mlp_dim
+
+    def active_mlp_params(self) -> int:
+        """MLP params one token uses in one layer: the router, k experts and the shared one (the
+        dense MLP without experts)."""
+        if not self.n_experts:
+            return 3 * self.embed_dim * self.mlp_dim
+        routed = self.experts_per_token + int(self.shared_expert)
+        return self.embed_dim * self.n_experts + routed * 3 * self.embed_dim * self.expert_dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs (forward + backward) per trained token, the usual convention for a
+        decoder-only transformer (Kaplan et al.; PaLM, appendix B): 6 per matmul parameter a
+        token uses (an MoE's router, k experts and shared expert, not all E) plus attention's two
+        [length x length] matmuls, 12 x layers x length x heads x head_dim, counted in full even
+        when causal. The embedding lookup is not a matmul; the output head always is."""
+        e, d = self.embed_dim, self.head_dim
+        attention_params = e * d * (2 * self.n_heads + 2 * self.n_kv_heads)
+        matmul_params = self.n_layers * (attention_params + self.active_mlp_params())
+        matmul_params += e * self.vocab_size
+        attention_scores = 12 * self.n_layers * seq_len * self.n_heads * d
+        return 6.0 * matmul_params + attention_scores
