@@ -47,6 +47,7 @@ class Family:
     logits_loss: Callable[..., Any]  # a pipeline's last-stage loss (llama.logits_loss's form)
     hf: HFMapping
     check_layout: Callable[[Any, Any, str], None]  # (cfg, mesh, executor): UsageError if refused
+    check: Callable[[Any], None] = lambda cfg: None  # (cfg): UsageError if it cannot be built
     step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
 
     def shape(self, cfg: Any) -> ModelShape:
@@ -101,6 +102,7 @@ MOE = Family(
         config_from_hf=hf_mixtral.mixtral_config, config_to_hf=hf_mixtral.mixtral_hf_config
     ),
     check_layout=moe.check_layout,
+    check=moe.check,
     step_metrics=moe.router_stats,
 )
 FAMILIES = {f.name: f for f in (LLAMA, MOE)}
@@ -131,6 +133,25 @@ def family_name(saved: dict[str, Any]) -> str:
     if "family" in saved:
         return saved["family"]
     return "moe" if saved.get("n_experts", 0) > 0 else "llama"
+
+
+def check_fields(values: dict[str, Any], source: str) -> type:
+    """The config class of the family `values` name (default "llama"); UsageError naming a
+    given field that family's config does not have (e.g. n_experts on a dense Llama)."""
+    family = get(values.get("family", "llama"))
+    own = {f.name for f in dataclasses.fields(family.config)}
+    for key in sorted(set(values) - own):
+        owners = [f.name for f in FAMILIES.values() if key in _fields(f.config)]
+        where = f"a field of the {' and '.join(owners)} family" if owners else "no model field"
+        raise UsageError(
+            f"{source}: {key} is {where}, and this model is family {family.name!r}"
+            + (f" (set --family {owners[0]})" if owners else "")
+        )
+    return family.config
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def config_from_dict(saved: dict[str, Any]) -> Any:

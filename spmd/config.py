@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from models import family
 from spmd.errors import UsageError
 from spmd.sections import (
     SECTIONS,
@@ -246,7 +247,9 @@ def resolve(
 ) -> dict[str, Any]:
     """Resolve a command's config sections from defaults, preset, --config file and flags.
 
-    The preset named by `run.model` fills the "model" section. `expand` may add values implied
+    The preset named by `run.model` fills the "model" section, whose type is the config of the
+    model family it names (`sections["model"]` only lists the flags: every family's fields,
+    e.g. models.moe.MoEConfig). `expand` may add values implied
     by others (it sees the non-model values given, flat; e.g. --layout fills --mesh)."""
     parser = build_parser(prog, sections)
     flags = vars(parser.parse_args(argv))
@@ -262,8 +265,11 @@ def resolve(
     preset_name = given["run"].get("model", RunConfig.model)
     resolved = {}
     for name, cls in sections.items():
-        values = {**preset(preset_name), **given["model"]} if name == "model" else given[name]
-        resolved[name] = build(cls, values, f"{name} config (preset {preset_name!r})")
+        source = f"{name} config (preset {preset_name!r})"
+        if name == "model":  # the family the values name decides the config's type
+            values = {**preset(preset_name), **given["model"]}
+            cls = family.check_fields(values, source)
+        resolved[name] = build(cls, given[name] if name != "model" else values, source)
     return resolved
 
 

@@ -409,12 +409,16 @@ def model_shape(argv: list[str], model_cfg: Any, cfg: Config, plan: Any) -> tupl
     """(model config, parameter count, description, spmd.train model flags) of the preset, or
     of --params' Llama shape."""
     if not plan.params:
-        preset = config.build(moe.MoEConfig, config.preset(cfg.run.model), "preset")
-        moe.check(model_cfg)
-        fields = (*FIELDS, *MOE_FIELDS) if model_cfg.n_experts or preset.n_experts else FIELDS
-        changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f)]
+        values = config.preset(cfg.run.model)
+        preset = config.build(family.check_fields(values, "preset"), values, "preset")
+        family.of(model_cfg).check(model_cfg)
+        fields = [*FIELDS, *MOE_FIELDS] if family.of(model_cfg).name == "moe" else FIELDS
+        if family.of(preset) is not family.of(model_cfg):
+            fields = ["family", *fields]
+        changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f, None)]
         args = ["--model", cfg.run.model, *_shape_flags(model_cfg, changed)]
-        return model_cfg, float(model_cfg.n_params()), f"{cfg.run.model} preset", args
+        n_params = float(family.of(model_cfg).n_params(model_cfg))
+        return model_cfg, n_params, f"{cfg.run.model} preset", args
     arch = {f.name for f in dataclasses.fields(moe.MoEConfig)} - {"remat"}
     given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     clash = sorted(given & (arch | {"model"}))

@@ -33,9 +33,10 @@ from spmd.log import say
 from spmd.observe.metrics import MetricsLog
 from spmd.training.resume import open_checkpoints
 
-# The model section is the Llama's fields plus the experts' (n_experts 0: the dense Llama).
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
 ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
+# Flags: every model family's fields (the MoE config has the dense Llama's and its own); the
+# section is built as the config of the family the preset or --family names.
 SECTIONS = {"model": moe.MoEConfig, **config.SECTIONS}
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import hf_llama, llama, moe
-from spmd import builder, config
+from models import family, hf_llama, llama
+from spmd import builder
 from spmd.engine.step import Program
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
@@ -37,7 +37,7 @@ def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
 
 
 def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:
-    """The Program of `cfg` (dense Llama, or MoE when cfg.n_experts) on `layout`, for its
+    """The Program of model `cfg` (its family's) on `layout`, for its
     param shardings and forward pass (no training: the optimizer is the identity, which has no
     state); spmd.builder's, as training builds it."""
     return builder.model_program(cfg, layout)
@@ -47,11 +47,7 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     """The params of checkpoint `step` (0: newest) of an spmd checkpoint folder."""
     step = params_io.pick_step(directory, step)
     run_config = params_io.saved_config(directory, step)
-    run_model = config.build(moe.MoEConfig, run_config.get("model", {}), f"{directory} config")
-    cfg = run_model
-    if not run_model.n_experts:  # a dense run: the plain LlamaConfig, as its params are
-        dense = {f.name: getattr(run_model, f.name) for f in dataclasses.fields(llama.LlamaConfig)}
-        cfg = llama.LlamaConfig(**dense)
+    cfg = family.config_from_dict(run_config.get("model", {}))
     program = model_program(cfg, layout)
     params = params_io.restore_params(directory, step, program.abstract_params)
     return Loaded(cfg, program, params, run_config, f"{directory} step {step}")

@@ -26,7 +26,7 @@ def test_loss_falls_on_the_stdlib_corpus(tmp_path):
         str(metrics),
     )
     assert result.returncode == 0, result.stderr
-    assert "[train]" in result.stdout and "mesh dp=2 (2 x cpu)" in result.stdout
+    assert "[run]" in result.stdout and "mesh dp=2 (2 x cpu)" in result.stdout
     lines = records(metrics)
     assert lines[0]["kind"] == "config" and lines[0]["mesh"]["data"] == 2
     train = [r for r in lines if r["kind"] == "train"]
