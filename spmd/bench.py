@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from models import moe
+from models import family
 from spmd import builder, checks, config, train
 from spmd.config import Config
 from spmd.errors import UsageError, run_command
@@ -34,7 +34,7 @@ class BenchConfig:
     rounds: int = 5  # alternating timing rounds per program; --steps are split over them
 
 
-def bare_step_fn(program: Any, tx: Any) -> Any:
+def bare_step_fn(program: Any, tx: Any, loss_fn: Any) -> Any:
     """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
     16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
     working params, the update applied to the fp32 master weights, the result cast back."""
@@ -48,7 +48,7 @@ def bare_step_fn(program: Any, tx: Any) -> Any:
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple:
         def loss(p: Any) -> jax.Array:
-            return moe.lm_loss(nnx.merge(program.graphdef, p), batch)
+            return loss_fn(nnx.merge(program.graphdef, p), batch)
 
         value, grads = jax.value_and_grad(loss)(params)
         if not policy.has_master:
@@ -59,7 +59,13 @@ def bare_step_fn(program: Any, tx: Any) -> Any:
         master = optax.apply_updates(master, updates)
         return cast(master, policy.param_dtype), {"master": master, "inner": inner}, value
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    # The state keeps the shardings it came in with (as the framework's step does); left to
+    # XLA, an output may come back sharded otherwise (an MoE router on `expert`), and the
+    # compiled step would refuse it on the next call.
+    shardings = jax.tree.map(
+        lambda a: a.sharding, (program.abstract_params, program.abstract_opt_state)
+    )
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
 
 
 def time_round(run_steps: Any, steps: int) -> float:
@@ -109,6 +115,8 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
     initial state."""
     import jax
 
+    from spmd.estimate import hlo
+
     if cfg.precision.precision == "fp16":
         raise UsageError(
             "--precision fp16 is not benchmarked: its loss scaling has no bare counterpart; "
@@ -120,6 +128,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
             "with; use --dcn-sync every-step"
         )
     program = builder.program(cfg, mesh)
+    train.describe_program(cfg, program)  # mesh, batch, precision, pipeline schedule
     if mesh.shape["pipeline"] > 1:
         say(
             "bare: the same math without the pipeline schedule (params in the pipeline's "
@@ -128,8 +137,11 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
     started = time.perf_counter()
     compiled = program.compile_train_step(cfg.run.batch, cfg.run.seq_len)
     compile_s = {"spmd": time.perf_counter() - started}
+    # the same line spmd.train prints: equal fingerprints, the same compiled step
+    say(f"train step HLO fingerprint {hlo.fingerprint(compiled)}")
     batch_abstract = program.abstract_batch(cfg.run.batch, cfg.run.seq_len)
-    bare = bare_step_fn(program, builder.optimizer(cfg)(program.names))
+    tx = builder.optimizer(cfg)(program.names)
+    bare = bare_step_fn(program, tx, family.of(cfg.model).loss)
     started = time.perf_counter()
     bare = bare.lower(program.abstract_params, program.abstract_opt_state, batch_abstract).compile()
     compile_s["bare"] = time.perf_counter() - started
@@ -190,13 +202,14 @@ def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str)
     device_kind = jax.devices()[0].device_kind
     tokens_per_step = cfg.run.batch * cfg.run.seq_len
     model_cfg = cfg.model
+    n_params = family.of(model_cfg).n_params(model_cfg)
     flops_per_step = flops.decoder_flops_per_token(model_cfg, cfg.run.seq_len) * tokens_per_step
     peak = flops.peak_tflops(device_kind, cfg.precision.precision, cfg.observe.peak_tflops)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {device_kind}), "
         f"zero {cfg.parallel.zero}, {cfg.precision.precision}, --collectives "
         f"{cfg.parallel.collectives}, model "
-        f"{cfg.run.model} ({model_cfg.n_params() / 1e6:.2f} M params), remat {model_cfg.remat}, "
+        f"{cfg.run.model} ({n_params / 1e6:.2f} M params), remat {model_cfg.remat}, "
         f"batch {cfg.run.batch} x {cfg.run.seq_len} tokens, {rounds}"
     )
     say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'TFLOP/s':>10}{'MFU':>8}{'compile':>10}")

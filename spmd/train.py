@@ -164,10 +164,10 @@ def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
     from spmd.parallel.mesh import format_mesh
 
     layout = program.layout
-    mesh = layout.mesh
+    mesh, n_params = layout.mesh, family.of(cfg.model).n_params(cfg.model)
     say(
         f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
-        f"zero {cfg.parallel.zero} | {cfg.model.n_params() / 1e6:.2f} M params | "
+        f"zero {cfg.parallel.zero} | {n_params / 1e6:.2f} M params | "
         f"{format_batch_arithmetic(batch_arithmetic(cfg, layout.data_parallel))}"
     )
     say(precision.describe(builder.policy_of(cfg)))
@@ -271,7 +271,9 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     from spmd.parallel.hooks import notes
 
     say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
+    say(f"train step HLO fingerprint {hlo.fingerprint(compiled)}")  # spmd.bench prints its own
     facts = {
+        "hlo_fingerprint": hlo.fingerprint(compiled),
         "model_notes": notes(),
         "compile_s": compile_s,
         "state_bytes": state_bytes,
@@ -314,7 +316,8 @@ def write_config_record(
         devices=mesh.size,
         device_kind=facts["device_kind"],
         platform=jax.devices()[0].platform,
-        n_params=cfg.model.n_params(),
+        n_params=family.of(cfg.model).n_params(cfg.model),
+        hlo_fingerprint=facts["hlo_fingerprint"],
         state_bytes_per_device=facts["state_bytes"],
         compile_s=facts["compile_s"],
         flops_per_step=facts["observer"].flops_per_step,

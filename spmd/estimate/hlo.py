@@ -7,6 +7,7 @@ positions in ``mesh.devices.flat``; they are mapped to mesh axis names with that
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -79,6 +80,43 @@ def collectives(compiled: Any, mesh: jax.sharding.Mesh | None = None) -> list[Co
                 )
             )
     return out
+
+
+# Tables of source locations at the top of a module's text, and each instruction's metadata:
+# where in Python an op was written, which says nothing about what the step computes.
+_LOCATION_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_METADATA = re.compile(r",? metadata=\{[^}]*\}")
+
+
+# An instruction or computation name with XLA's numeric suffixes, e.g. %mul.2128, region_19.17.
+_NUMBERED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_\-]*)((?:\.(?:[0-9]+|clone))+)\b")
+
+
+def fingerprint(compiled: Any) -> str:
+    """16 hex digits of the compiled module's text without its source locations, names
+    renumbered in order of appearance (the numbers XLA gives depend on what was traced before
+    in the process): two compilations of the same step (same ops, shardings, collectives and
+    schedule) from two commands get the same fingerprint."""
+    numbers: dict[str, int] = {}
+
+    def renumber(match: re.Match) -> str:
+        return f"{match.group(1)}.{numbers.setdefault(match.group(0), len(numbers))}"
+
+    text = "\n".join(_NUMBERED.sub(renumber, line) for line in without_locations(compiled))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def without_locations(compiled: Any) -> list[str]:
+    """The lines of the compiled module's text, source-location tables and metadata dropped."""
+    kept, skipping = [], False
+    for line in compiled.as_text().splitlines():
+        if line.strip() in _LOCATION_TABLES:
+            skipping = True
+        elif skipping and not line.strip():
+            skipping = False
+        elif not skipping:
+            kept.append(_METADATA.sub("", line))
+    return kept
 
 
 def collective_summary(colls: list[Collective]) -> dict[str, dict]:

@@ -131,8 +131,19 @@ def cpu_only() -> bool:
 
 
 def simulate_cpu_devices(count: int, announce: bool = True) -> None:
-    """Make JAX's CPU backend expose `count` devices. Must run before the backend starts."""
-    jax.config.update("jax_num_cpu_devices", count)
+    """Make JAX's CPU backend expose `count` devices. Before the backend starts this sets the
+    count; in a process where JAX already runs (a notebook, a test session) a backend with at
+    least `count` CPU devices serves as it is, and fewer is a UsageError."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend started already: its devices are what there is
+        running = len(jax.devices("cpu"))
+        if running < count:
+            raise UsageError(
+                f"{count} CPU devices are needed, but JAX already started in this process "
+                f"with {running}; set the count before JAX starts (spmd.simulate_cpu_devices)"
+            ) from None
+        return
     if announce:
         print(f"spmd: simulating {count} CPU devices on this host", file=sys.stderr)
 
@@ -244,6 +255,10 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
     elif needed and needed > n_processes and cpu_only():
         simulate_cpu_devices(needed // n_processes, announce=n_processes == 1)
     if n_processes == 1:
+        if needed and cpu_only() and needed < len(jax.devices()):
+            # simulated devices started earlier in this process (a notebook, a test session):
+            # the mesh takes as many as it names
+            return build_mesh(sizes, jax.devices()[:needed])
         return build_mesh(sizes)
     sizes = resolve_mesh(sizes, len(jax.devices()))
     dcn = dcn_split(sizes, n_processes, dcn_mesh, len(jax.local_devices()))
