@@ -21,7 +21,6 @@ or dots_saveable). A benchmark, not a test: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -30,31 +29,35 @@ import time
 from spmd.errors import UsageError, run_command
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m spmd.bench_collectives")
-    parser.add_argument("--model", default="tiny", help="model preset (configs/NAME.toml)")
-    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per executor")
-    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    parser.add_argument("--layouts", default="", help="comma-separated preset names (all)")
-    parser.add_argument(
-        "--remat", default="", help="none | full | dots_saveable (default: the preset's)"
-    )
-    parser.add_argument(
-        "--bucket-mb", default="", help="comma-separated bucket sizes in MiB (explicit only)"
-    )
-    parser.add_argument(
-        "--prefetch", action="store_true", help="explicit ZeRO-3: prefetch off vs on"
-    )
-    return parser.parse_args(argv)
+@dataclasses.dataclass(frozen=True)
+class CollectivesBenchConfig:
+    """What to compare, on which model."""
+
+    model: str = "tiny"  # model preset (configs/NAME.toml)
+    batch: int = 16  # global batch (sequences)
+    seq_len: int = 128  # tokens per sequence
+    steps: int = 30  # timed steps per executor
+    devices: int = 8  # simulated CPU devices
+    layouts: str = ""  # comma-separated layout presets (meshes/; default: all)
+    remat: str = ""  # none | full | dots_saveable (default: the preset's)
+    bucket_mb: str = ""  # comma-separated bucket sizes in MiB (explicit only)
+    prefetch: bool = False  # explicit ZeRO-3: prefetch off vs on
+
+
+def parse_args(argv: list[str] | None) -> CollectivesBenchConfig:
+    from spmd import config
+
+    sections = {"bench": CollectivesBenchConfig}
+    about = __doc__.split("\n\n")[0]
+    prog = "python -m spmd.bench_collectives"
+    return config.resolve(argv, sections, prog, description=about)["bench"]
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_command(lambda args: run(parse_args(args)), argv)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: CollectivesBenchConfig) -> int:
     import meshes
     from spmd.parallel import mesh as mesh_lib
 
@@ -106,13 +109,13 @@ def _bucket_sizes(text: str) -> list[float]:
     return sizes
 
 
-def run_buckets(args: argparse.Namespace, presets: list, buckets: list[float]) -> int:
+def run_buckets(args: CollectivesBenchConfig, presets: list, buckets: list[float]) -> int:
     """The explicit step per bucket size, per layout: median ms and gradient reductions."""
     variants = {f"{b:g} MiB": {"collectives": "explicit", "bucket_mb": b} for b in buckets}
     return run_variants(args, presets, variants, "reductions", "gradient reductions")
 
 
-def run_prefetch(args: argparse.Namespace, presets: list) -> int:
+def run_prefetch(args: CollectivesBenchConfig, presets: list) -> int:
     """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout whose
     fsdp axis gathers layers: median ms and all-gathers per step."""
     variants = {
@@ -123,7 +126,7 @@ def run_prefetch(args: argparse.Namespace, presets: list) -> int:
 
 
 def run_variants(
-    args: argparse.Namespace, presets: list, variants: dict, count: str, counted: str
+    args: CollectivesBenchConfig, presets: list, variants: dict, count: str, counted: str
 ) -> int:
     """Per layout, the steps of `variants` ({name: spmd.sections.ParallelConfig fields}) run
     alternately:
@@ -150,7 +153,7 @@ def _mib(n: int) -> str:
 
 
 def bench_layout(
-    args: argparse.Namespace,
+    args: CollectivesBenchConfig,
     sizes: dict[str, int],
     zero: int,
     sequence_parallel: bool = False,
@@ -165,13 +168,14 @@ def bench_layout(
     import jax.numpy as jnp
     import numpy as np
 
-    from models import llama
+    from models import family
     from spmd import builder, config
     from spmd.engine.step import EXECUTORS
     from spmd.estimate import hlo
     from spmd.parallel.mesh import build_mesh, format_mesh
 
-    model = llama.LlamaConfig(**config.preset(args.model))
+    values = config.preset(args.model)
+    model = config.build(family.check_fields(values, args.model), values, args.model)
     if args.remat:
         model = dataclasses.replace(model, remat=args.remat)
     base = config.flat(

@@ -16,7 +16,8 @@ from spmd.observe import profile
 
 
 def check_choices(cfg: Config) -> None:
-    """UsageError for values outside their valid range (before any device work)."""
+    """UsageError for values outside their valid range (before any device work): the one
+    check of a run's config, which asks the data and divergence sections' own checks."""
     positive = {
         "steps": cfg.run.steps,
         "batch": cfg.run.batch,
@@ -47,8 +48,10 @@ def check_choices(cfg: Config) -> None:
     if model.n_heads % model.n_kv_heads:
         raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
     check_checkpoint_choices(cfg)
+    from spmd.io import run_data
     from spmd.training import divergence
 
+    run_data.check_choices(cfg.data)
     divergence.check_choices(cfg.divergence, cfg.checkpoint.checkpoint_dir)
     check_observability(cfg)
     from spmd.engine.step import check_executor

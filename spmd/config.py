@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from models import family
 from spmd.errors import UsageError
 from spmd.sections import (
     SECTIONS,
@@ -155,12 +154,14 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def build_parser(prog: str, sections: dict[str, type], description: str = "") -> _Parser:
+def build_parser(
+    prog: str, sections: dict[str, type], description: str = "", short: dict[str, str] | None = None
+) -> _Parser:
     """A parser with --config plus one flag per field of every section (default: not given),
-    each with its field's comment as help."""
+    each with its field's comment as help; `short` adds short forms ({field: "-n"})."""
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
-        "--config", help="TOML run config: a table per section ([model], [run], [optimizer], ...)"
+        "--config", help=f"TOML file with a table per section: [{'], ['.join(sections)}]"
     )
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
@@ -169,9 +170,10 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
             comments.update(field_comments(base))
         for name, kind in _field_types(cls).items():
             text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
+            names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
             if kind is bool:  # `--dry-run` alone means true; `--dry-run false` also works
                 group.add_argument(
-                    flag_name(name),
+                    *names,
                     dest=name,
                     type=_parse_bool,
                     nargs="?",
@@ -182,7 +184,7 @@ def build_parser(prog: str, sections: dict[str, type], description: str = "") ->
                 )
             else:
                 group.add_argument(
-                    flag_name(name),
+                    *names,
                     dest=name,
                     type=kind,
                     default=argparse.SUPPRESS,
@@ -239,21 +241,39 @@ def build(cls: type, values: dict[str, Any], source: str) -> Any:
     return cls(**{k: (float(v) if types[k] is float else v) for k, v in values.items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class Positional:
+    """A command's positional argument (argparse's `nargs`), e.g. spmd.report's files."""
+
+    name: str
+    nargs: Any
+    help: str
+
+
 def resolve(
     argv: list[str] | None,
     sections: dict[str, type],
     prog: str,
+    *,
     expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    description: str = "",
+    positional: Positional | None = None,
+    short: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Resolve a command's config sections from defaults, preset, --config file and flags.
+    Every command parses its arguments here. `positional` (its value under its name in the
+    result) and `short` flags ({field: "-n"}) serve commands that take them.
 
     The preset named by `run.model` fills the "model" section, whose type is the config of the
     model family it names (`sections["model"]` only lists the flags: every family's fields,
     e.g. models.moe.MoEConfig). `expand` may add values implied
     by others (it sees the non-model values given, flat; e.g. --layout fills --mesh)."""
-    parser = build_parser(prog, sections)
+    parser = build_parser(prog, sections, description, short or {})
+    if positional is not None:
+        parser.add_argument(positional.name, nargs=positional.nargs, help=positional.help)
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config", None)
+    extra = {positional.name: flags.pop(positional.name)} if positional is not None else {}
     given = _tables_by_section(load_toml(config_path) if config_path else {}, sections)
     owner = field_owners(sections)
     for key, value in flags.items():
@@ -262,15 +282,22 @@ def resolve(
         rest = expand({k: v for name, t in given.items() if name != "model" for k, v in t.items()})
         for key, value in rest.items():
             given[owner[key]][key] = value
-    preset_name = given["run"].get("model", RunConfig.model)
-    resolved = {}
+    if "model" in sections:  # the preset that run.model names, then the file's and flags'
+        from models import family  # (jax and flax: not for the commands without a model)
+
+        preset_name = given.get("run", {}).get("model", RunConfig.model)
+        given["model"] = {**preset(preset_name), **given["model"]}
+        source = f"model config (preset {preset_name!r})"
+        # the family the values name decides the config's type
+        resolved = {
+            "model": build(family.check_fields(given["model"], source), given["model"], source)
+        }
+    else:
+        resolved = {}
     for name, cls in sections.items():
-        source = f"{name} config (preset {preset_name!r})"
-        if name == "model":  # the family the values name decides the config's type
-            values = {**preset(preset_name), **given["model"]}
-            cls = family.check_fields(values, source)
-        resolved[name] = build(cls, given[name] if name != "model" else values, source)
-    return resolved
+        if name != "model":
+            resolved[name] = build(cls, given[name], f"{name} config")
+    return resolved | extra
 
 
 def _tables_by_section(tables: dict[str, Any], sections: dict[str, type]) -> dict[str, dict]:

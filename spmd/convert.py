@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    parser = config.build_parser("python -m spmd.convert", {"convert": ConvertConfig})
-    flags = {k: v for k, v in vars(parser.parse_args(argv)).items() if k != "config"}
-    cfg = config.build(ConvertConfig, flags, "flags")
+    sections = {"convert": ConvertConfig}
+    about = __doc__.split("\n\n")[0]
+    cfg = config.resolve(argv, sections, "python -m spmd.convert", description=about)["convert"]
     to_spmd = bool(cfg.from_hf) and bool(cfg.to) and not (cfg.checkpoint or cfg.to_hf)
     to_hf = bool(cfg.checkpoint) and bool(cfg.to_hf) and not (cfg.from_hf or cfg.to)
     if to_spmd == to_hf:

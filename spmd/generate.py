@@ -241,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    parser = config.build_parser("python -m spmd.generate", {"generate": GenerateConfig})
-    flags = {k: v for k, v in vars(parser.parse_args(argv)).items() if k != "config"}
-    cfg = config.build(GenerateConfig, flags, "flags")
+    sections = {"generate": GenerateConfig}
+    about = __doc__.split("\n\n")[0]
+    cfg = config.resolve(argv, sections, "python -m spmd.generate", description=about)["generate"]
     if bool(cfg.checkpoint) == bool(cfg.from_hf):
         raise UsageError("give exactly one of --checkpoint DIR and --from-hf DIR")
     texts = read_prompts(cfg)

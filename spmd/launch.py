@@ -11,6 +11,7 @@ process rank. If one process fails, the others are terminated (SIGTERM, then SIG
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import selectors
 import signal
@@ -27,52 +28,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m spmd.launch", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
-    parser.add_argument(
-        "--devices-per-process",
-        type=int,
-        default=0,
-        help="simulated CPU devices in each process (0: the command decides)",
-    )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=10.0,
-        help="seconds between SIGTERM and SIGKILL when stopping the others",
-    )
-    parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="the command each process runs, after --"
-    )
-    args = parser.parse_args(argv)
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
-    if not args.command:
-        parser.error("give the command to run after --, e.g. -- python -m spmd.train")
-    if args.num_processes < 1:
-        parser.error(f"-n {args.num_processes} must be a positive number of processes")
-    return args
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The processes of the job."""
+
+    num_processes: int = 0  # processes to start
+    devices_per_process: int = 0  # simulated CPU devices in each process (0: the command decides)
+    grace: float = 10.0  # seconds between SIGTERM and SIGKILL when stopping the others
 
 
-def start(args: argparse.Namespace) -> list[subprocess.Popen]:
+def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
+    """(the launch config, the command each process runs)."""
+    from spmd import config
+    from spmd.errors import UsageError
+
+    command = config.Positional("command", argparse.REMAINDER, "the command to run, after --")
+    resolved = config.resolve(
+        argv,
+        {"launch": LaunchConfig},
+        "python -m spmd.launch",
+        description=__doc__.split("\n\n")[0],
+        positional=command,
+        short={"num_processes": "-n"},
+    )
+    cfg, command = resolved["launch"], resolved["command"]
+    command = command[1:] if command and command[0] == "--" else command
+    if not command:
+        raise UsageError("give the command to run after --, e.g. -- python -m spmd.train")
+    if cfg.num_processes < 1:
+        raise UsageError(f"-n {cfg.num_processes} must be a positive number of processes")
+    return cfg, command
+
+
+def start(cfg: LaunchConfig, command: list[str]) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
-    for rank in range(args.num_processes):
+    for rank in range(cfg.num_processes):
         env = {
             **os.environ,
             "SPMD_COORDINATOR": coordinator,
-            "SPMD_NUM_PROCESSES": str(args.num_processes),
+            "SPMD_NUM_PROCESSES": str(cfg.num_processes),
             "SPMD_PROCESS_ID": str(rank),
             "PYTHONUNBUFFERED": "1",
         }
-        if args.devices_per_process:
-            env["SPMD_LOCAL_DEVICES"] = str(args.devices_per_process)
+        if cfg.devices_per_process:
+            env["SPMD_LOCAL_DEVICES"] = str(cfg.devices_per_process)
         procs.append(
             subprocess.Popen(
-                args.command,
+                command,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -133,12 +136,18 @@ def supervise(procs: list[subprocess.Popen], grace: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    procs = start(args)
+    from spmd.errors import run_command
+
+    return run_command(run, argv)
+
+
+def run(argv: list[str] | None) -> int:
+    cfg, command = parse_args(argv)
+    procs = start(cfg, command)
     try:
-        return supervise(procs, args.grace)
+        return supervise(procs, cfg.grace)
     except KeyboardInterrupt:
-        stop(procs, args.grace)
+        stop(procs, cfg.grace)
         return 130
 
 

@@ -7,13 +7,14 @@ layouts can be compared at a glance. Needs matplotlib (the optional extra `repor
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from spmd import config
 from spmd.config import flat_values
-from spmd.errors import UsageError
+from spmd.errors import UsageError, run_command
 
 PANELS = (  # (train record field, axis label, scale applied to the values)
     ("loss", "loss (nats/token)", 1.0),
@@ -67,23 +68,35 @@ def draw(runs: list[tuple[str, list[dict]]], out: str | Path) -> None:
     plt.close(fig)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    """Where the picture goes."""
+
+    out: str = "report.png"  # image to write
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmd.report", description=__doc__)
-    parser.add_argument("metrics", nargs="+", help="metrics JSONL files of spmd.train runs")
-    parser.add_argument("--out", default="report.png", help="image to write (default: %(default)s)")
-    args = parser.parse_args(argv)
-    try:
-        runs = [load_run(path) for path in args.metrics]
-        labels = [label for label, _ in runs]
-        runs = [  # two runs of one layout: tell them apart by file name
-            (f"{label} ({Path(path).stem})" if labels.count(label) > 1 else label, records)
-            for path, (label, records) in zip(args.metrics, runs, strict=True)
-        ]
-        draw(runs, args.out)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}: {len(runs)} run(s): {', '.join(label for label, _ in runs)}")
+    return run_command(run, argv)
+
+
+def run(argv: list[str] | None) -> int:
+    files = config.Positional("metrics", "+", "metrics JSONL files of spmd.train runs")
+    resolved = config.resolve(
+        argv,
+        {"report": ReportConfig},
+        "python -m spmd.report",
+        description=__doc__,
+        positional=files,
+    )
+    paths, out = resolved["metrics"], resolved["report"].out
+    runs = [load_run(path) for path in paths]
+    labels = [label for label, _ in runs]
+    runs = [  # two runs of one layout: tell them apart by file name
+        (f"{label} ({Path(path).stem})" if labels.count(label) > 1 else label, records)
+        for path, (label, records) in zip(paths, runs, strict=True)
+    ]
+    draw(runs, out)
+    print(f"wrote {out}: {len(runs)} run(s): {', '.join(label for label, _ in runs)}")
     return 0
 
 

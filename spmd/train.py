@@ -27,7 +27,7 @@ from spmd.checks import (
 )
 from spmd.config import Config
 from spmd.engine import precision
-from spmd.errors import UsageError
+from spmd.errors import run_command
 from spmd.io import run_data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog
@@ -71,10 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.parallel import distributed
 
     try:
-        code = run(argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+        code = run_command(run, argv)
     except BaseException:
         if distributed.num_processes() == 1:
             raise
@@ -92,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None) -> int:
     cfg = Config.of(resolve_sections(argv))
     check_choices(cfg)
-    run_data.check_choices(cfg.data)
     from spmd.parallel import xla_flags
 
     p = cfg.parallel

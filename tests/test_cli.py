@@ -101,3 +101,34 @@ def test_user_errors_exit_2_with_one_clear_line(args, message):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2  # the error (and at most a notice)
+
+
+def test_the_spmd_command_dispatches_to_each_module(capsys):
+    """`spmd COMMAND` is `python -m spmd.COMMAND` (in-process: the console script's function)."""
+    from spmd import cli
+
+    assert cli.main([]) == 2 and "usage: spmd COMMAND" in capsys.readouterr().out
+    assert cli.main(["trian"]) == 2
+    assert "'trian' is not an spmd command" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # report's own parser: the files are missing
+        cli.main(["report", "--out", "x.png"])
+    assert exited.value.code == 2 and "required: metrics" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, table, message",
+    [
+        ("convert", 'from_hf = "a"\nto = "b"\nmax_shard_mb = 0', "--max-shard-mb 0 must be at"),
+        ("generate", 'checkpoint = "a"\nnum_samples = 0\nprompt = "x"', "--num-samples 0 must"),
+        ("launch", "num_processes = 0", "-n 0 must be a positive number"),
+    ],
+)
+def test_config_files_reach_every_command(tmp_path, capsys, command, table, message):
+    """`--config` is listed in every command's --help, and every command reads it."""
+    import importlib
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[{command}]\n{table}\n")
+    extra = ["--", "true"] if command == "launch" else []
+    assert importlib.import_module(f"spmd.{command}").main(["--config", str(path), *extra]) == 2
+    assert message in capsys.readouterr().err
