@@ -53,7 +53,8 @@ def test_tables_hold_their_invariants_and_1f1b_memory_is_flat_in_m(stages):
         assert gpipe.stash_slots == m  # GPipe holds every micro-batch's input
         assert one_f.stash_slots == min(m, 2 * stages - 1)  # 1F1B: at most 2p-1, any M
         f_mb, b_mb = one_f.column("f_mb"), one_f.column("b_mb")
-        for s in range(stages):  # DESIGN's 1F1B: F(m, s) = m + s, B(m, s) = m + 2(S-1) - s
+        # docs/strategies/pipeline.md's 1F1B: F(m, s) = m + s, B(m, s) = m + 2(S-1) - s
+        for s in range(stages):
             assert list(f_mb[s : s + m, s]) == list(range(m))
             start = 2 * (stages - 1) - s
             assert list(b_mb[start : start + m, s]) == list(range(m))

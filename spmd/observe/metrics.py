@@ -1,4 +1,4 @@
-"""Run metrics: the JSONL record stream of DESIGN.md and the console progress line.
+"""Run metrics: the JSONL record stream of docs/contracts.md and the console progress line.
 
 Records are dicts with a `kind`: one "config" first, one "train" per logged step, "eval"
 records, one "summary" at the end. Values are plain JSON numbers and strings; times are

@@ -1,7 +1,7 @@
 """What a training run reports beyond its loss: TFLOP/s and MFU, device memory, stragglers,
 and the --profile breakdown. spmd.train builds one Observer and asks it at each logged step.
 
-Every train record gets the same keys on every backend (DESIGN's JSONL contract):
+Every train record gets the same keys on every backend (the JSONL contract of docs/contracts.md):
 tflops_per_device, mfu (null where the peak is unknown), memory_bytes_in_use and
 memory_peak_bytes (null where the backend keeps no allocator statistics), process_step_time_s
 (one entry per process) and stragglers (process ids, usually empty).

@@ -27,7 +27,7 @@ Rules = dict[str, tuple[str, ...]]
 ROLES = ("params", "grads", "opt_state", "activations")
 ZERO_STAGES = (1, 2, 3)
 
-# The default rules (DESIGN.md). `embed` is handled per role below.
+# The default rules (docs/architecture.md). `embed` is handled per role below.
 BASE_RULES: Rules = {
     "batch": ("data", "fsdp", "expert"),
     "mlp": ("tensor",),
