@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.sections import (
+from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
     SECTIONS,
     CheckpointConfig,
+    Config,
     DataConfig,
     DivergenceConfig,
     ObserveConfig,
@@ -38,34 +39,12 @@ from spmd.sections import (
     ParallelConfig,
     PrecisionConfig,
     RunConfig,
+    flag_name,
+    flat_values,
 )
 
 # The table name older config files and checkpoints use for every non-model field at once.
 FLAT_TABLE = "train"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """A training run's config: the model family's section and spmd.sections' sections."""
-
-    model: Any
-    run: RunConfig = RunConfig()
-    data: DataConfig = DataConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    precision: PrecisionConfig = PrecisionConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    divergence: DivergenceConfig = DivergenceConfig()
-    observe: ObserveConfig = ObserveConfig()
-
-    @classmethod
-    def of(cls, sections: dict[str, Any]) -> Config:
-        """The Config of resolved `sections` (a command's extra sections are left out)."""
-        return cls(**{f.name: sections[f.name] for f in dataclasses.fields(cls)})
-
-    def sections(self) -> dict[str, Any]:
-        """{section name: section}, model first."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def sections_from_flat(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -92,16 +71,6 @@ def flat(model_cfg: Any = None, /, **values: Any) -> Config:
 def field_owners(sections: dict[str, type]) -> dict[str, str]:
     """{field name: the section that owns it}."""
     return {field: name for name, cls in sections.items() for field in _field_types(cls)}
-
-
-def flat_values(saved: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Every non-model field of a saved config (a checkpoint's or a metrics record's), in one
-    dict: sectioned configs and older ones with a single [train] table read alike."""
-    return {k: v for name, table in saved.items() if name != "model" for k, v in table.items()}
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
 
 
 def _parse_bool(text: str) -> bool:

@@ -3,8 +3,9 @@ single source of truth for every command and the library.
 
 The bottom of spmd's package order (it imports nothing of spmd): each core package takes the
 section it needs (spmd.engine.optim an OptimizerConfig, spmd.training.divergence a
-DivergenceConfig, ...), never the command line's whole config (spmd.config.Config). The model
-section is the model family's own config (models/). Field names are unique across sections, so
+DivergenceConfig, ...); the loop that runs a program takes `Config`, all sections together.
+spmd.config resolves them from presets, files and flags. The model section is the model
+family's own config (models/). Field names are unique across sections, so
 every field is a flat flag: `seq_len` is `--seq-len`. The comment beside or above a field is
 its --help text.
 """
@@ -12,6 +13,7 @@ its --help text.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +168,41 @@ SECTIONS: dict[str, type] = {
     "divergence": DivergenceConfig,
     "observe": ObserveConfig,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A training run's config: the model family's section and spmd.sections' sections."""
+
+    model: Any
+    run: RunConfig = RunConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    divergence: DivergenceConfig = DivergenceConfig()
+    observe: ObserveConfig = ObserveConfig()
+
+    @classmethod
+    def of(cls, sections: dict[str, Any]) -> Config:
+        """The Config of resolved `sections` (a command's extra sections are left out)."""
+        return cls(**{f.name: sections[f.name] for f in dataclasses.fields(cls)})
+
+    def sections(self) -> dict[str, Any]:
+        """{section name: section}, model first."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """{section name: its fields as plain values}, e.g. for checkpoints and metrics."""
+        return {name: dataclasses.asdict(value) for name, value in self.sections().items()}
+
+
+def flat_values(saved: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every non-model field of a saved config (a checkpoint's or a metrics record's), in one
+    dict: sectioned configs and older ones with a single [train] table read alike."""
+    return {k: v for name, table in saved.items() if name != "model" for k, v in table.items()}
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")

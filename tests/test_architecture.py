@@ -13,12 +13,15 @@ CORE_PACKAGES = (
     "spmd.observe",
     "spmd.training",
 )
-# Top-level modules of spmd/ that run as `python -m spmd.X`, and `weights`, which they share
-# to load a Llama from a checkpoint or a Hugging Face folder (so it may import models/).
+# Top-level modules of spmd/ that run as `python -m spmd.X` or `spmd X` (cli), and what only
+# they share: `weights` (loads a model from a checkpoint or a Hugging Face folder, so it may
+# import models/), the one `builder`, the resolver `config` (the command line's config), the
+# run-level `checks` and the library front `api`. No core package imports any of them.
 COMMANDS = {
     f"spmd.{m}"
     for m in (
-        "__main__ train plan convert generate bench bench_collectives launch report weights"
+        "__main__ cli train plan convert generate bench bench_collectives launch report weights "
+        "builder config checks api"
     ).split()
 }
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file
@@ -109,6 +112,7 @@ FORBIDDEN = {
     "spmd.estimate": {"spmd.io", "spmd.observe", "spmd.training"},
     "spmd.observe": {"spmd.io", "spmd.training"},
     "spmd.log": set(GRAPH) - {"spmd.log"},
+    "spmd.sections": set(GRAPH) - {"spmd.sections"},  # the bottom: every package reads it
 }
 
 

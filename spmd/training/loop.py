@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmd import config
-from spmd.config import Config
 from spmd.io import data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
+from spmd.sections import Config
 from spmd.training import divergence
 from spmd.training.resume import finish_stopped, run_data_state
 
@@ -196,7 +195,7 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
         step,
         run.program.checkpoint_view(state),
         data_state,
-        config.as_dict(run.cfg.sections()),
+        run.cfg.as_dict(),
     )
     run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
     return True

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from spmd import config
-from spmd.config import Config
+from spmd import sections
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog
+from spmd.sections import Config
 
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
@@ -64,13 +64,13 @@ def open_checkpoints(cfg: Config, program: Any, fingerprint: str) -> tuple[Any, 
     except BaseException:
         manager.close()
         raise
-    saved = config.flat_values(restored.config)
+    saved = sections.flat_values(restored.config)
     say(
         f"resumed from step {restored.step} in {cfg.checkpoint.checkpoint_dir} (saved on mesh "
         f"{saved.get('mesh', '?')}, now on mesh {cfg.parallel.mesh})"
     )
     changed = [
-        f"{config.flag_name(k)} {saved[k]!r} -> {v!r}"
+        f"{sections.flag_name(k)} {saved[k]!r} -> {v!r}"
         for section in cfg.sections().values()
         if section is not cfg.model
         for k, v in dataclasses.asdict(section).items()
