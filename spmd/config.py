@@ -257,10 +257,12 @@ def resolve(
         preset_name = given.get("run", {}).get("model", RunConfig.model)
         given["model"] = {**preset(preset_name), **given["model"]}
         source = f"model config (preset {preset_name!r})"
-        # the family the values name decides the config's type
-        resolved = {
-            "model": build(family.check_fields(given["model"], source), given["model"], source)
-        }
+        # the family the values name decides the config's type; with --init-from-hf the
+        # folder's config.json is the architecture (spmd.train reads it) and the section only
+        # carries the flags given (an MoE's router knobs), whatever the preset's family
+        from_hf = given.get("run", {}).get("init_from_hf")
+        cls = sections["model"] if from_hf else family.check_fields(given["model"], source)
+        resolved = {"model": build(cls, given["model"], source)}
     else:
         resolved = {}
     for name, cls in sections.items():

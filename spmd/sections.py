@@ -201,7 +201,8 @@ class Config:
 def flat_values(saved: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every non-model field of a saved config (a checkpoint's or a metrics record's), in one
     dict: sectioned configs and older ones with a single [train] table read alike."""
-    return {k: v for name, table in saved.items() if name != "model" for k, v in table.items()}
+    tables = (table for name, table in saved.items() if name != "model" and isinstance(table, dict))
+    return {k: v for table in tables for k, v in table.items()}
 
 
 def flag_name(field: str) -> str:

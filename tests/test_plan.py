@@ -322,12 +322,12 @@ def test_layouts_and_train_command_lines_are_planned(capsys):
     )
 
 
-def test_a_flag_has_one_owner_when_train_config_gains_it():
+def test_a_flag_has_one_owner_when_a_run_section_gains_it():
     @dataclasses.dataclass(frozen=True)
     class Train:
         precision: str = "bf16"
 
-    section = plan._own_fields(plan.PlanConfig, Train)
+    section = plan._own_fields(plan.PlanConfig, [Train])
     names = [f.name for f in dataclasses.fields(section)]
     assert "precision" not in names and "hbm" in names
     assert section().hbm == plan.PlanConfig().hbm
