@@ -4,8 +4,18 @@ Starts N copies of COMMAND as the processes of one JAX job on this host: a free 
 port on 127.0.0.1 is chosen and handed to each copy through the environment (SPMD_COORDINATOR,
 SPMD_NUM_PROCESSES, SPMD_PROCESS_ID, and SPMD_LOCAL_DEVICES when --devices-per-process is
 given), which `spmd.parallel.distributed.initialize` reads. Every output line is prefixed with its
-process rank. If one process fails, the others are terminated (SIGTERM, then SIGKILL after
---grace seconds) and the launcher exits with the first failure's status: never a hang.
+process rank. The launcher owns its processes and never leaves one behind:
+
+- one fails: the others get SIGTERM, then SIGKILL after --grace seconds; the launcher exits
+  with the first failure's status;
+- the launcher gets SIGTERM or SIGINT: it forwards it to every process (they agree on a step,
+  save it and exit 0: spmd.training.job) and waits up to --stop-timeout seconds for them, then
+  kills what is left; a second signal kills them at once; the exit status is theirs;
+- a process makes no step for --hang-timeout seconds (a heartbeat file it touches after each
+  step stops changing: a dead peer, a collective that never completes): the job is stopped
+  with a line naming the rank, exit status 124;
+- the launcher itself is killed (even SIGKILL): Linux sends each process SIGTERM
+  (PR_SET_PDEATHSIG), so none is orphaned.
 """
 
 from __future__ import annotations
@@ -18,7 +28,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -35,6 +47,10 @@ class LaunchConfig:
     num_processes: int = 0  # processes to start
     devices_per_process: int = 0  # simulated CPU devices in each process (0: the command decides)
     grace: float = 10.0  # seconds between SIGTERM and SIGKILL when stopping the others
+    # seconds the processes get to reach the agreed step, save and exit after a forwarded signal
+    stop_timeout: float = 300.0
+    # seconds without a step (after the first) before a process counts as hung (0: never)
+    hang_timeout: float = 900.0
 
 
 def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
@@ -57,10 +73,17 @@ def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
         raise UsageError("give the command to run after --, e.g. -- python -m spmd.train")
     if cfg.num_processes < 1:
         raise UsageError(f"-n {cfg.num_processes} must be a positive number of processes")
+    for name in ("grace", "stop_timeout", "hang_timeout"):
+        if not getattr(cfg, name) >= 0:  # also refuses nan
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be >= 0 s")
     return cfg, command
 
 
-def start(cfg: LaunchConfig, command: list[str]) -> list[subprocess.Popen]:
+def start(cfg: LaunchConfig, command: list[str], heartbeats: str) -> list[subprocess.Popen]:
+    """The N processes, each in its own process group (a signal to the launcher's terminal
+    group reaches them only through the launcher, once), each told where its heartbeat goes."""
+    from spmd.training.job import HEARTBEAT_ENV
+
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for rank in range(cfg.num_processes):
@@ -70,6 +93,7 @@ def start(cfg: LaunchConfig, command: list[str]) -> list[subprocess.Popen]:
             "SPMD_NUM_PROCESSES": str(cfg.num_processes),
             "SPMD_PROCESS_ID": str(rank),
             "PYTHONUNBUFFERED": "1",
+            HEARTBEAT_ENV: heartbeats,
         }
         if cfg.devices_per_process:
             env["SPMD_LOCAL_DEVICES"] = str(cfg.devices_per_process)
@@ -80,9 +104,19 @@ def start(cfg: LaunchConfig, command: list[str]) -> list[subprocess.Popen]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_terminate_with_parent,
             )
         )
     return procs
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -90,49 +124,113 @@ def stop(procs: list[subprocess.Popen], grace: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+                _signal_group(proc, sig)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
 
 
-def supervise(procs: list[subprocess.Popen], grace: float) -> int:
-    """Relay output with rank prefixes until all exit; on the first failure stop the rest."""
-    selector = selectors.DefaultSelector()
-    for rank, proc in enumerate(procs):
-        os.set_blocking(proc.stdout.fileno(), False)
-        selector.register(proc.stdout, selectors.EVENT_READ, rank)
-    partial = {rank: b"" for rank in range(len(procs))}
-    failure = 0
-    while selector.get_map():
-        for key, _ in selector.select(timeout=0.2):
-            rank = key.data
-            chunk = key.fileobj.read()
-            if not chunk:
-                selector.unregister(key.fileobj)
-                chunk = b"\n" if partial[rank] else b""
-            *lines, partial[rank] = (partial[rank] + chunk).split(b"\n")
-            for line in lines:
-                sys.stdout.write(f"[{rank}] {line.decode(errors='replace')}\n")
-            sys.stdout.flush()
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed and not failure:
-            failure = failed[0]
-            dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            print(
-                f"spmd.launch: process {dead[0]} exited with status {failure}; stopping the others",
-                file=sys.stderr,
-                flush=True,
+class Supervisor:
+    """Relays the processes' output with rank prefixes until all have exited, and ends the job
+    on a failure, a forwarded stop that takes too long, or a hung process."""
+
+    def __init__(self, procs: list[subprocess.Popen], cfg: LaunchConfig, heartbeats: str) -> None:
+        self.procs, self.cfg, self.heartbeats = procs, cfg, Path(heartbeats)
+        self.status = 0  # the job's exit status once something ended it early
+        self.signals: list[int] = []  # the stop signals the launcher received, in order
+        self.stop_deadline: float | None = None
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+
+    def run(self) -> int:
+        selector = selectors.DefaultSelector()
+        for rank, proc in enumerate(self.procs):
+            os.set_blocking(proc.stdout.fileno(), False)
+            selector.register(proc.stdout, selectors.EVENT_READ, rank)
+        partial = {rank: b"" for rank in range(len(self.procs))}
+        while selector.get_map():
+            for key, _ in selector.select(timeout=0.2):
+                rank = key.data
+                chunk = key.fileobj.read()
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    chunk = b"\n" if partial[rank] else b""
+                *lines, partial[rank] = (partial[rank] + chunk).split(b"\n")
+                for line in lines:
+                    sys.stdout.write(f"[{rank}] {line.decode(errors='replace')}\n")
+                sys.stdout.flush()
+            self.check()
+        for proc in self.procs:
+            proc.wait()
+        return self.status or next((p.returncode for p in self.procs if p.returncode), 0)
+
+    def check(self) -> None:
+        """One look at the job: signals received, failures, the stop deadline, heartbeats."""
+        if len(self.signals) == 1 and self.stop_deadline is None:
+            self.forward(self.signals[0])
+        elif len(self.signals) > 1 and not self.status:
+            say(f"second {signal.Signals(self.signals[1]).name}: killing every process now")
+            self.status = 128 + self.signals[1]
+            stop(self.procs, 0)
+        codes = [p.poll() for p in self.procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and not self.status:
+            rank, code = failed[0]
+            self.status = code if code > 0 else 128 - code  # killed by a signal: 128 + signal
+            say(f"process {rank} exited with status {self.status}; stopping the others")
+            stop(self.procs, self.cfg.grace)
+        if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+            if any(c is None for c in codes):
+                say(f"processes still running {self.cfg.stop_timeout:g} s after the stop: killed")
+                self.status = self.status or 128 + signal.SIGKILL
+                stop(self.procs, 0)
+        hung = self.hung_rank()
+        if hung is not None and not self.status:
+            say(
+                f"process {hung} made no step for {self.cfg.hang_timeout:g} s (a dead peer or a "
+                f"collective that never completes); stopping the job"
             )
-            stop(procs, grace)
-            break
-    for proc in procs:
-        proc.wait()
-    return failure or next((p.returncode for p in procs if p.returncode), 0)
+            self.status = HUNG_EXIT
+            stop(self.procs, self.cfg.grace)
+
+    def forward(self, signum: int) -> None:
+        live = [p for p in self.procs if p.poll() is None]
+        say(
+            f"{signal.Signals(signum).name}: forwarded to {len(live)} process(es); they stop "
+            f"after one agreed step and save it (up to {self.cfg.stop_timeout:g} s; send it "
+            f"again to kill them at once)"
+        )
+        for proc in live:
+            _signal_group(proc, signum)
+        self.stop_deadline = time.monotonic() + self.cfg.stop_timeout
+
+    def hung_rank(self) -> int | None:
+        """The first rank whose heartbeat is older than --hang-timeout (after its first step);
+        a process that has exited is not hung."""
+        if not self.cfg.hang_timeout or self.stop_deadline is not None:
+            return None
+        now = time.time()
+        for rank, proc in enumerate(self.procs):
+            beat = self.heartbeats / str(rank)
+            if proc.poll() is None and beat.exists():
+                if now - beat.stat().st_mtime > self.cfg.hang_timeout:
+                    return rank
+        return None
+
+
+HUNG_EXIT = 124  # as `timeout` reports a command it ended
+
+
+def say(text: str) -> None:
+    print(f"spmd.launch: {text}", file=sys.stderr, flush=True)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:  # it has just exited
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,12 +241,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None) -> int:
     cfg, command = parse_args(argv)
-    procs = start(cfg, command)
-    try:
-        return supervise(procs, cfg.grace)
-    except KeyboardInterrupt:
-        stop(procs, cfg.grace)
-        return 130
+    with tempfile.TemporaryDirectory(prefix="spmd-heartbeats-") as heartbeats:
+        procs = start(cfg, command, heartbeats)
+        supervisor = Supervisor(procs, cfg, heartbeats)
+        previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in STOP_SIGNALS}
+        try:
+            return supervisor.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            stop(procs, 0)  # nothing outlives the launcher, whatever happened above
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 if __name__ == "__main__":

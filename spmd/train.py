@@ -89,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None) -> int:
     cfg = Config.of(resolve_sections(argv))
     check_choices(cfg)
+    from spmd.training.preemption import StopSignals
+
+    # From here to the last save a first SIGTERM / SIGINT is noted, never fatal: during start-up
+    # and compile it ends the run before its first step (nothing trained, nothing lost); later
+    # every process stops after one agreed step and saves it (spmd.training.job).
+    with StopSignals() as signals:
+        return start_and_train(cfg, signals)
+
+
+def start_and_train(cfg: Config, signals: Any) -> int:
+    """Join the job, open the data, build and compile the program, restore, and train to the
+    end or an agreed stop; the exit status."""
     from spmd.parallel import xla_flags
 
     p = cfg.parallel
@@ -123,10 +135,17 @@ def run(argv: list[str] | None) -> int:
     if cfg.run.dry_run:
         report_dry_run(cfg, program, compiled, facts, pipe_report)
         return 0
+    if signals.received and n_processes == 1:  # several processes stop together in the loop
+        say(f"{signals.received} before the first step: stopping; nothing was trained or saved")
+        if manager is not None:
+            manager.close()
+        return 0
     log = MetricsLog(
         cfg.observe.metrics, append=restored is not None, tensorboard=cfg.observe.tensorboard
     )
     write_config_record(log, cfg, program, facts, pipe_report)
+    from spmd.parallel import distributed
+    from spmd.training.job import Heartbeat
     from spmd.training.loop import Run
 
     def recompile(lr_factor: float) -> Any:
@@ -143,13 +162,14 @@ def run(argv: list[str] | None) -> int:
             token_file=token_file,
             manager=manager,
             stop=stop,
+            heartbeat=Heartbeat(distributed.process_id()),
             observer=facts["observer"],
             guard=guard,
             recompile=recompile,
             eval_sets=eval_sets,
         )
 
-    return train_until_stopped(make_run, restored, closing=(manager, log))
+    return train_until_stopped(make_run, restored, signals, closing=(manager, log))
 
 
 def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
@@ -204,25 +224,26 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
     say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
 
 
-def train_until_stopped(make_run: Any, restored: Any, closing: tuple[Any, MetricsLog]) -> int:
-    """Train the spmd.training.loop.Run that `make_run(stop signals)` makes from the restored
+def train_until_stopped(
+    make_run: Any, restored: Any, signals: Any, closing: tuple[Any, MetricsLog]
+) -> int:
+    """Train the spmd.training.loop.Run that `make_run(agreed stop)` makes from the restored
     checkpoint (or the start) to the end or a stop; the exit status. `closing` (the checkpoint
     manager or None, the metrics log) are closed after the last save is written."""
+    from spmd.parallel import distributed
+    from spmd.training.job import AgreedStop
     from spmd.training.loop import train_loop
-    from spmd.training.preemption import StopSignals
 
-    # Open until the last save is written: a stop signal during the final eval or save is noted
-    # (and the run ends as planned) instead of killing the process mid-save.
     manager, log = closing
-    with StopSignals() as stop:
-        try:
-            loop_run = make_run(stop)
-            start = initial_state(loop_run, restored)
-            return 0 if start is None else train_loop(loop_run, *start)
-        finally:
-            if manager is not None:
-                manager.close()  # waits for a save still being written
-            log.close()
+    try:
+        agreed = AgreedStop(signals, distributed.client(), distributed.process_id())
+        loop_run = make_run(agreed)
+        start = initial_state(loop_run, restored)
+        return 0 if start is None else train_loop(loop_run, *start)
+    finally:
+        if manager is not None:
+            manager.close()  # waits for a save still being written
+        log.close()
 
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:

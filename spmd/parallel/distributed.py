@@ -26,6 +26,16 @@ def process_id() -> int:
     return _JOB["process_id"]
 
 
+def client() -> object | None:
+    """The distributed runtime's client (its key-value store reaches every process of the job)
+    in a multi-process job; None in a single process. JAX keeps it in a private module."""
+    if num_processes() == 1:
+        return None
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 def cluster_detected() -> bool:
     """True under a multi-task SLURM or Open MPI launch, where JAX finds its peers itself."""
     for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
@@ -67,11 +77,19 @@ def initialize(
             )
         if num_processes == 1:
             return 1
+        _without_preemption_service()
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
         _JOB.update(num_processes=num_processes, process_id=process_id)
         return num_processes
     if auto_detect:
+        _without_preemption_service()
         jax.distributed.initialize()  # SLURM / Open MPI / Kubernetes, as JAX detects them
         _JOB.update(num_processes=jax.process_count(), process_id=jax.process_index())
         return jax.process_count()
     return 1
+
+
+def _without_preemption_service() -> None:
+    """JAX's preemption service catches SIGTERM in C++, out of Python's reach, and agrees only
+    on SIGTERM; spmd.training.job agrees on every stop (SIGTERM, SIGINT) itself."""
+    jax.config.update("jax_enable_preemption_service", False)

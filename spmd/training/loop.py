@@ -58,13 +58,14 @@ class Run:
     windows: Any  # spmd.io.data.TokenWindows, or a spmd.io.mixture.Mixture of several
     token_file: Any  # what the data state records: a spmd.io.tokens.TokenFile's .fingerprint
     manager: Any  # orbax CheckpointManager, None without --checkpoint-dir
-    stop: Any  # spmd.training.preemption.StopSignals
+    stop: Any  # spmd.training.job.AgreedStop: the step every process stops after
     observer: Any = None  # spmd.observe.observer.Observer
     guard: Any = None  # spmd.training.divergence.Guard (made from `train` when None)
     # lr_factor -> the train step compiled with the LR schedule x lr_factor (for rollbacks)
     recompile: Callable[[float], Any] | None = None
     # named eval sets (--eval-data, a mixture's sources' held-out windows): name -> windows
     eval_sets: dict[str, Any] = dataclasses.field(default_factory=dict)
+    heartbeat: Any = None  # spmd.training.job.Heartbeat: touched after every step
 
     @property
     def evaluates(self) -> bool:
@@ -266,7 +267,10 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     step, last = first, run.cfg.run.stop_after or run.cfg.run.steps
     while step <= last:
         state, metrics = run_step(run, progress, state, step)
-        stop_reason = run.stop.received or (
+        if run.heartbeat is not None:
+            run.heartbeat.beat()
+        # Every process stops after the same step, whichever of them got the signal, and when.
+        stop_reason = (run.stop.reason if run.stop.stop_after(step) == step else None) or (
             "stop_after" if step == run.cfg.run.stop_after else None
         )
         evaluating = bool(

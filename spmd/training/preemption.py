@@ -2,7 +2,8 @@
 
 Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM some seconds before killing a job,
 and Ctrl-C sends SIGINT. While a `StopSignals` block is open, the first such signal is only
-recorded; the loop polls `received` after each step. The previous handlers come back at once,
+recorded; the loop asks spmd.training.job.AgreedStop after each step, which turns it into the
+step every process of the job stops after. The previous handlers come back at once,
 so a second signal acts as usual (SIGINT raises KeyboardInterrupt, SIGTERM ends the process).
 """
 
@@ -37,8 +38,8 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         self._restore()
         print(
-            f"received {self.received}: finishing the current step, then saving a checkpoint "
-            f"(send it again to stop at once)",
+            f"received {self.received}: the run stops at the next step boundary that every "
+            f"process agrees on and saves that step (send it again to stop at once)",
             file=sys.stderr,
             flush=True,
         )
