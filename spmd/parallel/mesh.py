@@ -130,10 +130,10 @@ def cpu_only() -> bool:
     return not any(importlib.util.find_spec(name) for name in accelerator_plugins)
 
 
-def simulate_cpu_devices(count: int, announce: bool = True) -> None:
+def simulate_cpu_devices(count: int, announce: bool = True) -> bool:
     """Make JAX's CPU backend expose `count` devices. Before the backend starts this sets the
     count; in a process where JAX already runs (a notebook, a test session) a backend with at
-    least `count` CPU devices serves as it is, and fewer is a UsageError."""
+    least `count` CPU devices serves as it is (returns False), and fewer is a UsageError."""
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # the backend started already: its devices are what there is
@@ -143,9 +143,10 @@ def simulate_cpu_devices(count: int, announce: bool = True) -> None:
                 f"{count} CPU devices are needed, but JAX already started in this process "
                 f"with {running}; set the count before JAX starts (spmd.simulate_cpu_devices)"
             ) from None
-        return
+        return False
     if announce:
         print(f"spmd: simulating {count} CPU devices on this host", file=sys.stderr)
+    return True
 
 
 def dcn_split(
@@ -245,6 +246,7 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
             f"share evenly; use a mesh whose product is a multiple of {n_processes}"
         )
     local = devices or distributed.local_devices_from_env()
+    started_before = False  # simulated CPU devices that a running process already had
     if local:
         if not cpu_only():
             raise UsageError(
@@ -253,9 +255,10 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
             )
         simulate_cpu_devices(local, announce=False)
     elif needed and needed > n_processes and cpu_only():
-        simulate_cpu_devices(needed // n_processes, announce=n_processes == 1)
+        count = needed // n_processes
+        started_before = not simulate_cpu_devices(count, announce=n_processes == 1)
     if n_processes == 1:
-        if needed and cpu_only() and needed < len(jax.devices()):
+        if started_before and needed < len(jax.devices()):
             # simulated devices started earlier in this process (a notebook, a test session):
             # the mesh takes as many as it names
             return build_mesh(sizes, jax.devices()[:needed])
