@@ -31,6 +31,7 @@ deleted) and the next older complete step is used instead.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,7 @@ PARTIAL_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step still being 
 DAMAGED_SUFFIX = ".damaged"
 DIVERGED_SUFFIX = ".diverged"  # a step whose params the next step's loss showed diverged
 MIN_KEEP = 2  # see the module docstring
+_ASIDE = itertools.count()  # set_aside's calls, the same on every process: unique barrier names
 
 
 @dataclasses.dataclass
@@ -263,6 +265,8 @@ def _set_aside(
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
     """Rename complete step `step` to <step><suffix> (or <step><suffix>2, ...): kept for
     inspection, but no longer a step that a restore or --resume reads. Returns the new path."""
+    # Every process looks for a free name before process 0 renames: all then name the same one.
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_look_{step}{suffix}_{next(_ASIDE)}")
     source = Path(manager.directory) / str(step)
     target = source.with_name(f"{step}{suffix}")
     n = 1
