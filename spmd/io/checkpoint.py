@@ -26,12 +26,17 @@ shardings: orbax reshards while reading, so any layout restores any checkpoint o
 model. Shapes are compared first (a checkpoint of another model is a UsageError naming the
 param and both shapes); a step that cannot be read is moved aside to `<step>.damaged` (never
 deleted) and the next older complete step is used instead.
+
+Each step also holds `manifest.json` (spmd.io.manifest): every file's size and CRC-32, written
+once orbax has committed the step. orbax itself keeps no checksums, so bytes flipped in a data
+file would restore as garbage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +46,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
+from spmd.io import manifest
+from spmd.log import warn
 
 STATE, DATA, CONFIG = "state", "data", "config"
 PARTIAL_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step still being written
@@ -89,6 +96,47 @@ def check_directory(directory: str, resume: bool) -> None:
         )
 
 
+class Manager(ocp.CheckpointManager):
+    """orbax's CheckpointManager, which also writes each saved step's manifest once orbax has
+    committed the step, in a thread of its own so that training goes on meanwhile.
+
+    Committed: every process's shards written and `<step>.orbax-checkpoint-tmp` renamed to
+    `<step>`, which orbax's finalize thread does and `wait_until_finished` joins. The manifest
+    thread joins it too, then reads the whole folder, on process 0 only (orbax commits the step
+    as a whole, so the folder is complete whoever wrote its shards). `wait_until_finished`,
+    which orbax's `save` and `close` call first, waits for the manifest as well: no step is
+    renamed, deleted, read or saved over while it is being read for its manifest."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
+        super().__init__(*args, **kwargs)
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        saved = super().save(step, *args, **kwargs)
+        if saved and jax.process_index() == 0:
+            self._manifest_thread = threading.Thread(
+                target=self._write_manifest, args=(step,), name=f"spmd_manifest_{step}"
+            )
+            self._manifest_thread.start()
+        return saved
+
+    def wait_until_finished(self) -> None:
+        super().wait_until_finished()
+        thread, self._manifest_thread = self._manifest_thread, None
+        if thread is not None:
+            thread.join()
+
+    def _write_manifest(self, step: int) -> None:
+        try:
+            super().wait_until_finished()
+        except Exception:  # the save failed: orbax tells the training thread when it waits
+            return
+        try:
+            manifest.write(Path(self.directory) / str(step))
+        except OSError as e:
+            warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
+
+
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
     """An async CheckpointManager over `directory` that keeps the newest max(keep, MIN_KEEP)
     steps."""
@@ -101,9 +149,7 @@ def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
         DATA: ocp.JsonCheckpointHandler(),
         CONFIG: ocp.JsonCheckpointHandler(),
     }
-    return ocp.CheckpointManager(
-        Path(directory).absolute(), options=options, item_handlers=handlers
-    )
+    return Manager(Path(directory).absolute(), options=options, item_handlers=handlers)
 
 
 def save(
