@@ -1,6 +1,6 @@
 """Checkpoints you can trust: every saved step carries a manifest of its files' sizes and
-checksums, which names the file that changed. Real checkpoints on disk throughout: orbax's,
-then damaged by hand."""
+checksums, which names the file that changed, and `spmd.checkpoint verify` checks a folder's
+steps against theirs. Real checkpoints on disk throughout: orbax's, then damaged by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spmd import checkpoint as checkpoint_command
 from spmd.io import manifest
 from tests.test_checkpoint import save_steps
 
@@ -67,3 +68,40 @@ def test_verify_names_the_file_that_changed(tmp_path, damage, named, why):
     verdict = manifest.verify(step_dir)
     assert verdict.status == "damaged" and why in verdict.why
     assert verdict.file == relative(target, step_dir)
+
+
+def test_the_verify_command_lists_each_step_and_exits_2_on_damage(tmp_path, capsys):
+    save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "1" / manifest.MANIFEST).unlink()
+    assert checkpoint_command.main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{tmp_path}/1: unverified: no manifest.json (an older spmd's step, or " \
+                     f"stopped before writing it)"  # fmt: skip
+    assert out[1].startswith(f"{tmp_path}/2: ok: ") and out[2].startswith(f"{tmp_path}/3: ok: ")
+
+    damaged = largest_data_file(tmp_path / "2")
+    flip(damaged)
+    assert checkpoint_command.main(["verify", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    name = relative(damaged, tmp_path / "2")
+    assert f"{tmp_path}/2: damaged: {name} fails its crc32 check" in captured.out
+    assert captured.err.count("\n") == 1 and f"1 damaged step(s): {tmp_path}/2" in captured.err
+    assert checkpoint_command.main(["verify", str(tmp_path), "--step", "3"]) == 0
+    assert (tmp_path / "2").is_dir()  # verify moves nothing
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["check", "x"], "'check' is not an action of spmd.checkpoint"),
+        (["verify"], "verify needs a checkpoint folder"),
+        (["verify", "/nonexistent"], "/nonexistent is not a folder"),
+        (["verify", "{tmp}", "--step", "9"], "--step 9 is not in"),
+    ],
+)
+def test_the_verify_command_refuses_bad_input_in_one_line(tmp_path, capsys, argv, error):
+    save_steps(tmp_path, [1])
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert checkpoint_command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and error in err and err.count("\n") == 1
