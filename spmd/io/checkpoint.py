@@ -29,13 +29,15 @@ deleted) and the next older complete step is used instead.
 
 Each step also holds `manifest.json` (spmd.io.manifest): every file's size and CRC-32, written
 once orbax has committed the step. orbax itself keeps no checksums, so bytes flipped in a data
-file would restore as garbage.
+file would restore as garbage; a step is checked against its manifest before it is read, and
+one that fails is damaged like an unreadable one. A step without a manifest is read unverified.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
@@ -183,12 +186,20 @@ def restore_newest(
     say: Callable[[str], None],
 ) -> Restored:
     """Restore the newest readable checkpoint into `abstract_state` (ShapeDtypeStructs with the
-    current shardings). A damaged step is moved aside (`say` tells why) and the next older one is
-    tried; UsageError if the shapes differ from the model's or no step can be read."""
+    current shardings). A damaged step (one that fails its manifest or cannot be read) is moved
+    aside (`say` tells why, in one line) and the next older one is tried; UsageError if the
+    shapes differ from the model's or no step can be read."""
+    quiet_stray_reads()  # before any read: the stray ones come back after the failing one
     directory = manager.directory
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
     for step in steps:
+        verdict = agreed_verdict(Path(directory) / str(step))
+        if verdict.status == "damaged":
+            problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
+            continue
+        if verdict.status == "unverified":
+            say(f"checkpoint step {step} has {verdict.why}: reading it unverified")
         try:
             saved_shapes = _saved_shapes(manager, step)
             saved_config = manager.restore(
@@ -196,7 +207,7 @@ def restore_newest(
             )
             saved_config = saved_config[CONFIG]
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            problems.append(_set_aside(manager, step, e, say))
+            problems.append(_set_aside(manager, step, error_line(e), say))
             continue
         _check_shapes(saved_shapes, abstract_state, step, directory, saved_config, model_config)
         try:
@@ -210,7 +221,7 @@ def restore_newest(
                 ),
             )
         except Exception as e:
-            problems.append(_set_aside(manager, step, e, say))
+            problems.append(_set_aside(manager, step, error_line(e), say))
             continue
         if problems:
             say(f"resuming from step {step}, the newest readable checkpoint in {directory}")
@@ -219,6 +230,49 @@ def restore_newest(
         f"--resume: no checkpoint in {directory} could be read ({'; '.join(problems)}); "
         f"the damaged steps were moved aside to <step>{DAMAGED_SUFFIX}"
     )
+
+
+def agreed_verdict(step_dir: Path) -> manifest.Verdict:
+    """The manifest's verdict on a step folder, the same on every process: process 0 reads the
+    files and tells the others, so all set the step aside or all read it (and the folder is read
+    once, not once per process)."""
+    verdict = manifest.verify(step_dir) if jax.process_index() == 0 else manifest.Verdict("ok")
+    if jax.process_count() == 1:
+        return verdict
+    status = ocp.multihost.broadcast_one_to_all(np.int32(manifest.STATUSES.index(verdict.status)))
+    if jax.process_index() == 0:
+        return verdict
+    return manifest.Verdict(manifest.STATUSES[int(status)], "(see process 0)")
+
+
+def error_line(error: BaseException) -> str:
+    """One line for an orbax or tensorstore error: the first line of its innermost cause (the
+    outer ones wrap it in the full TensorStore spec, a hundred lines), at most 200 characters."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:200]}"
+
+
+def quiet_stray_reads() -> None:
+    """Keep a failed restore's stray reads off the terminal. orbax runs a restore's reads in an
+    event loop that it closes as soon as one read fails; tensorstore finishes the other reads
+    afterwards, and their callbacks into the closed loop raise where no code can catch them, so
+    Python prints a traceback for each (one per array still being read). From the first
+    restore on, this process drops exactly those errors ("Event loop is closed", raised with no
+    object); any other reaches the hook that was there before. Restores call this first."""
+    previous = sys.unraisablehook
+    if getattr(previous, "spmd_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        stray = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (stray and unraisable.object is None):
+            previous(unraisable)
+
+    hook.spmd_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _saved_shapes(manager: ocp.CheckpointManager, step: int) -> dict[str, tuple[int, ...]]:
@@ -298,14 +352,13 @@ def _config_hint(saved_model: dict[str, Any], model_config: dict[str, Any]) -> s
 
 
 def _set_aside(
-    manager: ocp.CheckpointManager, step: int, error: Exception, say: Callable[[str], None]
+    manager: ocp.CheckpointManager, step: int, what: str, say: Callable[[str], None]
 ) -> str:
     """Move a damaged step to <step>.damaged (kept for inspection, never reused); one line on
-    what was wrong with it."""
-    reason = f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    what was wrong with it (`what`)."""
     target = set_aside(manager, step, DAMAGED_SUFFIX)
-    say(f"checkpoint {reason} is damaged; moved it to {target} and trying an older one")
-    return reason
+    say(f"checkpoint step {step} is damaged: {what}; moved it to {target}, trying an older one")
+    return f"step {step}: {what}"
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
