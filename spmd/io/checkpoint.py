@@ -364,16 +364,17 @@ def _set_aside(
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
     """Rename complete step `step` to <step><suffix> (or <step><suffix>2, ...): kept for
     inspection, but no longer a step that a restore or --resume reads. Returns the new path."""
-    # Every process looks for a free name before process 0 renames: all then name the same one.
-    ocp.multihost.sync_global_processes(f"spmd_checkpoint_look_{step}{suffix}_{next(_ASIDE)}")
     source = Path(manager.directory) / str(step)
     target = source.with_name(f"{step}{suffix}")
     n = 1
     while target.exists():
         n += 1
         target = source.with_name(f"{step}{suffix}{n}")
+    # Every process has named the target before process 0 renames, so all name the same one.
+    call = next(_ASIDE)
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_named_{call}")
     if jax.process_index() == 0:
         source.rename(target)
-    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_{target.name}")
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_done_{call}")
     manager.reload()
     return target
