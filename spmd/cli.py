@@ -19,6 +19,7 @@ COMMANDS = {
     "bench-collectives": ("spmd.bench_collectives", "compare executors, buckets, prefetch"),
     "generate": ("spmd.generate", "sample text from a checkpoint or a Hugging Face folder"),
     "convert": ("spmd.convert", "Hugging Face folders <-> spmd checkpoints"),
+    "checkpoint": ("spmd.checkpoint", "verify a checkpoint folder's steps against their manifests"),
     "report": ("spmd.report", "draw runs' metrics side by side"),
     "launch": ("spmd.launch", "start N local processes of one job"),
 }

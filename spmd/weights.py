@@ -46,6 +46,7 @@ def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:
 def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     """The params of checkpoint `step` (0: newest) of an spmd checkpoint folder."""
     step = params_io.pick_step(directory, step)
+    params_io.verify_step(directory, step)
     run_config = params_io.saved_config(directory, step)
     cfg = family.config_from_dict(run_config.get("model", {}))
     program = model_program(cfg, layout)

@@ -20,8 +20,8 @@ CORE_PACKAGES = (
 COMMANDS = {
     f"spmd.{m}"
     for m in (
-        "__main__ cli train plan convert generate bench bench_collectives launch report weights "
-        "builder config checks api"
+        "__main__ cli train plan convert generate checkpoint bench bench_collectives launch report "
+        "weights builder config checks api"
     ).split()
 }
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file

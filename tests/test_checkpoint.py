@@ -76,7 +76,7 @@ def test_restore_reshards_onto_the_target_layout(tmp_path, spec, partition, devi
 
 def test_partial_step_is_set_aside_and_the_previous_one_restored(tmp_path):
     save_steps(tmp_path, [1, 2])
-    shutil.rmtree(tmp_path / "2" / "state")  # a step missing its arrays
+    shutil.rmtree(tmp_path / "2" / "state")  # a step missing its arrays: its manifest says so
     messages = []
     manager = checkpoint.open_manager(str(tmp_path), keep=5)
     restored = checkpoint.restore_newest(
@@ -84,7 +84,8 @@ def test_partial_step_is_set_aside_and_the_previous_one_restored(tmp_path):
     )
     manager.close()
     assert restored.step == 1
-    assert "checkpoint step 2:" in messages[0] and "2.damaged" in messages[0]
+    assert messages[0].startswith("checkpoint step 2 is damaged: state/")
+    assert "2.damaged" in messages[0]
     assert messages[1].startswith("resuming from step 1")
     assert (tmp_path / "2.damaged" / "data").is_dir() and checkpoint.complete_steps(
         str(tmp_path)
@@ -227,7 +228,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(workdir, reference
     result = train(workdir, "--metrics", str(metrics), "--checkpoint-dir", str(directory),
                    "--resume", "--stop-after", "4")  # fmt: skip
     out = ok(result) + result.stderr
-    assert "checkpoint step 3:" in out and "is damaged" in out
+    assert "checkpoint step 3 is damaged: state/" in out and "fails its crc32 check" in out
     assert "resuming from step 2" in out
     assert (directory / "3.damaged").is_dir()  # kept, not deleted
     resumed = losses(metrics)

@@ -121,10 +121,14 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(reference):
     )
     assert sorted(rest) == [4, 5, 6]
     assert_same(rest, want)
-    # the reverse: the 1-process checkpoint of step 3 resumed by 2 processes, tp across them
+    assert (two / "3" / "manifest.json").is_file()  # written once, by process 0
+    # the reverse: the 1-process checkpoint resumed by 2 processes, tp across them, with bytes of
+    # step 6 flipped: both processes set it aside (process 0 verifies, the other follows) and
+    # resume from step 3
     one = tmp / "one-process-at-3"
     shutil.copytree(tmp / "one-process", one)
-    shutil.rmtree(one / "6")
+    data = max((one / "6" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
     back = train(
         tmp,
         "two-rest",
@@ -139,3 +143,4 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(reference):
     )
     assert sorted(back) == [4, 5, 6]
     assert_same(back, want)
+    assert (one / "6.damaged").is_dir()

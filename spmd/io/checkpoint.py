@@ -26,26 +26,38 @@ shardings: orbax reshards while reading, so any layout restores any checkpoint o
 model. Shapes are compared first (a checkpoint of another model is a UsageError naming the
 param and both shapes); a step that cannot be read is moved aside to `<step>.damaged` (never
 deleted) and the next older complete step is used instead.
+
+Each step also holds `manifest.json` (spmd.io.manifest): every file's size and CRC-32, written
+once orbax has committed the step. orbax itself keeps no checksums, so bytes flipped in a data
+file would restore as garbage; a step is checked against its manifest before it is read, and
+one that fails is damaged like an unreadable one. A step without a manifest is read unverified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
+from spmd.io import manifest
+from spmd.log import warn
 
 STATE, DATA, CONFIG = "state", "data", "config"
 PARTIAL_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step still being written
 DAMAGED_SUFFIX = ".damaged"
 DIVERGED_SUFFIX = ".diverged"  # a step whose params the next step's loss showed diverged
 MIN_KEEP = 2  # see the module docstring
+_ASIDE = itertools.count()  # set_aside's calls, the same on every process: unique barrier names
 
 
 @dataclasses.dataclass
@@ -87,6 +99,47 @@ def check_directory(directory: str, resume: bool) -> None:
         )
 
 
+class Manager(ocp.CheckpointManager):
+    """orbax's CheckpointManager, which also writes each saved step's manifest once orbax has
+    committed the step, in a thread of its own so that training goes on meanwhile.
+
+    Committed: every process's shards written and `<step>.orbax-checkpoint-tmp` renamed to
+    `<step>`, which orbax's finalize thread does and `wait_until_finished` joins. The manifest
+    thread joins it too, then reads the whole folder, on process 0 only (orbax commits the step
+    as a whole, so the folder is complete whoever wrote its shards). `wait_until_finished`,
+    which orbax's `save` and `close` call first, waits for the manifest as well: no step is
+    renamed, deleted, read or saved over while it is being read for its manifest."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
+        super().__init__(*args, **kwargs)
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        saved = super().save(step, *args, **kwargs)
+        if saved and jax.process_index() == 0:
+            self._manifest_thread = threading.Thread(
+                target=self._write_manifest, args=(step,), name=f"spmd_manifest_{step}"
+            )
+            self._manifest_thread.start()
+        return saved
+
+    def wait_until_finished(self) -> None:
+        super().wait_until_finished()
+        thread, self._manifest_thread = self._manifest_thread, None
+        if thread is not None:
+            thread.join()
+
+    def _write_manifest(self, step: int) -> None:
+        try:
+            super().wait_until_finished()
+        except Exception:  # the save failed: orbax tells the training thread when it waits
+            return
+        try:
+            manifest.write(Path(self.directory) / str(step))
+        except OSError as e:
+            warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
+
+
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
     """An async CheckpointManager over `directory` that keeps the newest max(keep, MIN_KEEP)
     steps."""
@@ -99,9 +152,7 @@ def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
         DATA: ocp.JsonCheckpointHandler(),
         CONFIG: ocp.JsonCheckpointHandler(),
     }
-    return ocp.CheckpointManager(
-        Path(directory).absolute(), options=options, item_handlers=handlers
-    )
+    return Manager(Path(directory).absolute(), options=options, item_handlers=handlers)
 
 
 def save(
@@ -135,12 +186,20 @@ def restore_newest(
     say: Callable[[str], None],
 ) -> Restored:
     """Restore the newest readable checkpoint into `abstract_state` (ShapeDtypeStructs with the
-    current shardings). A damaged step is moved aside (`say` tells why) and the next older one is
-    tried; UsageError if the shapes differ from the model's or no step can be read."""
+    current shardings). A damaged step (one that fails its manifest or cannot be read) is moved
+    aside (`say` tells why, in one line) and the next older one is tried; UsageError if the
+    shapes differ from the model's or no step can be read."""
+    quiet_stray_reads()  # before any read: the stray ones come back after the failing one
     directory = manager.directory
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
     for step in steps:
+        verdict = agreed_verdict(Path(directory) / str(step))
+        if verdict.status == "damaged":
+            problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
+            continue
+        if verdict.status == "unverified":
+            say(f"checkpoint step {step} has {verdict.why}: reading it unverified")
         try:
             saved_shapes = _saved_shapes(manager, step)
             saved_config = manager.restore(
@@ -148,7 +207,7 @@ def restore_newest(
             )
             saved_config = saved_config[CONFIG]
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            problems.append(_set_aside(manager, step, e, say))
+            problems.append(_set_aside(manager, step, error_line(e), say))
             continue
         _check_shapes(saved_shapes, abstract_state, step, directory, saved_config, model_config)
         try:
@@ -162,7 +221,7 @@ def restore_newest(
                 ),
             )
         except Exception as e:
-            problems.append(_set_aside(manager, step, e, say))
+            problems.append(_set_aside(manager, step, error_line(e), say))
             continue
         if problems:
             say(f"resuming from step {step}, the newest readable checkpoint in {directory}")
@@ -171,6 +230,49 @@ def restore_newest(
         f"--resume: no checkpoint in {directory} could be read ({'; '.join(problems)}); "
         f"the damaged steps were moved aside to <step>{DAMAGED_SUFFIX}"
     )
+
+
+def agreed_verdict(step_dir: Path) -> manifest.Verdict:
+    """The manifest's verdict on a step folder, the same on every process: process 0 reads the
+    files and tells the others, so all set the step aside or all read it (and the folder is read
+    once, not once per process)."""
+    verdict = manifest.verify(step_dir) if jax.process_index() == 0 else manifest.Verdict("ok")
+    if jax.process_count() == 1:
+        return verdict
+    status = ocp.multihost.broadcast_one_to_all(np.int32(manifest.STATUSES.index(verdict.status)))
+    if jax.process_index() == 0:
+        return verdict
+    return manifest.Verdict(manifest.STATUSES[int(status)], "(see process 0)")
+
+
+def error_line(error: BaseException) -> str:
+    """One line for an orbax or tensorstore error: the first line of its innermost cause (the
+    outer ones wrap it in the full TensorStore spec, a hundred lines), at most 200 characters."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:200]}"
+
+
+def quiet_stray_reads() -> None:
+    """Keep a failed restore's stray reads off the terminal. orbax runs a restore's reads in an
+    event loop that it closes as soon as one read fails; tensorstore finishes the other reads
+    afterwards, and their callbacks into the closed loop raise where no code can catch them, so
+    Python prints a traceback for each (one per array still being read). From the first
+    restore on, this process drops exactly those errors ("Event loop is closed", raised with no
+    object); any other reaches the hook that was there before. Restores call this first."""
+    previous = sys.unraisablehook
+    if getattr(previous, "spmd_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        stray = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (stray and unraisable.object is None):
+            previous(unraisable)
+
+    hook.spmd_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _saved_shapes(manager: ocp.CheckpointManager, step: int) -> dict[str, tuple[int, ...]]:
@@ -250,14 +352,13 @@ def _config_hint(saved_model: dict[str, Any], model_config: dict[str, Any]) -> s
 
 
 def _set_aside(
-    manager: ocp.CheckpointManager, step: int, error: Exception, say: Callable[[str], None]
+    manager: ocp.CheckpointManager, step: int, what: str, say: Callable[[str], None]
 ) -> str:
     """Move a damaged step to <step>.damaged (kept for inspection, never reused); one line on
-    what was wrong with it."""
-    reason = f"step {step}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    what was wrong with it (`what`)."""
     target = set_aside(manager, step, DAMAGED_SUFFIX)
-    say(f"checkpoint {reason} is damaged; moved it to {target} and trying an older one")
-    return reason
+    say(f"checkpoint step {step} is damaged: {what}; moved it to {target}, trying an older one")
+    return f"step {step}: {what}"
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
@@ -269,8 +370,11 @@ def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
     while target.exists():
         n += 1
         target = source.with_name(f"{step}{suffix}{n}")
+    # Every process has named the target before process 0 renames, so all name the same one.
+    call = next(_ASIDE)
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_named_{call}")
     if jax.process_index() == 0:
         source.rename(target)
-    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_{target.name}")
+    ocp.multihost.sync_global_processes(f"spmd_checkpoint_set_aside_done_{call}")
     manager.reload()
     return target

@@ -11,6 +11,11 @@ a fresh AdamW state is zeros that training makes itself. Its config says where t
 from (CONVERTED_FROM), and `refuse_resume` turns `spmd.train --resume` on such a folder into a
 clear error: there is no run to continue, and a run writing into the folder would delete the
 converted weights as its checkpoints rotate. Train from the weights with `--init-from-hf`.
+
+Before reading a step, `verify_step` checks it against its manifest (spmd.io.manifest). A step
+that fails is reported, not moved aside as `spmd.train --resume` does: generate and convert only
+read the folder, which may be read-only or belong to a run still training (whose manager would
+not expect its steps to vanish), so the person decides.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
-from spmd.io import checkpoint
+from spmd.io import checkpoint, manifest
+from spmd.log import warn
 
 CONVERTED_FROM = "converted_from"  # config key of a converted checkpoint: the source folder
 CONVERTED_STEP = 0
@@ -41,13 +47,28 @@ def pick_step(directory: str, step: int = 0) -> int:
     return step or steps[-1]
 
 
+def verify_step(directory: str, step: int) -> None:
+    """UsageError naming the file when checkpoint `step` of `directory` fails its manifest; a
+    line on stderr when it has none, and it is read unverified."""
+    verdict = manifest.verify(Path(directory) / str(step))
+    if verdict.status == "damaged":
+        raise UsageError(
+            f"{directory} step {step} is damaged: {verdict.file} {verdict.why}; give an older "
+            f"--step, after checking them with python -m spmd.checkpoint verify {directory}"
+        )
+    if verdict.status == "unverified":
+        warn(f"{directory} step {step} has {verdict.why}: reading it unverified")
+
+
 def saved_config(directory: str, step: int) -> dict[str, Any]:
     """The run config saved with checkpoint `step` of `directory` ({"model": ..., ...})."""
     path = Path(directory).absolute() / str(step) / checkpoint.CONFIG
     try:
         return dict(ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path))
     except Exception as e:  # orbax raises many types for unreadable files
-        raise UsageError(f"{directory} step {step}: cannot read its config ({e})") from None
+        raise UsageError(
+            f"{directory} step {step}: cannot read its config ({checkpoint.error_line(e)})"
+        ) from None
 
 
 def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
@@ -58,17 +79,25 @@ def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
     try:
         saved = ocp.PyTreeCheckpointHandler().metadata(path).tree
     except Exception as e:
-        raise UsageError(f"{directory} step {step}: cannot read its state ({e})") from None
+        raise UsageError(
+            f"{directory} step {step}: cannot read its state ({checkpoint.error_line(e)})"
+        ) from None
     _check_shapes(saved.get("params", {}), abstract_params, f"{directory} step {step}")
     target = {"params": abstract_params}
-    restored = ocp.PyTreeCheckpointer().restore(
-        path,
-        args=ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True,
-        ),
-    )
+    checkpoint.quiet_stray_reads()  # a failed read's others would print tracebacks
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            ),
+        )
+    except Exception as e:  # a step without a manifest whose files are damaged
+        raise UsageError(
+            f"{directory} step {step}: cannot read its params ({checkpoint.error_line(e)})"
+        ) from None
     return restored["params"]
 
 

@@ -1,0 +1,93 @@
+"""`python -m spmd.checkpoint verify DIR`: check every step of a checkpoint folder.
+
+    $ python -m spmd.checkpoint verify runs/ckpt
+    runs/ckpt/2: ok: 16 files, 5.1 MiB
+    runs/ckpt/3: damaged: state/ocdbt.process_0/d/7c7f... fails its crc32 check (bytes changed)
+    runs/ckpt/4: unverified: no manifest.json (an older spmd's step, or stopped before writing it)
+
+Each complete step is checked against the manifest saved with it (spmd.io.manifest: every
+file's size, then its CRC-32), one line per step. The exit status is 0 when every step that has
+a manifest matches it (a step without one is listed as unverified, not counted as damage) and 2
+otherwise. Nothing is moved or changed: `spmd.train --resume` sets a damaged step aside itself
+and resumes from the newest good one. Folders already set aside (`<step>.damaged`,
+`<step>.diverged`) and saves that never finished (`<step>.orbax-checkpoint-tmp`) are not steps,
+so they are not checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from spmd import config
+from spmd.errors import UsageError, run_command
+
+ACTIONS = ("verify",)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyConfig:
+    """Which steps to check."""
+
+    step: int = 0  # check only this step (0: every complete step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(run, argv)
+
+
+def run(argv: list[str] | None) -> int:
+    what = config.Positional(
+        "action", "+", "verify DIR [DIR ...]: check every step of the checkpoint folders"
+    )
+    resolved = config.resolve(
+        argv,
+        {"verify": VerifyConfig},
+        "python -m spmd.checkpoint",
+        description=__doc__.split("\n\n")[0],
+        positional=what,
+    )
+    action, *folders = resolved["action"]
+    if action not in ACTIONS:
+        raise UsageError(
+            f"{action!r} is not an action of spmd.checkpoint; choose one of {', '.join(ACTIONS)} "
+            f"(python -m spmd.checkpoint verify DIR)"
+        )
+    if not folders:
+        raise UsageError("verify needs a checkpoint folder: python -m spmd.checkpoint verify DIR")
+    damaged = [step for folder in folders for step in verify(folder, resolved["verify"].step)]
+    if damaged:
+        raise UsageError(
+            f"{len(damaged)} damaged step(s): {', '.join(damaged)}; spmd.train --resume sets "
+            f"damaged steps aside and resumes from the newest good one"
+        )
+    return 0
+
+
+def verify(folder: str, only: int = 0) -> list[str]:
+    """Print each step's verdict; returns the damaged steps' folders."""
+    from spmd.io import checkpoint, manifest
+
+    if not Path(folder).is_dir():
+        raise UsageError(
+            f"{folder} is not a folder; give the --checkpoint-dir of a training run or the --to "
+            f"folder of spmd.convert"
+        )
+    steps = checkpoint.complete_steps(folder)
+    if not steps:
+        raise UsageError(f"{folder} holds no complete checkpoint step")
+    if only and only not in steps:
+        raise UsageError(f"--step {only} is not in {folder}; it holds steps {steps}")
+    damaged = []
+    for step in [only] if only else steps:
+        step_dir = Path(folder) / str(step)
+        verdict = manifest.verify(step_dir)
+        print(f"{step_dir}: {verdict}", flush=True)
+        if verdict.status == "damaged":
+            damaged.append(str(step_dir))
+    return damaged
+
+
+if __name__ == "__main__":
+    sys.exit(main())
