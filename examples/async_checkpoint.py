@@ -38,23 +38,17 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from models import llama
-    from spmd import config
-    from spmd.builder import optimizer
-    from spmd.config import flat
-    from spmd.engine.step import build_program
+    from models import family
+    from spmd import builder, config
     from spmd.io import checkpoint, data
-    from spmd.parallel.layout import Layout
 
-    model_cfg = llama.LlamaConfig(**config.preset(args.model))
-    train = flat(None, model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000)
-    layout = Layout(mesh_lib.build_mesh(sizes), train.zero)
-    program = build_program(
-        lambda seed: llama.create(model_cfg, seed),
-        llama.lm_loss,
-        lambda names: optimizer(train)(names),
-        layout,
+    preset = config.preset(args.model)
+    model_cfg = config.build(family.check_fields(preset, args.model), preset, args.model)
+    cfg = config.flat(
+        model_cfg, model=args.model, batch=args.batch, seq_len=args.seq_len, steps=1000
     )
+    program = builder.program(cfg, mesh_lib.build_mesh(sizes))  # the step spmd.train runs
+    layout = program.layout
     compiled = program.compile_train_step(args.batch, args.seq_len)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, 1 << 20)
     windows = data.TokenWindows(tokens, args.seq_len, 0.0)
@@ -93,7 +87,7 @@ def main() -> None:
 
     state_mib = checkpoint_bytes(state) / 2**20
     print(
-        f"{args.model} ({model_cfg.n_params() / 1e6:.1f} M params, train state "
+        f"{args.model} ({family.of(model_cfg).n_params(model_cfg) / 1e6:.1f} M params, state "
         f"{state_mib:.0f} MiB) on {args.mesh} x {jax.devices()[0].device_kind}, "
         f"batch {args.batch} x {args.seq_len}"
     )

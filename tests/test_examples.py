@@ -17,9 +17,13 @@ EXAMPLES = {
     "custom_loop.py": ("restored onto another mesh gives the same eval loss",),
     "finetune.py": ("the loss counts only the response tokens", "fine-tuned from the Hugging"),
     "diloco.py": ("H=10 ends within 5% of synchronous training's loss",),
+    "async_checkpoint.py": ("step time, save in flight:", "save() blocking the loop:"),
 }
 # Arguments that keep an example within the tests' time (its defaults make the README figures).
-ARGS = {"diloco.py": ("--steps", "50", "--every", "10")}
+ARGS = {
+    "diloco.py": ("--steps", "50", "--every", "10"),
+    "async_checkpoint.py": ("--model", "tiny", "--mesh", "fsdp=2", "--saves", "2"),
+}
 
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
