@@ -175,6 +175,36 @@ def check_checkpoint_dir(cfg: Config) -> None:
         refuse_resume(cfg.checkpoint.checkpoint_dir)
 
 
+def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | None:
+    """The sentence saying why the compiled train step cannot fit a device (its per-device
+    bytes, XLA's peak estimate: arguments + outputs + temp - aliased, above what one of the
+    mesh's devices holds, spmd.observe.capacity), naming the flags that shrink it; None when
+    it fits or the device's memory is unknown. Checked after compiling, before allocating."""
+    import jax
+
+    from spmd.observe.capacity import device_capacity, human_bytes
+
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    capacity = device_capacity(local)
+    memory, state = facts["memory"], facts["state_bytes"]
+    parts = {"params": state["params"], "optimizer state": state["opt_state"]}
+    parts["temp"] = memory.get("temp", 0)
+    need = memory.get("peak_estimate") or sum(parts.values())
+    if capacity is None or need <= capacity.bytes:
+        return None
+    shrink = ["--remat full"] if cfg.model.remat != "full" else []
+    shrink.append("--zero 3 over a larger fsdp axis" if cfg.parallel.zero < 3 else "")
+    shrink += ["a larger mesh", f"more --accum (now {cfg.run.accum})"]
+    shrink += [f"a smaller --batch (now {cfg.run.batch})"]
+    shrink += [f"a shorter --seq-len (now {cfg.run.seq_len})"]
+    return (
+        f"the compiled train step needs {human_bytes(need)} per device ("
+        + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
+        + f") but a device holds {human_bytes(capacity.bytes)} ({capacity.source}); shrink it "
+        f"with {', '.join(s for s in shrink if s)}"
+    )
+
+
 def check_sequence_split(
     seq_len: int,
     sizes: dict[str, int],
