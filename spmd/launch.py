@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +59,17 @@ def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
         raise UsageError("give the command to run after --, e.g. -- python -m spmd.train")
     if cfg.num_processes < 1:
         raise UsageError(f"-n {cfg.num_processes} must be a positive number of processes")
+    if cfg.devices_per_process < 0:
+        raise UsageError(
+            f"--devices-per-process {cfg.devices_per_process} must be >= 0 (0: the command decides)"
+        )
+    if not 0 <= cfg.grace < math.inf:  # NaN fails every comparison
+        raise UsageError(f"--grace {cfg.grace} must be a finite number of seconds >= 0")
+    if shutil.which(command[0]) is None:  # before any process starts (Popen would raise)
+        raise UsageError(
+            f"the command {command[0]!r} is not an executable file or on PATH; give a program "
+            f"to run after --, e.g. -- python -m spmd.train"
+        )
     return cfg, command
 
 
