@@ -5,6 +5,7 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from models import family
@@ -38,6 +39,7 @@ def check_choices(cfg: Config) -> None:
     run_data.check_choices(cfg.data)
     divergence.check_choices(cfg.divergence, cfg.checkpoint.checkpoint_dir)
     check_observability(cfg)
+    check_paths(cfg)
     check_parallel(cfg)
     check_dcn_sync(cfg)
 
@@ -161,6 +163,28 @@ def check_observability(cfg: Config) -> None:
         raise UsageError(f"--comm-warn {cfg.observe.comm_warn} must be a fraction in (0, 1]")
     if not (0 <= cfg.observe.straggler_threshold < math.inf):
         raise UsageError(f"--straggler-threshold {cfg.observe.straggler_threshold} must be >= 0")
+
+
+def check_paths(cfg: Config) -> None:
+    """UsageError for an output path of the wrong kind, found before the run writes to it
+    (after compiling): a folder given as the --metrics file, or a file (or a path under a file)
+    where a folder is made."""
+    folders = {
+        "--checkpoint-dir": cfg.checkpoint.checkpoint_dir,
+        "--tensorboard": cfg.observe.tensorboard,
+        "--profile-dir": cfg.observe.profile_dir,
+        "--data-cache": cfg.data.data_cache,
+    }
+    for flag, path in [("--metrics", cfg.observe.metrics), *folders.items()]:
+        if not path:
+            continue
+        folder, given = flag != "--metrics", Path(path)
+        if given.exists() and given.is_dir() != folder:
+            kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file path")
+            raise UsageError(f"{flag} {path} is {kind}; give {wanted}")
+        above = next(a for a in given.absolute().parents if a.exists())
+        if not given.exists() and not above.is_dir():
+            raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
 
 
 def check_checkpoint_dir(cfg: Config) -> None:
