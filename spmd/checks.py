@@ -76,13 +76,15 @@ def check_counts(cfg: Config) -> None:
 
 def check_parallel(cfg: Config) -> None:
     """UsageError for the parallel section's strings and sizes, whether or not this run uses
-    them (a bad value is never silently ignored): --mesh and --dcn-mesh, the executor, the
-    pipeline schedule, --bucket-mb."""
+    them (a bad value is never silently ignored): --zero, --mesh and --dcn-mesh, the executor,
+    the pipeline schedule, --bucket-mb."""
     from spmd.engine.step import check_executor
-    from spmd.parallel import schedules
+    from spmd.parallel import rules, schedules
     from spmd.parallel.mesh import parse_mesh
 
     p = cfg.parallel
+    if p.zero not in rules.ZERO_STAGES:
+        raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use 1, 2 or 3")
     parse_mesh(p.mesh)
     if p.dcn_mesh and -1 in parse_mesh(p.dcn_mesh, "--dcn-mesh").values():
         raise UsageError(f"--dcn-mesh {p.dcn_mesh}: give each axis's host count; -1 is for --mesh")

@@ -220,8 +220,12 @@ def check_values(cfg: Config, plan: Any) -> None:
         raise UsageError(f"--tokens-per-step {plan.tokens_per_step} must be positive")
     if cfg.run.batch < 0:
         raise UsageError(f"--batch {cfg.run.batch} must be >= 0 (0: about --tokens-per-step)")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {cfg.parallel.zero} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3")
     run = dataclasses.replace(cfg.run, batch=cfg.run.batch or 1)
-    check_choices(dataclasses.replace(cfg, run=run))
+    # the planner's stage 0 (plain DDP) is the engine's data axis
+    parallel = dataclasses.replace(cfg.parallel, zero=cfg.parallel.zero or 1)
+    check_choices(dataclasses.replace(cfg, run=run, parallel=parallel))
 
 
 def run(argv: list[str]) -> int:
