@@ -80,6 +80,7 @@ def run(argv: list[str] | None) -> int:
         target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only)"
     else:
         hf_llama.check_new_folder(cfg.to_hf)
+        params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
         seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)

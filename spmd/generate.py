@@ -288,6 +288,10 @@ def check_choices(cfg: GenerateConfig) -> None:
     from spmd.parallel.mesh import parse_mesh
 
     parse_mesh(cfg.mesh)
+    if cfg.checkpoint:  # the folder and step exist (reading their config needs the mesh)
+        from spmd.io import params_io
+
+        params_io.pick_step(cfg.checkpoint, cfg.step)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
