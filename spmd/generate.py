@@ -329,8 +329,11 @@ def run(argv: list[str] | None) -> int:
     texts = read_prompts(cfg)
     from spmd import weights
 
+    # A Hugging Face folder is read without JAX, so its mistakes come before the mesh; a
+    # checkpoint's config is read through orbax, which starts the backend: after it.
+    source = weights.describe("", 0, cfg.from_hf) if cfg.from_hf else None
     layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
-    source = weights.describe(cfg.checkpoint, cfg.step, cfg.from_hf)  # no param read yet
+    source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
     codec = codec_for(cfg, source.run_config, source.model.vocab_size)
     prompts = [codec.encode(text) for text in texts]
     check_length(cfg, prompts, source, layout)
