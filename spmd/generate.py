@@ -288,10 +288,6 @@ def check_choices(cfg: GenerateConfig) -> None:
     from spmd.parallel.mesh import parse_mesh
 
     parse_mesh(cfg.mesh)
-    if cfg.checkpoint:  # the folder and step exist (reading their config needs the mesh)
-        from spmd.io import params_io
-
-        params_io.pick_step(cfg.checkpoint, cfg.step)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
@@ -328,6 +324,10 @@ def run(argv: list[str] | None) -> int:
     check_choices(cfg)
     texts = read_prompts(cfg)
     from spmd import weights
+    from spmd.io import params_io
+
+    if cfg.checkpoint:  # the folder and step exist (reading their config needs the mesh)
+        params_io.pick_step(cfg.checkpoint, cfg.step)
 
     # A Hugging Face folder is read without JAX, so its mistakes come before the mesh; a
     # checkpoint's config is read through orbax, which starts the backend: after it.
