@@ -47,7 +47,7 @@ class Family:
     logits_loss: Callable[..., Any]  # a pipeline's last-stage loss (llama.logits_loss's form)
     hf: HFMapping
     check_layout: Callable[[Any, Any, str], None]  # (cfg, mesh, executor): UsageError if refused
-    check: Callable[[Any], None] = lambda cfg: None  # (cfg): UsageError if it cannot be built
+    check: Callable[[Any], None]  # (cfg): UsageError if it cannot be built (before device work)
     step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
 
     def shape(self, cfg: Any) -> ModelShape:
@@ -89,6 +89,7 @@ LLAMA = Family(
     logits_loss=llama.logits_loss,
     hf=HFMapping(config_from_hf=hf_config.llama_config, config_to_hf=hf_config.hf_config),
     check_layout=_dense_layout,
+    check=llama.check,
 )
 MOE = Family(
     name="moe",

@@ -8,6 +8,7 @@ scaling, biases, sliding-window attention, another activation) is a UsageError n
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from models import llama
@@ -50,6 +51,8 @@ def dense_config(hf: dict[str, Any], where: str, remat: str = "none") -> llama.L
         if not ok:
             raise UsageError(f"{where}: {key} = {hf[key]!r} ({what}) is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UsageError(f"{where}: rope_parameters / rope_scaling = {rope!r} is not an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise UsageError(
@@ -64,11 +67,12 @@ def dense_config(hf: dict[str, Any], where: str, remat: str = "none") -> llama.L
     ]
     if missing:
         raise UsageError(f"{where} has no integer {', '.join(missing)}; is it a Llama config?")
+    check_numbers(hf, where, rope.get("rope_theta", hf.get("rope_theta")))
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise UsageError(f"{where}: num_key_value_heads {kv_heads} does not divide {heads} heads")
-    return llama.LlamaConfig(
+    cfg = llama.LlamaConfig(
         vocab_size=hf["vocab_size"],
         embed_dim=hf["hidden_size"],
         mlp_dim=hf["intermediate_size"],
@@ -81,6 +85,32 @@ def dense_config(hf: dict[str, Any], where: str, remat: str = "none") -> llama.L
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         remat=remat,
     )
+    llama.check(cfg)  # what check_numbers leaves (an odd head_dim), named by the model's flags
+    return cfg
+
+
+# config.json's counts: each an integer >= 1 where given
+COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+COUNTS += ("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_numbers(hf: dict[str, Any], where: str, rope_theta: Any) -> None:
+    """UsageError naming a config.json count below 1 or a rope theta (`rope_theta`: the one
+    the config gives, in rope_parameters or at the top) or RMSNorm eps that is not a positive
+    finite number. None, transformers' "unset", is left to the defaults."""
+    for key in COUNTS:
+        value = hf.get(key)
+        if value is not None and not (isinstance(value, int) and value >= 1):
+            raise UsageError(f"{where}: {key} = {value!r} must be a positive integer")
+    for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", hf.get("rms_norm_eps"))):
+        if value is not None and not positive_number(value):
+            raise UsageError(f"{where}: {key} = {value!r} must be a positive, finite number")
+
+
+def positive_number(value: Any) -> bool:
+    """Whether a JSON value is a number (not a bool) in (0, inf)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 < value < math.inf
 
 
 def hf_config(cfg: llama.LlamaConfig, dtype: str, max_positions: int) -> dict[str, Any]:

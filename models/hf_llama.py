@@ -186,8 +186,15 @@ def open_checkpoint(directory: str, remat: str = "none") -> HFCheckpoint:
         raw = json.loads(config_path.read_text())
     except FileNotFoundError:
         raise UsageError(f"{directory} has no config.json; is it a Hugging Face folder?") from None
-    except ValueError as e:
+    except OSError as e:
+        raise UsageError(f"{config_path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:  # UnicodeDecodeError (a binary file) is a ValueError too
         raise UsageError(f"{config_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(
+            f"{config_path} holds a JSON {type(raw).__name__}, not an object; is it a Hugging "
+            f"Face config.json?"
+        )
     cfg = model_config(raw, str(config_path), remat)
     tensors = _read_tensors(folder)
     _check_tensors(tensors, entries(param_shapes(cfg)), cfg, folder, raw)

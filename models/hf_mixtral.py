@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any
 
 from models import moe
-from models.hf_config import architectures, dense_config, hf_config
+from models.hf_config import architectures, dense_config, hf_config, positive_number
 from spmd.errors import UsageError
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -67,17 +67,22 @@ def mixtral_config(hf: dict[str, Any], where: str, remat: str = "none") -> moe.M
             f"{where}: num_experts_per_tok {per_token} must be between 1 and "
             f"num_local_experts {experts}"
         )
+    aux = hf.get("router_aux_loss_coef", 0.001)
+    if not (aux == 0 or positive_number(aux)):
+        raise UsageError(f"{where}: router_aux_loss_coef = {aux!r} must be a finite number >= 0")
     dense = dense_config(hf, where, remat)
-    return moe.MoEConfig(
+    cfg = moe.MoEConfig(
         **(dataclasses.asdict(dense) | {"family": "moe"}),
         n_experts=experts,
         experts_per_token=per_token,
         expert_mlp_dim=0,  # every expert is intermediate_size wide, as mlp_dim
         shared_expert=False,
         capacity_factor=0.0,  # dropless, as Mixtral
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        aux_loss_coef=float(aux),
         z_loss_coef=0.0,
     )
+    moe.check(cfg)  # the expert counts and weights, as a run's flags would be checked
+    return cfg
 
 
 def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dict[str, Any]:

@@ -18,12 +18,14 @@ shard_map, where each device holds only its blocks of the params.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     attention,
@@ -92,6 +94,30 @@ class LlamaConfig:
             tie_embeddings=self.tie_embeddings,
             remat=self.remat,
         )
+
+
+# The sizes of a Llama, each a count of at least 1.
+SIZES = ("vocab_size", "embed_dim", "mlp_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+
+
+def check(cfg: LlamaConfig) -> None:
+    """UsageError for a config no model can be built from (the family's check; spmd's commands
+    call it before any device work). Messages name the flags that set the fields."""
+    for name in SIZES:  # the flag of each field: its name with "-" for "_"
+        if getattr(cfg, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {getattr(cfg, name)} must be a positive integer")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise UsageError(f"--n-kv-heads {cfg.n_kv_heads} must divide --n-heads {cfg.n_heads}")
+    if cfg.head_dim % 2:  # rotary turns pairs (i, i + head_dim / 2) of each head's features
+        raise UsageError(f"--head-dim {cfg.head_dim} must be even (rotary rotates pairs)")
+    # `not 0 < x < inf` refuses NaN too, which fails every comparison
+    if not 0 < cfg.rope_theta < math.inf:
+        raise UsageError(f"--rope-theta {cfg.rope_theta} must be a positive, finite base")
+    if not 0 < cfg.norm_eps < math.inf:
+        raise UsageError(f"--norm-eps {cfg.norm_eps} must be positive and finite, e.g. 1e-5")
+    if cfg.remat not in REMAT_POLICIES:
+        raise UsageError(f"--remat {cfg.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
 
 
 def _param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]):

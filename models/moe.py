@@ -108,16 +108,28 @@ class MoEConfig(LlamaConfig):
 
 
 def check(cfg: MoEConfig) -> None:
-    """UsageError for expert settings that cannot run."""
-    if cfg.n_experts < 0 or (cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts):
+    """UsageError for settings that cannot run: the dense Llama's (llama.check), then the
+    experts' (counts, and router weights that are finite and not negative)."""
+    llama.check(cfg)
+    if cfg.n_experts < 0:
+        raise UsageError(f"--n-experts {cfg.n_experts} must be >= 0 (0: the dense Llama MLP)")
+    if cfg.n_experts and not 1 <= cfg.experts_per_token <= cfg.n_experts:
         raise UsageError(
             f"--experts-per-token {cfg.experts_per_token} with --n-experts {cfg.n_experts}: "
             f"need 1 <= experts-per-token <= n-experts"
         )
-    if cfg.capacity_factor < 0:
+    if cfg.expert_mlp_dim < 0:
+        raise UsageError(
+            f"--expert-mlp-dim {cfg.expert_mlp_dim} must be a positive width, or 0 (--mlp-dim)"
+        )
+    # `not 0 <= x < inf` refuses NaN too; a negative loss weight would reward what it penalises
+    if not 0 <= cfg.capacity_factor < math.inf:
         raise UsageError(
             f"--capacity-factor {cfg.capacity_factor} must be >= 0 (0: dropless, no token dropped)"
         )
+    for flag, coef in (("--aux-loss-coef", cfg.aux_loss_coef), ("--z-loss-coef", cfg.z_loss_coef)):
+        if not 0 <= coef < math.inf:
+            raise UsageError(f"{flag} {coef} must be a finite weight >= 0 (0: off)")
 
 
 def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:

@@ -22,6 +22,7 @@ or dots_saveable). A benchmark, not a test: nothing is asserted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -63,8 +64,7 @@ def run(args: CollectivesBenchConfig) -> int:
 
     names = [n for n in args.layouts.split(",") if n] or list(meshes.presets())
     presets = [meshes.get(n) for n in names]
-    if args.steps < 1:
-        raise UsageError(f"--steps {args.steps} must be a positive number of steps")
+    check_args(args)
     buckets = _bucket_sizes(args.bucket_mb)
     if buckets:
         from spmd.parallel import xla_flags
@@ -99,12 +99,26 @@ def run(args: CollectivesBenchConfig) -> int:
     return 0
 
 
+def check_args(args: CollectivesBenchConfig) -> None:
+    """UsageError for counts below 1 and a model preset or --remat the family refuses, before
+    any device work (--devices 0 would simulate no device at all)."""
+    from models import family
+    from spmd import config
+
+    for name in ("steps", "batch", "seq_len", "devices"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"{config.flag_name(name)} {getattr(args, name)} must be at least 1")
+    values = config.preset(args.model)
+    model = config.build(family.check_fields(values, args.model), values, args.model)
+    family.of(model).check(dataclasses.replace(model, remat=args.remat or model.remat))
+
+
 def _bucket_sizes(text: str) -> list[float]:
     try:
         sizes = [float(x) for x in text.split(",") if x]
     except ValueError:
         raise UsageError(f"--bucket-mb {text!r} should be sizes in MiB such as 0.25,1,4") from None
-    if any(s < 0 for s in sizes):
+    if not all(0 <= s < math.inf for s in sizes):  # NaN fails every comparison
         raise UsageError(f"--bucket-mb {text!r}: sizes must be 0 (one per param) or positive")
     return sizes
 

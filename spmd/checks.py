@@ -5,9 +5,10 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from models import llama
+from models import family
 from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
@@ -17,21 +18,9 @@ from spmd.observe import profile
 
 def check_choices(cfg: Config) -> None:
     """UsageError for values outside their valid range (before any device work): the one
-    check of a run's config, which asks the data and divergence sections' own checks."""
-    positive = {
-        "steps": cfg.run.steps,
-        "batch": cfg.run.batch,
-        "seq_len": cfg.run.seq_len,
-        "log_every": cfg.observe.log_every,
-        "eval_batches": cfg.data.eval_batches,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{config.flag_name(name)} {value} must be a positive integer")
-    if cfg.parallel.devices < 0:
-        raise UsageError(
-            f"--devices {cfg.parallel.devices} must be 0 (as needed) or a device count"
-        )
+    check of a run's config, which asks the model family's, the data's, the optimizer's and
+    the divergence section's own checks."""
+    check_counts(cfg)
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
@@ -42,11 +31,7 @@ def check_choices(cfg: Config) -> None:
     precision.get(
         cfg.precision.precision, cfg.precision.grad_reduce
     )  # UsageError naming the valid values
-    model = cfg.model
-    if model.remat not in llama.REMAT_POLICIES:
-        raise UsageError(f"--remat {model.remat!r} is not one of {', '.join(llama.REMAT_POLICIES)}")
-    if model.n_heads % model.n_kv_heads:
-        raise UsageError(f"--n-kv-heads {model.n_kv_heads} must divide --n-heads {model.n_heads}")
+    family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
     check_checkpoint_choices(cfg)
     from spmd.io import run_data
     from spmd.training import divergence
@@ -54,10 +39,62 @@ def check_choices(cfg: Config) -> None:
     run_data.check_choices(cfg.data)
     divergence.check_choices(cfg.divergence, cfg.checkpoint.checkpoint_dir)
     check_observability(cfg)
-    from spmd.engine.step import check_executor
-
-    check_executor(cfg.parallel.collectives)
+    check_paths(cfg)
+    check_parallel(cfg)
     check_dcn_sync(cfg)
+
+
+# Counts that must be at least 1, by flag (field) name, and those that may also be 0, with
+# what 0 means; a count read from a section (`seed` has its own range).
+POSITIVE = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
+POSITIVE += ("pp_virtual", "sync_every")
+ZERO_MEANS = {
+    "eval_every": "only at the end",
+    "microbatches": "2 x pp",
+    "devices": "what the mesh needs",
+    "num_processes": "from spmd.launch, SLURM or Open MPI",
+}
+SEED_LIMIT = 2**63  # numpy's and JAX's seeds are unsigned 64-bit at most; negatives fail
+
+
+def check_counts(cfg: Config) -> None:
+    """UsageError for a count below its range (--steps 0, --eval-every -1, --seed -1, ...)."""
+    values = config.flat_values(config.as_dict(cfg.sections()))
+    for name in POSITIVE:
+        if values[name] < 1:
+            raise UsageError(f"{config.flag_name(name)} {values[name]} must be a positive integer")
+    for name, zero in ZERO_MEANS.items():
+        if values[name] < 0:
+            raise UsageError(f"{config.flag_name(name)} {values[name]} must be >= 0 (0: {zero})")
+    if not 0 <= cfg.run.seed < SEED_LIMIT:
+        raise UsageError(f"--seed {cfg.run.seed} must be an integer in [0, 2**63)")
+    processes, rank = cfg.run.num_processes, cfg.run.process_id
+    if rank < -1 or (processes and rank >= processes):
+        valid = f"in [0, {processes})" if processes else ">= 0"
+        raise UsageError(f"--process-id {rank} must be {valid}, or -1 (detect)")
+
+
+def check_parallel(cfg: Config) -> None:
+    """UsageError for the parallel section's strings and sizes, whether or not this run uses
+    them (a bad value is never silently ignored): --zero, --mesh and --dcn-mesh, the executor,
+    the pipeline schedule, --bucket-mb."""
+    from spmd.engine.step import check_executor
+    from spmd.parallel import rules, schedules
+    from spmd.parallel.mesh import parse_mesh
+
+    p = cfg.parallel
+    if p.zero not in rules.ZERO_STAGES:
+        raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use 1, 2 or 3")
+    parse_mesh(p.mesh)
+    if p.dcn_mesh and -1 in parse_mesh(p.dcn_mesh, "--dcn-mesh").values():
+        raise UsageError(f"--dcn-mesh {p.dcn_mesh}: give each axis's host count; -1 is for --mesh")
+    check_executor(p.collectives)
+    if p.pp_schedule not in schedules.SCHEDULES:
+        raise UsageError(
+            f"--pp-schedule {p.pp_schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
+        )
+    if not 0 <= p.bucket_mb < math.inf:
+        raise UsageError(f"--bucket-mb {p.bucket_mb} must be 0 (no buckets) or a size in MiB")
 
 
 def check_dcn_sync(cfg: Config) -> None:
@@ -91,13 +128,19 @@ def check_dcn_sync_mesh(cfg: Config, mesh: Any, n_processes: int) -> None:
 
 def check_checkpoint_choices(cfg: Config) -> None:
     """UsageError for checkpoint flags that cannot work together."""
+    from spmd.io import checkpoint
+
     if cfg.checkpoint.checkpoint_every < 0:
         raise UsageError(
             f"--checkpoint-every {cfg.checkpoint.checkpoint_every} must be a step count, or 0 "
             f"(at the end)"
         )
-    if cfg.checkpoint.keep_checkpoints < 1:
-        raise UsageError(f"--keep-checkpoints {cfg.checkpoint.keep_checkpoints} must be at least 1")
+    keep = cfg.checkpoint.keep_checkpoints
+    if keep < checkpoint.MIN_KEEP:  # the newest is judged by the next step's loss: keep another
+        raise UsageError(
+            f"--keep-checkpoints {keep} must be at least {checkpoint.MIN_KEEP}: a diverging step "
+            f"rolls back past the newest checkpoint to the one before it"
+        )
     if not 0 <= cfg.run.stop_after <= cfg.run.steps:
         raise UsageError(
             f"--stop-after {cfg.run.stop_after} must be a step in 1..--steps {cfg.run.steps} "
@@ -124,6 +167,28 @@ def check_observability(cfg: Config) -> None:
         raise UsageError(f"--straggler-threshold {cfg.observe.straggler_threshold} must be >= 0")
 
 
+def check_paths(cfg: Config) -> None:
+    """UsageError for an output path of the wrong kind, found before the run writes to it
+    (after compiling): a folder given as the --metrics file, or a file (or a path under a file)
+    where a folder is made."""
+    folders = {
+        "--checkpoint-dir": cfg.checkpoint.checkpoint_dir,
+        "--tensorboard": cfg.observe.tensorboard,
+        "--profile-dir": cfg.observe.profile_dir,
+        "--data-cache": cfg.data.data_cache,
+    }
+    for flag, path in [("--metrics", cfg.observe.metrics), *folders.items()]:
+        if not path:
+            continue
+        folder, given = flag != "--metrics", Path(path)
+        if given.exists() and given.is_dir() != folder:
+            kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file path")
+            raise UsageError(f"{flag} {path} is {kind}; give {wanted}")
+        above = next(a for a in given.absolute().parents if a.exists())
+        if not given.exists() and not above.is_dir():
+            raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
+
+
 def check_checkpoint_dir(cfg: Config) -> None:
     """UsageError for a --checkpoint-dir that a fresh run would overwrite or that --resume
     cannot continue (a params-only conversion)."""
@@ -134,6 +199,36 @@ def check_checkpoint_dir(cfg: Config) -> None:
         from spmd.io.params_io import refuse_resume
 
         refuse_resume(cfg.checkpoint.checkpoint_dir)
+
+
+def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | None:
+    """The sentence saying why the compiled train step cannot fit a device (its per-device
+    bytes, XLA's peak estimate: arguments + outputs + temp - aliased, above what one of the
+    mesh's devices holds, spmd.observe.capacity), naming the flags that shrink it; None when
+    it fits or the device's memory is unknown. Checked after compiling, before allocating."""
+    import jax
+
+    from spmd.observe.capacity import device_capacity, human_bytes
+
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    capacity = device_capacity(local)
+    memory, state = facts["memory"], facts["state_bytes"]
+    parts = {"params": state["params"], "optimizer state": state["opt_state"]}
+    parts["temp"] = memory.get("temp", 0)
+    need = memory.get("peak_estimate") or sum(parts.values())
+    if capacity is None or need <= capacity.bytes:
+        return None
+    shrink = ["--remat full"] if cfg.model.remat != "full" else []
+    shrink.append("--zero 3 over a larger fsdp axis" if cfg.parallel.zero < 3 else "")
+    shrink += ["a larger mesh", f"more --accum (now {cfg.run.accum})"]
+    shrink += [f"a smaller --batch (now {cfg.run.batch})"]
+    shrink += [f"a shorter --seq-len (now {cfg.run.seq_len})"]
+    return (
+        f"the compiled train step needs {human_bytes(need)} per device ("
+        + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
+        + f") but a device holds {human_bytes(capacity.bytes)} ({capacity.source}); shrink it "
+        f"with {', '.join(s for s in shrink if s)}"
+    )
 
 
 def check_sequence_split(

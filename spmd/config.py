@@ -178,12 +178,18 @@ def _configs_dir() -> Any:
 
 
 def load_toml(path: Any) -> dict[str, Any]:
-    """Read a TOML file; UsageError if it is missing or malformed."""
+    """Read a TOML file; UsageError if it is missing, unreadable, not UTF-8 or malformed."""
     try:
         with Path(str(path)).open("rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
+    except OSError as e:  # a folder, no permission, ...
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8; tomllib lets the decoder's error through
+        raise UsageError(
+            f"--config {path}: not a UTF-8 TOML file (byte {e.start} is not UTF-8 text)"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not valid TOML ({e})") from None
 
@@ -277,6 +283,11 @@ def _tables_by_section(tables: dict[str, Any], sections: dict[str, type]) -> dic
     owner = field_owners(sections)
     given: dict[str, dict[str, Any]] = {name: {} for name in sections}
     for table, values in tables.items():
+        if not isinstance(values, dict):  # `run = 3` at the top: a key, not a [table]
+            raise UsageError(
+                f"--config: {table} = {values!r} is not a table; put fields under [section] "
+                f"headers, e.g. [run] then steps = 100"
+            )
         if table == FLAT_TABLE:
             for key, value in values.items():
                 if key not in owner or owner[key] == "model":

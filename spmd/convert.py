@@ -57,8 +57,7 @@ def run(argv: list[str] | None) -> int:
             "give either --from-hf DIR --to CKPT_DIR (HF -> spmd) or --checkpoint CKPT_DIR "
             "--to-hf DIR (spmd -> HF)"
         )
-    if cfg.max_shard_mb < 1:
-        raise UsageError(f"--max-shard-mb {cfg.max_shard_mb} must be at least 1")
+    check_choices(cfg, to_spmd)
     from models import hf_llama
     from spmd import weights
     from spmd.io import checkpoint, params_io
@@ -66,23 +65,22 @@ def run(argv: list[str] | None) -> int:
     started = time.perf_counter()
     if to_spmd:
         checkpoint.check_directory(cfg.to, resume=False)
-        hf_llama.open_checkpoint(cfg.from_hf)  # every error before any device work
+        folder = hf_llama.open_checkpoint(cfg.from_hf)  # every error before any device work
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)
         tokenizer = Path(cfg.from_hf) / "tokenizer.json"
         saved = {
             "model": dataclasses.asdict(loaded.model),
             "tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "",
+            # what config.json declares, so that spmd.generate bounds the checkpoint alike
+            weights.MAX_POSITIONS: folder.raw_config.get("max_position_embeddings"),
         }
         source = str(Path(cfg.from_hf).absolute())
         params_io.save_converted(cfg.to, loaded.params, saved, source)
         target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only)"
     else:
-        if cfg.hf_dtype not in hf_llama.EXPORT_DTYPES:
-            raise UsageError(
-                f"--hf-dtype {cfg.hf_dtype!r} is not one of {', '.join(hf_llama.EXPORT_DTYPES)}"
-            )
         hf_llama.check_new_folder(cfg.to_hf)
+        params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
         seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)
@@ -104,6 +102,33 @@ def run(argv: list[str] | None) -> int:
         f"in {time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def check_choices(cfg: ConvertConfig, to_spmd: bool) -> None:
+    """UsageError for values out of range, and for the other direction's flags given with a
+    value (they would be ignored), before any device work."""
+    from models import hf_llama
+    from spmd.parallel.mesh import parse_mesh
+
+    if cfg.max_shard_mb < 1:
+        raise UsageError(f"--max-shard-mb {cfg.max_shard_mb} must be at least 1")
+    if cfg.hf_dtype not in hf_llama.EXPORT_DTYPES:
+        raise UsageError(
+            f"--hf-dtype {cfg.hf_dtype!r} is not one of {', '.join(hf_llama.EXPORT_DTYPES)}"
+        )
+    if cfg.step < 0:
+        raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
+    if cfg.devices < 0:
+        raise UsageError(f"--devices {cfg.devices} must be >= 0 (0: as many as the mesh needs)")
+    parse_mesh(cfg.mesh)
+    defaults = ConvertConfig()
+    export_only = {"step": cfg.step, "hf_dtype": cfg.hf_dtype, "max_shard_mb": cfg.max_shard_mb}
+    for name, value in export_only.items() if to_spmd else ():
+        if value != getattr(defaults, name):
+            raise UsageError(
+                f"{config.flag_name(name)} {value} is for --checkpoint --to-hf (spmd -> HF); "
+                f"--from-hf --to does not use it"
+            )
 
 
 if __name__ == "__main__":

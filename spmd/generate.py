@@ -19,6 +19,7 @@ single-token steps; `--temperature 0` is greedy decoding.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -149,11 +150,12 @@ def generate(
     largest = max(max(p) for p in prompts)
     if largest >= vocab:
         raise UsageError(f"a prompt holds token id {largest}, beyond the model's vocab {vocab}")
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    if temperature < 0 or not 0 <= top_k <= vocab:
+    check_sampling(max_new_tokens, temperature, top_k, vocab)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > POSITION_LIMIT:
         raise UsageError(
-            f"--temperature {temperature} must be >= 0 and --top-k {top_k} in 0..{vocab}"
+            f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the "
+            f"{POSITION_LIMIT} positions int32 holds"
         )
     ways = program.layout.data_parallel
     rows = list(prompts) + [prompts[-1]] * (-len(prompts) % ways)
@@ -170,6 +172,57 @@ def generate(
         jax.random.key(seed),
     )
     return np.asarray(jax.device_get(out))[: len(prompts)].tolist()
+
+
+# Positions are int32 in the decoder (jnp.arange, the cache index): the hard upper bound.
+POSITION_LIMIT = 2**31 - 1
+CACHE_ITEMSIZE = 4  # bytes per cached key or value: generation runs the fp32 policy
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, vocab: int = 0) -> None:
+    """UsageError for sampling settings out of range (`vocab` 0: not known yet)."""
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if not 0 <= temperature < math.inf:  # NaN fails every comparison
+        raise UsageError(f"--temperature {temperature} must be a finite number >= 0 (0: greedy)")
+    if top_k < 0 or (vocab and top_k > vocab):
+        valid = f"in 0..{vocab}" if vocab else ">= 0"
+        raise UsageError(f"--top-k {top_k} must be {valid} (0: all tokens)")
+
+
+def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, layout: Any) -> None:
+    """UsageError when the prompts plus --max-new-tokens pass the positions the source declares
+    (config.json's max_position_embeddings; int32's otherwise), or when the key/value cache and
+    params cannot fit the mesh's devices even spread evenly over all of them (checked before
+    anything is allocated)."""
+    import jax
+
+    from models import family
+    from spmd.observe.capacity import device_capacity, human_bytes
+
+    longest = max(len(p) for p in prompts)
+    total, limit = longest + cfg.max_new_tokens, source.max_positions or POSITION_LIMIT
+    if total > limit:
+        declared = source.where if source.max_positions else "int32 positions"
+        raise UsageError(
+            f"--max-new-tokens {cfg.max_new_tokens} after a prompt of {longest} tokens makes "
+            f"{total} positions, beyond the model's {limit} ({declared}); give --max-new-tokens "
+            f"{limit - longest} or less" + (" and a shorter prompt" if limit <= longest else "")
+        )
+    model, mesh = source.model, layout.mesh
+    rows = len(prompts) + (-len(prompts) % layout.data_parallel)  # padded to the dp size
+    kv = model.n_layers * rows * total * model.n_kv_heads * model.head_dim
+    cache = 2 * kv * CACHE_ITEMSIZE
+    need = (cache + CACHE_ITEMSIZE * family.of(model).n_params(model)) / mesh.size
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    capacity = device_capacity(local)
+    if capacity is not None and need > capacity.bytes:
+        raise UsageError(
+            f"--max-new-tokens {cfg.max_new_tokens}: the key/value cache of {rows} rows x "
+            f"{total} positions and the params need at least {human_bytes(need)} per device "
+            f"(spread over all {mesh.size}) but a device holds {human_bytes(capacity.bytes)} "
+            f"({capacity.source}); give fewer --max-new-tokens or prompts, or more devices"
+        )
 
 
 # --- text -----------------------------------------------------------------------------------
@@ -218,6 +271,25 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
 # --- the command ------------------------------------------------------------------------
 
 
+def check_choices(cfg: GenerateConfig) -> None:
+    """UsageError for flags out of range or given together without sense, before any device
+    work (the vocab- and length-dependent checks follow once the source is described)."""
+    if bool(cfg.checkpoint) == bool(cfg.from_hf):
+        raise UsageError("give exactly one of --checkpoint DIR and --from-hf DIR")
+    if cfg.step < 0:
+        raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
+    if cfg.step and cfg.from_hf:
+        raise UsageError(f"--step {cfg.step} picks a step of --checkpoint; --from-hf has none")
+    check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k)
+    if not 0 <= cfg.seed < 2**63:
+        raise UsageError(f"--seed {cfg.seed} must be an integer in [0, 2**63)")
+    if cfg.devices < 0:
+        raise UsageError(f"--devices {cfg.devices} must be >= 0 (0: as many as the mesh needs)")
+    from spmd.parallel.mesh import parse_mesh
+
+    parse_mesh(cfg.mesh)
+
+
 def read_prompts(cfg: GenerateConfig) -> list[str]:
     if bool(cfg.prompt) == bool(cfg.prompts_file):
         raise UsageError("give exactly one of --prompt TEXT and --prompts-file PATH")
@@ -225,9 +297,14 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
         prompts = [cfg.prompt]
     else:
         try:
-            lines = Path(cfg.prompts_file).read_text().splitlines()
+            lines = Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()
         except OSError as e:
             raise UsageError(f"--prompts-file {cfg.prompts_file}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UsageError(
+                f"--prompts-file {cfg.prompts_file} is not UTF-8 text (byte {e.start}); give "
+                f"one prompt per line"
+            ) from None
         prompts = [line for line in lines if line]
         if not prompts:
             raise UsageError(f"--prompts-file {cfg.prompts_file} holds no non-empty line")
@@ -244,18 +321,26 @@ def run(argv: list[str] | None) -> int:
     sections = {"generate": GenerateConfig}
     about = __doc__.split("\n\n")[0]
     cfg = config.resolve(argv, sections, "python -m spmd.generate", description=about)["generate"]
-    if bool(cfg.checkpoint) == bool(cfg.from_hf):
-        raise UsageError("give exactly one of --checkpoint DIR and --from-hf DIR")
+    check_choices(cfg)
     texts = read_prompts(cfg)
     from spmd import weights
+    from spmd.io import params_io
 
+    if cfg.checkpoint:  # the folder and step exist (reading their config needs the mesh)
+        params_io.pick_step(cfg.checkpoint, cfg.step)
+
+    # A Hugging Face folder is read without JAX, so its mistakes come before the mesh; a
+    # checkpoint's config is read through orbax, which starts the backend: after it.
+    source = weights.describe("", 0, cfg.from_hf) if cfg.from_hf else None
     layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
+    source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
+    codec = codec_for(cfg, source.run_config, source.model.vocab_size)
+    prompts = [codec.encode(text) for text in texts]
+    check_length(cfg, prompts, source, layout)
     if cfg.checkpoint:
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
     else:
         loaded = weights.from_hf(cfg.from_hf, layout)
-    codec = codec_for(cfg, loaded.run_config, loaded.model.vocab_size)
-    prompts = [codec.encode(text) for text in texts]
     started = time.perf_counter()
     completions = generate(
         loaded.program,

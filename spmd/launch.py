@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,9 +75,21 @@ def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
         raise UsageError("give the command to run after --, e.g. -- python -m spmd.train")
     if cfg.num_processes < 1:
         raise UsageError(f"-n {cfg.num_processes} must be a positive number of processes")
+    if cfg.devices_per_process < 0:
+        raise UsageError(
+            f"--devices-per-process {cfg.devices_per_process} must be >= 0 (0: the command decides)"
+        )
     for name in ("grace", "stop_timeout", "hang_timeout"):
-        if not getattr(cfg, name) >= 0:  # also refuses nan
-            raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be >= 0 s")
+        if not 0 <= getattr(cfg, name) < math.inf:  # NaN fails every comparison
+            raise UsageError(
+                f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a finite number of "
+                f"seconds >= 0"
+            )
+    if shutil.which(command[0]) is None:  # before any process starts (Popen would raise)
+        raise UsageError(
+            f"the command {command[0]!r} is not an executable file or on PATH; give a program "
+            f"to run after --, e.g. -- python -m spmd.train"
+        )
     return cfg, command
 
 

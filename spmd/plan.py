@@ -32,8 +32,7 @@ from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, measure, plot, recommend, search, summary
-from spmd.estimate.shape import FIELDS, llama_shape
-from spmd.parallel import schedules
+from spmd.estimate.shape import FIELDS, PARAMS_RANGE, llama_shape
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.sections import SECTIONS as RUN_SECTIONS
 from spmd.sections import ParallelConfig
@@ -124,7 +123,8 @@ HELP = {
     "layout": "named layout from meshes/ (ddp, zero3, megatron, ...): sets --mesh and --zero",
     "mesh": "e.g. dp=2,fsdp=2,tp=2,pp=1 (one axis may be -1); default: every device "
     "data-parallel, on fsdp for --zero 1-3, on dp for --zero 0",
-    "devices": "device count (default: what the mesh needs, else --devices-per-node)",
+    "devices": "device count; 0 (the default): what --mesh needs, or --devices-per-node when "
+    "an axis is -1",
     "zero": "0 = plain DDP; 1, 2, 3 = ZeRO stage of the fsdp axis",
     "batch": "global batch, sequences per optimizer step (default: about --tokens-per-step "
     "tokens, a multiple of the data-parallel size)",
@@ -191,31 +191,41 @@ def _expand(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
 
 
 def check_values(cfg: Config, plan: Any) -> None:
-    """UsageError for a planner or batch value outside its range."""
-    for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops", "devices_per_node"):
-        if getattr(plan, name) <= 0:
-            raise UsageError(f"{config.flag_name(name)} {getattr(plan, name)} must be positive")
-    for name in ("overhead", "latency", "params"):
-        if getattr(plan, name) < 0:
-            raise UsageError(f"{config.flag_name(name)} {getattr(plan, name)} must be >= 0")
+    """UsageError for a planner value outside its range (NaN and infinities included), and
+    for any training flag spmd.train would refuse (spmd.checks.check_choices: a training
+    command line is planned as it is, so it is checked as it is; --batch 0 is the planner's
+    "about --tokens-per-step")."""
+    from spmd.checks import check_choices
+
+    for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops"):
+        if not 0 < getattr(plan, name) < math.inf:
+            raise UsageError(
+                f"{config.flag_name(name)} {getattr(plan, name)} must be positive and finite"
+            )
+    for name in ("overhead", "latency"):
+        if not 0 <= getattr(plan, name) < math.inf:
+            raise UsageError(f"{config.flag_name(name)} {getattr(plan, name)} must be finite, >= 0")
+    if plan.devices_per_node < 1:
+        raise UsageError(f"--devices-per-node {plan.devices_per_node} must be positive")
+    smallest, largest = PARAMS_RANGE
+    if not (plan.params == 0 or smallest <= plan.params <= largest):
+        raise UsageError(
+            f"--params {plan.params:g} is outside the planner's Llama shapes ({smallest:.3g} to "
+            f"{largest:.3g} parameters); give a size in that range, or 0 and a --model preset "
+            f"with shape flags"
+        )
     if not 0 <= plan.overlap <= 1:
         raise UsageError(f"--overlap {plan.overlap} must be a share between 0 and 1")
     if plan.tokens_per_step < 1:
         raise UsageError(f"--tokens-per-step {plan.tokens_per_step} must be positive")
-    lowest = {"accum": 1, "seq_len": 1, "batch": 0, "devices": 0, "microbatches": 0}
-    for name, low in (lowest | {"pp_virtual": 1}).items():
-        value = config.flat_values(config.as_dict(cfg.sections()))[name]
-        if value < low:
-            raise UsageError(f"{config.flag_name(name)} {value} is out of range; use {low} or more")
-    if cfg.parallel.dcn_sync == "diloco" and cfg.parallel.sync_every < 1:
-        raise UsageError(
-            f"--sync-every {cfg.parallel.sync_every} must be a positive number of steps"
-        )
-    if cfg.parallel.pp_schedule not in schedules.SCHEDULES:
-        raise UsageError(
-            f"--pp-schedule {cfg.parallel.pp_schedule!r} is not one of "
-            f"{', '.join(schedules.SCHEDULES)}"
-        )
+    if cfg.run.batch < 0:
+        raise UsageError(f"--batch {cfg.run.batch} must be >= 0 (0: about --tokens-per-step)")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise UsageError(f"--zero {cfg.parallel.zero} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3")
+    run = dataclasses.replace(cfg.run, batch=cfg.run.batch or 1)
+    # the planner's stage 0 (plain DDP) is the engine's data axis
+    parallel = dataclasses.replace(cfg.parallel, zero=cfg.parallel.zero or 1)
+    check_choices(dataclasses.replace(cfg, run=run, parallel=parallel))
 
 
 def run(argv: list[str]) -> int:

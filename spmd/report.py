@@ -27,13 +27,22 @@ def load_run(path: str | Path) -> tuple[str, list[dict]]:
     """(label, train records) of one metrics JSONL; the label says the mesh (and the ZeRO
     stage where an fsdp axis makes it matter)."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
-    try:
-        records = [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: line {e.lineno} is not JSON; expected a metrics JSONL") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{path} is not UTF-8 text (byte {e.start}); expected a metrics JSONL"
+        ) from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not _fields_ok(record):
+            raise UsageError(f"{path}: line {number} is not a metrics record; expected a JSONL")
+        records.append(record)
     config = next((r for r in records if r.get("kind") == "config"), None)
     train = [r for r in records if r.get("kind") == "train"]
     if config is None or not train:
@@ -42,6 +51,41 @@ def load_run(path: str | Path) -> tuple[str, list[dict]]:
     label = config.get("mesh_text") or str(config.get("mesh"))
     sharded = config.get("mesh", {}).get("fsdp", 1) > 1  # the stage means nothing otherwise
     return (f"{label} zero{zero}" if sharded and zero is not None else label), train
+
+
+def _fields_ok(record: dict) -> bool:
+    """Whether a record's fields that draw() and the label read have their types: a train
+    record's step and panels are numbers (or null), a config record's tables objects."""
+    number = (int, float, type(None))
+    if record.get("kind") == "train":
+        panels = [record.get(field) for field, _, _ in PANELS]
+        step = record.get("step")
+        return isinstance(step, int | float) and all(isinstance(v, number) for v in panels)
+    if record.get("kind") == "config":
+        mesh, tables = record.get("mesh", {}), record.get("config", {})
+        sizes_ok = isinstance(mesh, dict) and all(isinstance(v, int) for v in mesh.values())
+        return sizes_ok and isinstance(tables, dict)
+    return True
+
+
+def check_out(out: str) -> None:
+    """UsageError unless matplotlib can write `out`: a format it knows (by the suffix) into a
+    folder that exists; checked before any file is read."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(
+            "spmd.report needs matplotlib; install it with pip install -e '.[report]'"
+        ) from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(out).suffix[1:].lower()
+    if suffix not in formats:
+        raise UsageError(
+            f"--out {out}: {suffix or 'no suffix'} is not an image format matplotlib writes; "
+            f"end it in one of .{', .'.join(sorted(formats))}"
+        )
+    if not Path(out).absolute().parent.is_dir():
+        raise UsageError(f"--out {out}: the folder {Path(out).parent} does not exist")
 
 
 def draw(runs: list[tuple[str, list[dict]]], out: str | Path) -> None:
@@ -89,6 +133,7 @@ def run(argv: list[str] | None) -> int:
         positional=files,
     )
     paths, out = resolved["metrics"], resolved["report"].out
+    check_out(out)
     runs = [load_run(path) for path in paths]
     labels = [label for label, _ in runs]
     runs = [  # two runs of one layout: tell them apart by file name

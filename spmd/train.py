@@ -24,12 +24,13 @@ from spmd.checks import (
     check_choices,
     check_dcn_sync_mesh,
     format_batch_arithmetic,
+    step_memory_error,
 )
 from spmd.config import Config
 from spmd.engine import precision
-from spmd.errors import run_command
+from spmd.errors import UsageError, run_command
 from spmd.io import run_data
-from spmd.log import say
+from spmd.log import say, warn
 from spmd.observe.metrics import MetricsLog
 from spmd.training.resume import open_checkpoints
 
@@ -132,8 +133,13 @@ def start_and_train(cfg: Config, signals: Any) -> int:
         program = builder.program(cfg, mesh, windows.fields, lr_factor=guard.lr_factor)
     compiled, facts = compile_step(cfg, program)
     facts["xla_flags"] = flags
-    if cfg.run.dry_run:
+    too_big = step_memory_error(cfg, facts, mesh)  # before anything is allocated for it
+    if too_big and not cfg.run.dry_run:
+        raise UsageError(too_big)
+    if cfg.run.dry_run:  # a dry run allocates nothing: it reports, and warns when it would not fit
         report_dry_run(cfg, program, compiled, facts, pipe_report)
+        if too_big:
+            warn(f"warning: {too_big}")
         return 0
     if signals.received and n_processes == 1:  # several processes stop together in the loop
         say(f"{signals.received} before the first step: stopping; nothing was trained or saved")

@@ -54,6 +54,40 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     return Loaded(cfg, program, params, run_config, f"{directory} step {step}")
 
 
+# The key of a converted checkpoint's config that keeps config.json's max_position_embeddings
+MAX_POSITIONS = "max_positions"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What a checkpoint or Hugging Face folder holds, read without a param: the model, the
+    saved run config, and the longest sequence it declares (None: none declared)."""
+
+    model: llama.LlamaConfig
+    run_config: dict[str, Any]
+    max_positions: int | None
+    where: str  # for people: what declares max_positions
+
+
+def describe(checkpoint: str, step: int, from_hf: str) -> Source:
+    """The Source of `--checkpoint` (its `step`, 0: newest) or `--from-hf`. A Hugging Face
+    folder declares max_position_embeddings, and a converted checkpoint keeps it; a training
+    run's checkpoint declares none (RoPE has no hard maximum; its --seq-len is only the window
+    it trained on). Reading a checkpoint's config starts JAX's backend (orbax): call this after
+    setup_layout."""
+    if checkpoint:
+        step = params_io.pick_step(checkpoint, step)
+        run_config = params_io.saved_config(checkpoint, step)
+        model = family.config_from_dict(run_config.get("model", {}))
+        declared = run_config.get(MAX_POSITIONS)
+        where = f"max_position_embeddings of the config.json {checkpoint} was converted from"
+        return Source(model, run_config, declared if isinstance(declared, int) else None, where)
+    folder = hf_llama.open_checkpoint(from_hf)
+    declared = folder.raw_config.get("max_position_embeddings")
+    where = f"max_position_embeddings in {folder.path / 'config.json'}"
+    return Source(folder.config, {}, declared, where)
+
+
 def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
     """(params, optimizer state, loss scale) to start training `program` from a Hugging Face
     folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the

@@ -37,6 +37,9 @@ def check_hyperparameters(cfg: OptimizerConfig) -> None:
     for flag, beta in (("--beta1", cfg.beta1), ("--beta2", cfg.beta2)):
         # beta = 1 would never forget the first moment, and its bias correction divides by 0.
         check_number(flag, beta, 0.0, 1.0 - math.ulp(1.0), "a decay rate in [0, 1)")
+    # DiLoCo's outer SGD: checked whatever --dcn-sync is, so a bad value is never ignored
+    check_number("--outer-lr", cfg.outer_lr, math.ulp(0.0), math.inf, "a positive, finite LR")
+    check_number("--outer-momentum", cfg.outer_momentum, 0.0, 1.0 - math.ulp(1.0), "in [0, 1)")
 
 
 def peak_lr(cfg: OptimizerConfig, global_batch: int) -> float:

@@ -88,3 +88,8 @@ def llama_shape(n_params: float) -> dict[str, Any]:
     widths = [256, 512, 768, *range(1024, 65537, 1024)]  # heads divisible by 8 from 1024 on
     best = min(widths, key=lambda w: abs(math.log(count(w) / n_params)))
     return shape(best)
+
+
+# The parameter counts llama_shape spans, its smallest shape's to its largest's: a size outside
+# would be planned with a shape of another size (--params 1 was planned as an 18 M model).
+PARAMS_RANGE = tuple(float(shape_params(ModelShape(**llama_shape(n)))) for n in (1.0, 1e300))

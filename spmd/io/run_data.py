@@ -37,8 +37,9 @@ def fields_of(data_cfg: DataConfig) -> corpora.Fields:
     )
 
 
-def open_token_file(data_cfg: DataConfig, path: str) -> tokens.TokenFile:
-    """The token file of one source (`path`: text, token .bin or record shards)."""
+def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> tokens.TokenFile:
+    """The token file of one source (`path`: text, token .bin or record shards); `flag`
+    names the flag that gave it, for messages."""
     if corpora.is_record_corpus(path):
         return shards.open_records(
             path,
@@ -56,7 +57,7 @@ def open_token_file(data_cfg: DataConfig, path: str) -> tokens.TokenFile:
             f"Parquet / Arrow records; --data "
             f"{path or '(the stdlib sources)'} is text or tokens"
         )
-    return tokens.open_tokens(path, data_cfg.tokenizer, data_cfg.data_cache)
+    return tokens.open_tokens(path, data_cfg.tokenizer, data_cfg.data_cache, flag)
 
 
 def windows_of(
@@ -117,7 +118,7 @@ def open_eval_sets(
     if mixture.is_mixture(data_cfg.eval_data) and not Path(data_cfg.eval_data).exists():
         named = mixture.parse_sources(data_cfg.eval_data, "--eval-data", weighted=False)
     for name, path, _ in named:
-        token_file = open_token_file(data_cfg, path)
+        token_file = open_token_file(data_cfg, path, "--eval-data")
         tokens.check_vocab(token_file, vocab_size)
         if name in sets:
             raise UsageError(f"--eval-data: the eval set name {name!r} is taken; rename it")

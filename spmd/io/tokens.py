@@ -18,6 +18,7 @@ the data a checkpoint was trained on wherever the cache lives.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,7 @@ from spmd.errors import UsageError
 CACHE_FORMAT = 1  # bump when the token file layout or the tokenization changes
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".json", ".csv", ".html", ".c", ".h")
 TEXT_CHUNK_BYTES = 1 << 20  # tokenize this much text at a time (bounded memory)
+SNIFF_BYTES = 1 << 16  # the start of each given text file that must read as UTF-8 text
 END_OF_TEXT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
@@ -77,8 +79,9 @@ def stdlib_corpus() -> list[Path]:
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
-def corpus_files(path: str) -> list[Path]:
-    """The text files of `path` (a file, or a folder searched recursively), sorted."""
+def corpus_files(path: str, flag: str = "--data") -> list[Path]:
+    """The text files of `path` (a file, or a folder searched recursively), sorted; `flag`
+    (--data, --eval-data) names the flag in messages."""
     if not path:
         return stdlib_corpus()
     root = Path(path)
@@ -89,17 +92,47 @@ def corpus_files(path: str) -> list[Path]:
         if files:
             return files
         raise UsageError(
-            f"--data {path}: the folder holds no text files ({' '.join(TEXT_SUFFIXES)})"
+            f"{flag} {path}: the folder holds no text files ({' '.join(TEXT_SUFFIXES)})"
         )
-    raise UsageError(f"--data {path}: no such file or folder; give a text file, folder or .bin")
+    raise UsageError(f"{flag} {path}: no such file or folder; give a text file, folder or .bin")
 
 
-def open_tokens(data: str, tokenizer: str = "", cache_dir: str = "") -> TokenFile:
-    """The token file for `--data` (tokenizing into the cache on first use)."""
+def check_text(path: Path, flag: str = "--data") -> None:
+    """UsageError unless the first SNIFF_BYTES of `path` read as text: UTF-8 without NUL bytes
+    (byte-level training would otherwise learn a binary file's bytes without a word, and a
+    tokenizer would replace what does not decode). Checked before the cache is looked up,
+    so a cached entry of a binary file is refused too."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    nul = head.find(b"\0")
+    where = nul
+    if nul < 0:
+        try:  # final=False: a character cut at the end of the sample is not an error
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError as e:
+            where = e.start
+    if where >= 0:
+        raise UsageError(
+            f"{flag} {path} is not UTF-8 text (byte {where} is "
+            f"{'NUL' if where == nul else 'not UTF-8'}); give text files, a token .bin or "
+            f"JSONL / Parquet / Arrow records"
+        )
+
+
+def open_tokens(
+    data: str, tokenizer: str = "", cache_dir: str = "", flag: str = "--data"
+) -> TokenFile:
+    """The token file for `--data` (tokenizing into the cache on first use); `flag` names the
+    flag in messages (--eval-data reads its files here too)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if data.endswith(".bin") and Path(data).is_file():
         return _existing_token_file(Path(data), cache)
-    files = corpus_files(data)
+    files = corpus_files(data, flag)
+    for file in files if data else ():  # the stdlib's sources are ours, not the user's
+        check_text(file, flag)
     encoder = _load_tokenizer(tokenizer) if tokenizer else None
     sources = [(str(f.resolve()), *_stat(f)) for f in files]
     tokenizer_id = _file_hash(Path(tokenizer)) if tokenizer else "bytes"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -45,36 +46,40 @@ AXIS_ALIASES = {
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
+def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
     """Parse "dp=2,fsdp=2,tp=2" into {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}.
 
     Sizes are device counts per axis; at most one axis may be -1 ("the rest"), which
-    `resolve_mesh` fills in. Unnamed axes are 1.
+    `resolve_mesh` fills in. Unnamed axes are 1. Items are AXIS=SIZE separated by commas
+    (spaces around them are fine); an empty item ("dp=2,,tp=2", a trailing comma) or an empty
+    spec is a UsageError, as is a size that is not a plain decimal integer (Python's int()
+    would take "1_6" or non-ASCII digits). `flag` names the flag in messages (--dcn-mesh).
     """
     sizes = dict.fromkeys(MESH_AXES, 1)
     seen: set[str] = set()
     valid = ", ".join(sorted(AXIS_ALIASES))
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    if not spec.strip():
+        raise UsageError(f"{flag} {spec!r} names no axis; give AXIS=SIZE,... e.g. dp=2,tp=4")
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            raise UsageError(f"{flag} {spec!r} has an empty item; separate AXIS=SIZE by one comma")
         name, eq, value = part.partition("=")
         axis = AXIS_ALIASES.get(name.strip().lower())
         if not eq or axis is None:
-            raise UsageError(f"--mesh {spec!r}: {part!r} is not AXIS=SIZE with AXIS one of {valid}")
+            raise UsageError(f"{flag} {spec!r}: {part!r} is not AXIS=SIZE with AXIS one of {valid}")
         if axis in seen:
-            raise UsageError(f"--mesh {spec!r}: axis {axis!r} is given twice")
-        try:
-            size = int(value)
-        except ValueError:
-            raise UsageError(
-                f"--mesh {spec!r}: size {value!r} of {axis!r} is not an integer"
-            ) from None
+            raise UsageError(f"{flag} {spec!r}: axis {axis!r} is given twice")
+        if not re.fullmatch(r"-?[0-9]+", value.strip()):
+            raise UsageError(f"{flag} {spec!r}: size {value!r} of {axis!r} is not an integer")
+        size = int(value)
         if size < 1 and size != -1:
             raise UsageError(
-                f"--mesh {spec!r}: size {size} of {axis!r} must be a positive integer or -1"
+                f"{flag} {spec!r}: size {size} of {axis!r} must be a positive integer or -1"
             )
         seen.add(axis)
         sizes[axis] = size
     if list(sizes.values()).count(-1) > 1:
-        raise UsageError(f"--mesh {spec!r}: only one axis may be -1 (the rest of the devices)")
+        raise UsageError(f"{flag} {spec!r}: only one axis may be -1 (the rest of the devices)")
     return sizes
 
 
@@ -163,7 +168,7 @@ def dcn_split(
     sizes = {**dict.fromkeys(MESH_AXES, 1), **sizes}  # absent axes have size 1
     mesh_text = format_mesh(sizes)
     if dcn_spec:
-        dcn = parse_mesh(dcn_spec)
+        dcn = parse_mesh(dcn_spec, "--dcn-mesh")
         for axis, ways in dcn.items():
             if ways == -1 or sizes[axis] % ways:
                 raise UsageError(
@@ -238,6 +243,8 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
     multi-process job, a hybrid mesh whose `--dcn-mesh` ways cross processes."""
     from spmd.parallel import distributed
 
+    if devices < 0:
+        raise UsageError(f"--devices {devices} must be >= 0 (0: as many as the mesh needs)")
     sizes = parse_mesh(mesh)
     needed = devices_needed(sizes)
     if needed and needed % n_processes:
@@ -246,7 +253,6 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
             f"share evenly; use a mesh whose product is a multiple of {n_processes}"
         )
     local = devices or distributed.local_devices_from_env()
-    started_before = False  # simulated CPU devices that a running process already had
     if local:
         if not cpu_only():
             raise UsageError(
@@ -255,13 +261,13 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
             )
         simulate_cpu_devices(local, announce=False)
     elif needed and needed > n_processes and cpu_only():
-        count = needed // n_processes
-        started_before = not simulate_cpu_devices(count, announce=n_processes == 1)
+        simulate_cpu_devices(needed // n_processes, announce=n_processes == 1)
     if n_processes == 1:
-        if started_before and needed < len(jax.devices()):
+        count = local or needed  # --devices when given (the mesh must fill it), else the mesh's
+        if count and cpu_only() and count < len(jax.devices()):
             # simulated devices started earlier in this process (a notebook, a test session):
-            # the mesh takes as many as it names
-            return build_mesh(sizes, jax.devices()[:needed])
+            # the run takes as many as --devices (or the mesh) names
+            return build_mesh(sizes, jax.devices()[:count])
         return build_mesh(sizes)
     sizes = resolve_mesh(sizes, len(jax.devices()))
     dcn = dcn_split(sizes, n_processes, dcn_mesh, len(jax.local_devices()))

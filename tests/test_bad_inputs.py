@@ -1,0 +1,249 @@
+"""The bad-input table: every command refuses each of these with exit status 2 and exactly one
+line on stderr, `error: ...`, and no traceback; before any device work.
+
+The commands run in-process (each module's `main`, as `python -m spmd.X` calls it), so the
+table takes seconds. Device work is fenced off: `setup_mesh`, where every command's first
+device is touched, raises here unless a case says the check needs the mesh (generate's length
+checks read the model after it). The compiled step's memory check runs after compiling by
+design, so it has its own test below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+UNTIED = ROOT / "tests" / "fixtures" / "hf_llama_untied"
+TRAIN = ("--model", "tiny", "--dry-run")  # every train case starts so: a slip only compiles
+GENERATE = ("--from-hf", str(UNTIED), "--prompt", "Hello")  # byte-level: vocab 128 holds ASCII
+TO_SPMD = ("--from-hf", str(UNTIED), "--to", "{tmp}/out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    command: str  # the spmd module: train, plan, convert, generate, launch, report, bench, ...
+    args: str  # shell words; {name} is a file of the `files` fixture, {tmp} a fresh folder
+    base: tuple[str, ...] = ()  # given before args
+    mesh: bool = False  # the check needs the mesh (it reads the model through it)
+
+    def argv(self, files: dict[str, str], tmp: Path) -> list[str]:
+        words = [*self.base, *shlex.split(self.args)]
+        return [w.format(tmp=tmp, **files) for w in words]
+
+    @property
+    def id(self) -> str:
+        return f"{self.command} {self.args}"
+
+
+def train(args: str) -> Case:
+    return Case("train", args, TRAIN)
+
+
+def plan(args: str) -> Case:
+    return Case("plan", args)
+
+
+def convert(args: str, base: tuple[str, ...] = TO_SPMD) -> Case:
+    return Case("convert", args, base)
+
+
+def generate(args: str, base: tuple[str, ...] = GENERATE, mesh: bool = False) -> Case:
+    return Case("generate", args, base, mesh)
+
+
+def report(args: str) -> Case:
+    return Case("report", args, ("--out", "{tmp}/report.png"))  # never into the work tree
+
+
+CASES = [
+    # the model's shape: the family's check (models/llama.py, models/moe.py)
+    *map(train, ["--n-layers 0", "--n-layers -4", "--n-heads 0", "--embed-dim 0"]),
+    *map(train, ["--mlp-dim 0", "--vocab-size 0", "--head-dim 0", "--head-dim 7"]),
+    *map(train, ["--n-kv-heads 0", "--n-kv-heads 3", "--rope-theta 0", "--rope-theta nan"]),
+    *map(train, ["--norm-eps -1", "--norm-eps inf", "--remat bogus", "--family bogus"]),
+    *map(train, ["--model moe-tiny --n-experts -1", "--model moe-tiny --experts-per-token 0"]),
+    *map(train, ["--model moe-tiny --expert-mlp-dim -1", "--model moe-tiny --capacity-factor nan"]),
+    *map(train, ["--model moe-tiny --aux-loss-coef -1", "--model moe-tiny --z-loss-coef nan"]),
+    # the run's counts
+    *map(train, ["--steps 0", "--batch 0", "--accum 0", "--seq-len -1", "--seed -1"]),
+    *map(train, ["--stop-after -1", "--num-processes -1", "--process-id -2"]),
+    *map(train, ["--eval-fraction nan", "--eval-every -1", "--eval-batches 0"]),
+    # the optimizer
+    *map(train, ["--lr inf", "--lr 0", "--lr-scaling bogus", "--warmup -1"]),
+    *map(train, ["--min-lr-ratio nan", "--beta1 1", "--outer-lr nan", "--outer-momentum 1.5"]),
+    # the layout
+    *map(train, ["--mesh dp=2,,tp=2", "--mesh dp=2,", "--mesh ''", "--mesh dp=1_6"]),
+    *map(train, ["--mesh dp=0", "--devices -1", "--zero 4", "--collectives bogus"]),
+    *map(train, ["--bucket-mb nan", "--pp-schedule bogus", "--microbatches -1"]),
+    *map(train, ["--pp-virtual 0", "--dcn-mesh bogus", "--dcn-sync bogus", "--sync-every 0"]),
+    *map(train, ["--diloco-axis data", "--precision fp8", "--grad-reduce int8"]),
+    # checkpoints, divergence, observability
+    *map(train, ["--checkpoint-every -1", "--keep-checkpoints 1", "--resume"]),
+    *map(train, ["--on-divergence bogus", "--spike-threshold 0.5", "--rollback-lr-factor nan"]),
+    *map(train, ["--log-every 0", "--profile bogus", "--comm-warn 2", "--peak-tflops inf"]),
+    *map(train, ["--straggler-threshold nan", "--metrics {tmp}", "--tensorboard {binary}"]),
+    *map(train, ["--data-cache {binary}", "--profile-dir {binary}"]),
+    # data and config files
+    *map(train, ["--data {binary}", "--data {latin1}", "--eval-data {binary}"]),
+    *map(train, ["--data {tmp}/missing.txt", "--tokenize-workers -1", "--document-mask maybe"]),
+    *map(train, ["--prompt-field q", "--config {binary}", "--config {top_level_key}"]),
+    *map(train, ["--config {tmp}/missing.toml", "--config {tmp}"]),
+    *map(train, ["--init-from-hf {hf_list}", "--init-from-hf {hf_no_layers}"]),
+    # the parser itself
+    *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
+    # the planner
+    *map(plan, ["--params inf", "--params nan", "--params 1", "--params 1e30"]),
+    *map(plan, ["--hbm nan", "--hbm inf", "--overhead nan", "--latency inf"]),
+    *map(plan, ["--tflops nan", "--bandwidth nan", "--overlap 2", "--tokens-per-step 0"]),
+    *map(plan, ["--devices -1", "--devices-per-node 0", "--mesh dp=2,,tp=2", "--zero 4"]),
+    *map(plan, ["--model tiny --n-heads 0", "--model tiny --embed-dim 0", "--lr nan"]),
+    *map(plan, ["--collectives bogus", "--optimizer bogus", "--gpu bogus", "--batch -1"]),
+    # Hugging Face folders <-> spmd checkpoints
+    *map(convert, ["--step 3", "--hf-dtype int8", "--hf-dtype bfloat16", "--max-shard-mb 0"]),
+    *map(convert, ["--mesh dp=2,,tp=2", "--devices -1", "--to-hf {tmp}/hf"]),
+    convert("--from-hf {hf_list} --to {tmp}/out", ()),
+    convert("--from-hf {hf_no_layers} --to {tmp}/out", ()),
+    convert("--from-hf {hf_negative_eps} --to {tmp}/out", ()),
+    convert("--from-hf {tmp}/missing --to {tmp}/out", ()),
+    convert(f"--from-hf {UNTIED}", ()),
+    convert(f"--from-hf {UNTIED} --to {{binary}}", ()),
+    convert("--checkpoint {checkpoint} --to-hf {tmp}/hf --step -1", ()),
+    convert("--checkpoint {tmp}/missing --to-hf {tmp}/hf", ()),
+    # generation
+    *map(generate, ["--max-new-tokens 0", "--temperature nan", "--temperature inf"]),
+    *map(generate, ["--temperature -1", "--top-k -1", "--step 3", "--seed -1"]),
+    *map(generate, ["--devices -1", "--mesh dp=2,,tp=2", "--num-samples 0"]),
+    generate(f"--from-hf {UNTIED} --prompts-file {{binary}}", ()),
+    generate(f"--from-hf {UNTIED} --prompts-file {{tmp}}/missing.txt", ()),
+    generate(f"--from-hf {UNTIED} --prompt ''", ()),
+    generate("--prompt Hello", ()),
+    generate(f"--from-hf {UNTIED} --checkpoint {{checkpoint}} --prompt Hello", ()),
+    generate("--from-hf {hf_list} --prompt Hello", ()),
+    generate("--checkpoint {checkpoint} --prompt Hello --step -1", ()),
+    generate("--checkpoint {tmp}/missing --prompt Hello", ()),
+    generate("--max-new-tokens 100000000", mesh=True),  # past config.json's 2048 positions
+    generate("--max-new-tokens 2044", mesh=True),  # "Hello" + 2044 = 2049
+    generate("--top-k 100000", mesh=True),  # more than the vocab's 128
+    generate("--checkpoint {checkpoint} --prompt Hello --max-new-tokens 100000000", (), True),
+    # the launcher
+    *[Case("launch", f"-n 2 -- {command}") for command in ("{tmp}/missing", "no-such-program-x")],
+    *[Case("launch", args) for args in ("-n 2 -- {text}", "-n 0 -- true", "-n 2")],
+    *[Case("launch", f"-n 2 {flag} -- true") for flag in ("--grace -1", "--grace nan")],
+    Case("launch", "-n 2 --devices-per-process -1 -- true"),
+    # the report of metrics files
+    *map(report, ["{binary}", "{list_jsonl}", "{mesh_not_object}", "{step_not_number}"]),
+    *map(report, ["{not_json}", "{summary_only}", "{tmp}/missing.jsonl", "{tmp}"]),
+    *map(report, ["{metrics} --out {tmp}/x.xyz", "{metrics} --out {tmp}/missing/x.png"]),
+    # the benchmarks (their checks run before any compile)
+    *[Case("bench", f"--model tiny {a}") for a in ("--rounds 0", "--n-layers 0", "--lr nan")],
+    *[Case("bench_collectives", a) for a in ("--devices 0", "--remat bogus", "--bucket-mb nan")],
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """The bad files the cases name, and one good converted checkpoint."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    made = {
+        "binary": b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4,  # an executable's start
+        "latin1": "caf\xe9 au lait\n".encode("latin-1"),
+        "text": b"hello world\n" * 100,
+        "top_level_key": b"run = 3\n",
+        "list_jsonl": b"[1, 2]\n",
+        "not_json": b"not a metrics file\n",
+        "summary_only": b'{"kind": "summary"}\n',
+        "mesh_not_object": b'{"kind": "config", "config": {}, "mesh": 3}\n{"kind": "train"}\n',
+        "step_not_number": b'{"kind": "config", "config": {}, "mesh": {}}\n'
+        b'{"kind": "train", "step": "x", "loss": 1.0}\n',
+        "metrics": b'{"kind": "config", "config": {}, "mesh": {"data": 2}}\n'
+        b'{"kind": "train", "step": 1, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 0.1}\n',
+    }
+    paths = {}
+    for name, content in made.items():
+        paths[name] = root / name
+        paths[name].write_bytes(content)
+    for name, change in {
+        "hf_list": None,
+        "hf_no_layers": {"num_hidden_layers": 0},
+        "hf_negative_eps": {"rms_norm_eps": -1.0},
+    }.items():
+        folder = root / name
+        shutil.copytree(UNTIED, folder)
+        hf = json.loads((folder / "config.json").read_text())
+        text = "[1, 2]" if change is None else json.dumps(hf | change)
+        (folder / "config.json").write_text(text)
+        paths[name] = folder
+    from spmd import convert as convert_command  # a good checkpoint (this is device work)
+
+    paths["checkpoint"] = root / "converted"
+    argv = ["--from-hf", str(UNTIED), "--to", str(paths["checkpoint"]), "--mesh", "dp=1"]
+    assert convert_command.main(argv) == 0
+    return {name: str(path) for name, path in paths.items()}
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    """A command's exit status, as `python -m spmd.COMMAND argv` would give it."""
+    try:
+        return importlib.import_module(f"spmd.{command}").main(argv)
+    except SystemExit as exited:  # the argument parser's errors
+        return exited.code
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_a_bad_input_exits_2_with_one_line_before_device_work(
+    case, files, tmp_path, monkeypatch, capsys
+):
+    from spmd.parallel import mesh
+
+    def no_device_work(*args, **kwargs):
+        raise AssertionError(f"setup_mesh{args} ran: the bad input was not refused up front")
+
+    if not case.mesh:
+        monkeypatch.setattr(mesh, "setup_mesh", no_device_work)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # tokenized corpora
+    capsys.readouterr()  # what the fixtures printed
+    status = run_command(case.command, case.argv(files, tmp_path))
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+
+
+def test_the_table_is_large_and_covers_every_command():
+    commands = {case.command for case in CASES}
+    assert len(CASES) >= 80
+    assert {"train", "plan", "convert", "generate", "launch", "report", "bench"} <= commands
+    assert len({case.id for case in CASES}) == len(CASES)  # no case twice
+
+
+def test_a_step_too_large_for_a_device_exits_2_after_compiling_and_a_dry_run_warns(
+    tmp_path, monkeypatch, capsys
+):
+    """--seq-len 16384 on tiny (batch 32, no remat) needs about 2.8 TiB of temp per device:
+    the compiled step is refused before anything is allocated for it, naming the flags that
+    shrink it; a dry run prints its report and the same sentence as a warning, exit 0."""
+    from spmd import train as train_command
+    from spmd.observe.capacity import host_memory
+
+    if (host_memory() or 0) > 2**42:
+        pytest.skip("this host holds the step")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20_000)
+    argv = ["--model", "tiny", "--seq-len", "16384", "--mesh", "dp=1", "--data", str(corpus)]
+    capsys.readouterr()
+    assert train_command.main([*argv, "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the compiled train step needs"), err
+    assert "TiB per device" in err[0] and "--remat full" in err[0] and "--seq-len" in err[0]
+    assert train_command.main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "temp" in out.out and out.err.startswith("warning: the compiled train step needs")
