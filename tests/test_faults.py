@@ -89,16 +89,19 @@ def test_a_stop_signal_ends_the_job_at_one_saved_step(tmp_path, target):
     launcher, lines = launch(*command), []
     read_until(launcher, r"\[0\] step +3/", lines)
     started = time.monotonic()
+    rank0, rank1 = ranks(launcher)
     if target == "the launcher":
         launcher.send_signal(signal.SIGTERM)
     else:
-        rank0, rank1 = ranks(launcher)
         os.kill(rank1, signal.SIGTERM)
         if target.startswith("both"):
             time.sleep(0.5)
             os.kill(rank0, signal.SIGTERM)
     out = finish(launcher, lines, started)
     assert launcher.returncode == 0, out[-3000:]
+    for pid in (rank0, rank1):  # nothing left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     step = stopped_step(out)
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [step]
     assert f"stopped after step {step}" in out
@@ -150,3 +153,24 @@ def test_a_process_that_makes_no_step_ends_the_job_naming_it():
     assert launcher.returncode == 124, out
     assert "process 1 made no step for 2 s" in out
     assert time.monotonic() - started < 30
+
+
+def test_a_signal_during_compile_ends_a_run_before_its_first_step(tmp_path):
+    """A first SIGTERM before training starts is noted (the process is not killed mid-start)
+    and ends the run with status 0 and a line saying nothing was trained."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spmd.train", *RUN, "--steps", "50"]
+        + ["--checkpoint-dir", str(tmp_path / "ck")],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    read_until(proc, r"^xla flags", lines)  # configured, not yet compiled
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc, lines, time.monotonic())
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM before the first step: stopping; nothing was trained or saved" in out
+    assert not any((tmp_path / "ck").glob("[0-9]*"))
