@@ -174,3 +174,31 @@ def test_a_signal_during_compile_ends_a_run_before_its_first_step(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM before the first step: stopping; nothing was trained or saved" in out
     assert not any((tmp_path / "ck").glob("[0-9]*"))
+
+
+def test_a_killed_rank_ends_the_job_and_leaves_its_checkpoints_whole(tmp_path):
+    """kill -9 of one training process: the launcher stops the other (SIGTERM, then SIGKILL
+    after --grace), exits 128 + 9, and the steps saved before are intact (their manifests)."""
+    checkpoints = tmp_path / "ck"
+    command = [sys.executable, "-m", "spmd.train", *RUN, "--steps", "2000"]
+    command += ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
+    launcher, lines = launch(*command, extra=("--grace", "5")), []
+    read_until(launcher, r"\[0\] step +5/", lines)
+    started = time.monotonic()
+    rank0, rank1 = ranks(launcher)
+    os.kill(rank1, signal.SIGKILL)
+    out = finish(launcher, lines, started)
+    assert launcher.returncode == 128 + signal.SIGKILL, out[-3000:]
+    assert "process 1 exited with status 137; stopping the others" in out
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)
+    verified = subprocess.run(
+        [sys.executable, "-m", "spmd.checkpoint", "verify", str(checkpoints)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert ": ok:" in verified.stdout
