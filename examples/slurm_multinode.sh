@@ -17,11 +17,8 @@
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
-CKPT=/shared/checkpoints/spmd-1b
-RESUME=()
-# A requeued job continues from its newest complete checkpoint; a first run starts fresh.
-if [ -d "$CKPT" ] && [ -n "$(ls -A "$CKPT")" ]; then RESUME=(--resume); fi
-
+# Resubmitted or requeued, the same script continues from the newest complete checkpoint in
+# --checkpoint-dir; the first time it starts fresh (--resume auto, the default).
 srun python -m spmd.train \
   --model 1b \
   --mesh fsdp=4,tp=8 \
@@ -29,5 +26,5 @@ srun python -m spmd.train \
   --precision bf16 \
   --batch 64 --seq-len 2048 --steps 2000 \
   --data /shared/corpus \
-  --checkpoint-dir "$CKPT" --checkpoint-every 200 "${RESUME[@]}" \
+  --checkpoint-dir /shared/checkpoints/spmd-1b --checkpoint-every 200 \
   --metrics /shared/runs/spmd-1b.jsonl

@@ -29,6 +29,8 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
+    BARE_FLAG_VALUES,
+    FORMER_VALUES,
     SECTIONS,
     CheckpointConfig,
     Config,
@@ -151,7 +153,12 @@ def build_parser(
                     metavar="BOOL",
                     help=text,
                 )
-            else:
+            else:  # a field with a meaning alone (`--resume`) takes its value optionally
+                bare = (
+                    {"nargs": "?", "const": BARE_FLAG_VALUES[name]}
+                    if name in BARE_FLAG_VALUES
+                    else {}
+                )
                 group.add_argument(
                     *names,
                     dest=name,
@@ -159,6 +166,7 @@ def build_parser(
                     default=argparse.SUPPRESS,
                     metavar=kind.__name__.upper(),
                     help=text,
+                    **bare,
                 )
     return parser
 
@@ -191,6 +199,7 @@ def load_toml(path: Any) -> dict[str, Any]:
 def build(cls: type, values: dict[str, Any], source: str) -> Any:
     """Instantiate dataclass `cls` from `values`, naming unknown keys, bad types, gaps."""
     types = _field_types(cls)
+    values = {key: _current_value(key, value) for key, value in values.items()}
     for key, value in values.items():
         if key not in types:
             near = difflib.get_close_matches(key, list(types), n=1)
@@ -208,6 +217,13 @@ def build(cls: type, values: dict[str, Any], source: str) -> Any:
     if missing:
         raise UsageError(f"{source}: missing {', '.join(missing)}")
     return cls(**{k: (float(v) if types[k] is float else v) for k, v in values.items()})
+
+
+def _current_value(key: str, value: Any) -> Any:
+    """`value`, or what it means now if it is one field `key` took before it changed type
+    (spmd.sections.FORMER_VALUES: an old file's `resume = true` is "required")."""
+    former = FORMER_VALUES.get(key, {})
+    return former.get(value, value) if isinstance(value, bool | str) else value
 
 
 @dataclasses.dataclass(frozen=True)

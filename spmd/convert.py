@@ -65,7 +65,12 @@ def run(argv: list[str] | None) -> int:
 
     started = time.perf_counter()
     if to_spmd:
-        checkpoint.check_directory(cfg.to, resume=False)
+        if Path(cfg.to).exists() and (
+            checkpoint.complete_steps(cfg.to) or not Path(cfg.to).is_dir()
+        ):
+            raise UsageError(
+                f"--to {cfg.to} already exists with checkpoints or as a file; give a new folder"
+            )
         hf_llama.open_checkpoint(cfg.from_hf)  # every error before any device work
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)

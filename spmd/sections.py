@@ -125,7 +125,10 @@ class CheckpointConfig:
     checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    # auto: continue from the newest complete checkpoint in checkpoint_dir when there is one,
+    # else start fresh; required: continue, exit 2 when there is none (`--resume` alone);
+    # fresh: start at step 1, exit 2 when the folder holds checkpoints (they would be mixed)
+    resume: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +159,16 @@ class ObserveConfig:
     peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
     straggler_threshold: float = 0.2  # name a process this fraction slower than the median
 
+
+RESUME_MODES = ("auto", "required", "fresh")  # the values of CheckpointConfig.resume
+
+# The value a flag given alone means (`--resume` is `--resume required`, as when it was a bool).
+BARE_FLAG_VALUES: dict[str, str] = {"resume": "required"}
+# Values a field took before it changed type, read as the value meaning the same now: old TOML
+# files' `resume = true / false`, old command lines' `--resume true / false`.
+FORMER_VALUES: dict[str, dict[Any, str]] = {
+    "resume": {True: "required", False: "fresh", "true": "required", "false": "fresh"}
+}
 
 # section name -> its dataclass, in the order a resolved config is printed
 SECTIONS: dict[str, type] = {

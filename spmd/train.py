@@ -20,9 +20,9 @@ from models import family, moe
 from spmd import builder, config
 from spmd.checks import (
     batch_arithmetic,
-    check_checkpoint_dir,
     check_choices,
     check_dcn_sync_mesh,
+    checkpoint_resumes,
     format_batch_arithmetic,
 )
 from spmd.config import Config
@@ -109,8 +109,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     say(config.format_config(cfg.sections()))
     say(xla_flags.describe(flags))
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
-    if checkpointing:
-        check_checkpoint_dir(cfg)
+    resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
@@ -122,7 +121,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     pipe_report = describe_program(cfg, program)
     manager, restored = None, None
     if checkpointing:
-        manager, restored = open_checkpoints(cfg, program, token_file.fingerprint)
+        manager, restored = open_checkpoints(cfg, program, token_file.fingerprint, resumes)
     from spmd.training.divergence import Guard
 
     saved = restored.data if restored is not None else None

@@ -70,6 +70,28 @@ def test_layout_fills_mesh_and_zero_unless_given():
     assert resolve("--layout", "zero1", "--mesh", "fsdp=4")["parallel"].mesh == "fsdp=4"
 
 
+@pytest.mark.parametrize(
+    "given, mode",
+    [
+        ((), "auto"),
+        (("--resume",), "required"),
+        (("--resume", "fresh"), "fresh"),
+        (("--resume", "true"), "required"),  # the command lines of the bool --resume
+        (("--resume", "false"), "fresh"),
+        (("--resume", "--steps", "3"), "required"),
+        (("--toml", "[checkpoint]\nresume = true\n"), "required"),  # files of the bool
+        (("--toml", "[train]\nresume = false\n"), "fresh"),
+        (("--toml", '[checkpoint]\nresume = "auto"\n', "--resume"), "required"),
+    ],
+)
+def test_resume_modes_and_the_values_of_the_former_bool(tmp_path, given, mode):
+    argv = list(given)
+    if argv[:1] == ["--toml"]:
+        (tmp_path / "c.toml").write_text(argv[1])
+        argv[:2] = ["--config", str(tmp_path / "c.toml")]
+    assert resolve(*argv)["checkpoint"].resume == mode
+
+
 def test_config_file_mistakes_are_named(tmp_path):
     file = tmp_path / "bad.toml"
     file.write_text("[train]\nstepz = 3\n")

@@ -274,8 +274,8 @@ class Guard:
             checkpoint_step=newest,
         )
         where = (
-            f"its newest checkpoint, step {newest} in {folder}, is finite: resume from it with "
-            f"--resume and a lower --lr or --on-divergence rollback"
+            f"its newest checkpoint, step {newest} in {folder}, is finite: the same command "
+            f"continues from it (--resume auto); give it a lower --lr or --on-divergence rollback"
             if newest is not None
             else "no checkpoint was saved before it: start again with a lower --lr"
         )
