@@ -37,10 +37,11 @@ def check_choices(cfg: Config) -> None:
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
-    from spmd.engine.optim import check_hyperparameters, peak_lr
+    from spmd.engine.optim import check_hyperparameters, lr_schedule
 
     check_hyperparameters(cfg.optimizer)
-    peak_lr(cfg.optimizer, cfg.run.batch)  # UsageError for --lr-scaling and --ref-batch
+    # UsageError for --lr-scaling, --ref-batch, --lr-schedule and a WSD decay that cannot fit
+    lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
     precision.get(
         cfg.precision.precision, cfg.precision.grad_reduce
     )  # UsageError naming the valid values

@@ -62,13 +62,18 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its LR schedule (linear warm-up, then cosine decay), DiLoCo's outer optimizer."""
+    """AdamW, its LR schedule (linear warm-up, then a decay), DiLoCo's outer optimizer."""
 
     lr: float = 3e-3  # peak learning rate (before the scaling rule)
     lr_scaling: str = "none"  # none | linear: lr * batch / ref_batch
     ref_batch: int = 32  # the global batch at which `lr` was tuned (for --lr-scaling linear)
-    warmup: int = 20  # linear warm-up steps, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
+    warmup: int = 20  # linear warm-up steps from 0 to the peak LR, then the schedule
+    # after warm-up: cosine = cosine decay to min_lr_ratio x peak at the end of the run;
+    # linear = linear decay to it; constant = stay at peak; wsd = warm-up, stable, decay: stay
+    # at peak, then decay linearly to min_lr_ratio x peak over the last decay_fraction of steps
+    lr_schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # the LR the decay ends at, as a fraction of the peak
+    decay_fraction: float = 0.2  # wsd: the share of --steps the final decay takes, in (0, 1]
     weight_decay: float = 0.1  # decoupled (AdamW), matrices only
     beta1: float = 0.9
     beta2: float = 0.95
