@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from spmd import config
 from spmd.errors import UsageError, run_command
@@ -35,11 +36,11 @@ class ConvertConfig:
     checkpoint: str = ""  # an spmd checkpoint folder to read (with --to-hf)
     step: int = 0  # its step to read (0: the newest)
     to_hf: str = ""  # the Hugging Face folder to write (with --checkpoint)
-    hf_dtype: str = "float32"  # float32 | bfloat16: dtype of the written safetensors
+    hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
     mesh: str = "fsdp=-1"  # params sharded over every device: the least memory per device
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
-    zero: int = 3
+    zero: int = 3  # how the params are sharded over fsdp on the way (1-2: replicated, 3: split)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    cfg = Config.of(resolve_sections(argv))
+    sections = resolve_sections(argv)
+    cfg = Config.of(sections)
+    if sections["print_config"]:  # the config as resolved, before any check or device work
+        print(config.format_config(cfg.sections()))
+        return 0
     check_choices(cfg)
     from spmd.training.preemption import StopSignals
 
@@ -246,9 +250,11 @@ def train_until_stopped(
 
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
-    """The config tree of the command line; with --init-from-hf the Hugging Face folder's
-    config.json is the architecture."""
-    sections = config.resolve(argv, SECTIONS, "python -m spmd.train", expand=expand_layout)
+    """The config tree of the command line (and `print_config`, whether --print-config was
+    given); with --init-from-hf the Hugging Face folder's config.json is the architecture."""
+    sections = config.resolve(
+        argv, SECTIONS, "python -m spmd.train", expand=expand_layout, printable=True
+    )
     if sections["run"].init_from_hf:
         from models import hf_llama
 

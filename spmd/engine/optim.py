@@ -13,10 +13,10 @@ import optax
 
 from spmd.errors import UsageError
 from spmd.parallel.collectives import global_norm
-from spmd.sections import OptimizerConfig
+from spmd.sections import OptimizerConfig, choices
 
-LR_SCALINGS = ("none", "linear")
-LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+LR_SCALINGS = choices(OptimizerConfig, "lr_scaling")
+LR_SCHEDULES = choices(OptimizerConfig, "lr_schedule")
 
 
 def check_number(flag: str, value: float, low: float, high: float, valid: str) -> None:
