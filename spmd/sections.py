@@ -34,7 +34,7 @@ class RunConfig:
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
     dry_run: bool = False  # compile the step, print memory and collectives, do not train
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
-    num_processes: int = 0  # processes in the job (0: from spmd.launch, SLURM or Open MPI)
+    num_processes: int = 0  # processes in the job (0: from spmd.launch or a cluster JAX detects)
     process_id: int = -1  # this process's rank (-1: detect)
 
 

@@ -52,16 +52,14 @@ def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_processes(cfg: Config) -> int:
-    """Join the multi-process job if this is one (flags, spmd.launch, SLURM, Open MPI);
-    only process 0 prints progress and writes metrics. Returns the number of processes."""
+    """Join the multi-process job if this is one (flags, spmd.launch, or a cluster that JAX's
+    own detection finds: spmd.parallel.distributed); only process 0 prints progress and writes
+    metrics. Returns the number of processes."""
     from spmd.log import set_primary
     from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
-        cfg.run.coordinator,
-        cfg.run.num_processes,
-        cfg.run.process_id,
-        auto_detect=distributed.cluster_detected(),
+        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id
     )
     set_primary(distributed.process_id() == 0)
     return n_processes
