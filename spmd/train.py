@@ -9,6 +9,7 @@ line naming the bad value.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -257,15 +258,24 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
         from models import hf_llama
 
         folder = hf_llama.open_checkpoint(sections["run"].init_from_hf, sections["model"].remat)
-        # The architecture is the folder's; the router's training knobs given as flags win.
-        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        # The architecture is the folder's; the router's training knobs given win.
+        given = given_router_knobs(sys.argv[1:] if argv is None else argv)
         knobs = {
-            name: getattr(sections["model"], name)
-            for name in ROUTER_KNOBS
-            if config.flag_name(name) in given and hasattr(folder.config, name)
+            name: getattr(sections["model"], name) for name in given if hasattr(folder.config, name)
         }
         sections["model"] = dataclasses.replace(folder.config, **knobs)
     return sections
+
+
+def given_router_knobs(argv: list[str]) -> list[str]:
+    """The ROUTER_KNOBS that `argv` sets itself, as flags or in the [model] table of its
+    --config file (as --print-config writes them), rather than through the preset."""
+    flags = {a.split("=")[0] for a in argv}
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--config")
+    path = peek.parse_known_args(argv)[0].config
+    in_file = config.load_toml(path).get("model", {}) if path else {}
+    return [name for name in ROUTER_KNOBS if config.flag_name(name) in flags or name in in_file]
 
 
 def compile_step(cfg: Config, program: Any) -> tuple:

@@ -2,6 +2,7 @@
 compiling anything."""
 
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,13 +132,27 @@ def test_the_tables_that_act_on_a_choice_hold_exactly_its_choices():
     assert set(cost.OPTIMIZERS) == set(choices(plan.PlanConfig, "optimizer"))
 
 
-def test_print_config_writes_toml_that_config_reads_back_to_the_same_config(tmp_path, capsys):
-    flags = ["--model", "moe-tiny", "--layout", "megatron", "--n-layers", "3", "--shared-expert"]
-    flags += ["--lr-schedule", "wsd", "--lr", "1e-05", "--min-lr-ratio", "0", "--resume"]
-    flags += ["--data", 'web=a "b"\\c \u00fc\x7f\t.jsonl:0.5', "--spike-threshold", "inf"]
+MIXTRAL = Path(__file__).resolve().parent / "fixtures" / "hf_mixtral"
+PRINTED = {  # flags, and what the printed [model] table holds
+    "flags": [
+        *("--model", "moe-tiny", "--layout", "megatron", "--n-layers", "3", "--shared-expert"),
+        *("--lr-schedule", "wsd", "--lr", "1e-05", "--min-lr-ratio", "0", "--resume"),
+        *("--data", 'web=a "b"\\c \u00fc\x7f\t.jsonl:0.5', "--spike-threshold", "inf"),
+    ],
+    # the folder is the architecture; a router knob given as a flag, then from the file
+    "hf": ["--init-from-hf", str(MIXTRAL), "--capacity-factor", "1.25", "--model", "moe-tiny"],
+}
+PRINTED_MODEL = {"flags": {"n_layers": 3, "shared_expert": True}, "hf": {"capacity_factor": 1.25}}
+
+
+@pytest.mark.parametrize("case", PRINTED)
+def test_print_config_writes_toml_that_config_reads_back_to_the_same_config(tmp_path, capsys, case):
+    flags = PRINTED[case]
     assert train.main([*flags, "--print-config"]) == 0
     printed = capsys.readouterr()
-    assert printed.err == "" and tomllib.loads(printed.out)["run"]["model"] == "moe-tiny"
+    toml = tomllib.loads(printed.out)
+    assert printed.err == "" and toml["run"]["model"] == "moe-tiny"
+    assert toml["model"].items() >= PRINTED_MODEL[case].items()
     file = tmp_path / "resolved.toml"
     file.write_text(printed.out)
 
