@@ -3,11 +3,12 @@
 #
 #   sbatch examples/slurm_multinode.sh
 #
-# One task per node; each task sees all of its node's GPUs. spmd.train sees SLURM_NTASKS > 1
-# and lets JAX find the coordinator and its rank from SLURM's environment. --mesh is the
-# GLOBAL mesh (its product = GPUs per node x nodes); by default the outermost data-parallel
-# ways cross nodes and tensor stays inside a node. Here: 4 nodes x 8 GPUs = 32 devices,
-# tensor parallel inside each node, fully sharded data parallel across the 4 nodes.
+# One task per node, driving all of its node's GPUs. spmd.train joins the job through JAX's own
+# SLURM detection (jax.distributed.initialize(): the coordinator is the first node of the step,
+# the rank SLURM_PROCID, the count SLURM_NTASKS). --mesh is the GLOBAL mesh (its product = GPUs
+# per node x nodes); by default the outermost data-parallel ways cross nodes and tensor stays
+# inside a node. Here: 4 nodes x 8 GPUs = 32 devices, tensor parallel inside each node, fully
+# sharded data parallel across the 4 nodes.
 #SBATCH --job-name=spmd-1b
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
@@ -17,11 +18,12 @@
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 
-CKPT=/shared/checkpoints/spmd-1b
-RESUME=()
-# A requeued job continues from its newest complete checkpoint; a first run starts fresh.
-if [ -d "$CKPT" ] && [ -n "$(ls -A "$CKPT")" ]; then RESUME=(--resume); fi
+# JAX's SLURM detection gives each task one GPU, that of its SLURM_LOCALID (it assumes one task
+# per GPU); one task per node must name all eight.
+export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7
 
+# Resubmitted or requeued, the same script continues from the newest complete checkpoint in
+# --checkpoint-dir; the first time it starts fresh (--resume auto, the default).
 srun python -m spmd.train \
   --model 1b \
   --mesh fsdp=4,tp=8 \
@@ -29,5 +31,5 @@ srun python -m spmd.train \
   --precision bf16 \
   --batch 64 --seq-len 2048 --steps 2000 \
   --data /shared/corpus \
-  --checkpoint-dir "$CKPT" --checkpoint-every 200 "${RESUME[@]}" \
+  --checkpoint-dir /shared/checkpoints/spmd-1b --checkpoint-every 200 \
   --metrics /shared/runs/spmd-1b.jsonl

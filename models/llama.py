@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,9 @@ from spmd.parallel.hooks import (
 RESIDUAL = ("batch", "residual_length", "embed")
 WHOLE = ("batch", "length", "embed")
 
+# LlamaConfig.remat's choices (its --help and the resolver's check); REMAT_POLICIES maps each
+# to its jax.checkpoint policy.
+Remat = Literal["none", "full", "dots_saveable"]
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -57,18 +60,20 @@ REMAT_POLICIES = {
 class LlamaConfig:
     """Architecture of the decoder. Sizes are counts (tokens, features, heads, layers)."""
 
-    vocab_size: int
-    embed_dim: int
-    mlp_dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    remat: str = "none"  # none | full | dots_saveable: what the backward pass may keep
-    family: str = "llama"  # the model family (models.family) this config describes
+    vocab_size: int  # tokens in the vocabulary (rows of the embedding; byte-level: 256)
+    embed_dim: int  # width of the residual stream
+    mlp_dim: int  # hidden width of each block's SwiGLU MLP
+    n_layers: int  # transformer blocks
+    n_heads: int  # query heads per attention layer
+    n_kv_heads: int  # key / value heads (grouped-query attention; must divide n_heads)
+    head_dim: int  # features per attention head
+    rope_theta: float = 10000.0  # base of the rotary position embedding's frequencies
+    norm_eps: float = 1e-5  # epsilon of the RMS norms
+    tie_embeddings: bool = False  # the output projection is the embedding, transposed
+    # what the backward pass keeps of each layer: none = every activation; full = nothing (the
+    # layer's forward runs again); dots_saveable = the matmul outputs
+    remat: Remat = "none"
+    family: str = "llama"  # the model family this config describes: llama or moe (models.family)
 
     def n_params(self) -> int:
         """Parameter count (number of scalars)."""

@@ -26,6 +26,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Literal
 
 from spmd.errors import UsageError, run_command
 
@@ -40,7 +41,7 @@ class CollectivesBenchConfig:
     steps: int = 30  # timed steps per executor
     devices: int = 8  # simulated CPU devices
     layouts: str = ""  # comma-separated layout presets (meshes/; default: all)
-    remat: str = ""  # none | full | dots_saveable (default: the preset's)
+    remat: Literal["", "none", "full", "dots_saveable"] = ""  # --remat (empty: the preset's)
     bucket_mb: str = ""  # comma-separated bucket sizes in MiB (explicit only)
     prefetch: bool = False  # explicit ZeRO-3: prefetch off vs on
 

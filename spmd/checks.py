@@ -13,7 +13,9 @@ from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
+from spmd.log import say
 from spmd.observe import profile
+from spmd.sections import RESUME_MODES
 
 
 def check_choices(cfg: Config) -> None:
@@ -24,10 +26,11 @@ def check_choices(cfg: Config) -> None:
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import precision
-    from spmd.engine.optim import check_hyperparameters, peak_lr
+    from spmd.engine.optim import check_hyperparameters, lr_schedule
 
     check_hyperparameters(cfg.optimizer)
-    peak_lr(cfg.optimizer, cfg.run.batch)  # UsageError for --lr-scaling and --ref-batch
+    # UsageError for --lr-scaling, --ref-batch, --lr-schedule and a WSD decay that cannot fit
+    lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
     precision.get(
         cfg.precision.precision, cfg.precision.grad_reduce
     )  # UsageError naming the valid values
@@ -146,8 +149,14 @@ def check_checkpoint_choices(cfg: Config) -> None:
             f"--stop-after {cfg.run.stop_after} must be a step in 1..--steps {cfg.run.steps} "
             f"(0: off)"
         )
-    given_flags = (("--resume", cfg.checkpoint.resume), ("--stop-after", cfg.run.stop_after))
-    for flag, given in given_flags:
+    resume = cfg.checkpoint.resume
+    if resume not in RESUME_MODES:
+        raise UsageError(f"--resume {resume!r} is not one of {', '.join(RESUME_MODES)}")
+    needing_a_folder = (
+        ("--resume required", resume == "required"),
+        ("--stop-after", cfg.run.stop_after),
+    )
+    for flag, given in needing_a_folder:
         if given and not cfg.checkpoint.checkpoint_dir:
             raise UsageError(f"{flag} needs --checkpoint-dir, the folder of the run's checkpoints")
 
@@ -189,16 +198,25 @@ def check_paths(cfg: Config) -> None:
             raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
 
 
-def check_checkpoint_dir(cfg: Config) -> None:
-    """UsageError for a --checkpoint-dir that a fresh run would overwrite or that --resume
-    cannot continue (a params-only conversion)."""
+def checkpoint_resumes(cfg: Config) -> bool:
+    """Whether the run continues from its --checkpoint-dir (under --resume auto: when the folder
+    holds a complete checkpoint). UsageError for a folder that --resume required cannot continue
+    (none, or a params-only conversion) or that --resume fresh would overwrite."""
     from spmd.io import checkpoint
+    from spmd.io.params_io import refuse_resume
 
-    checkpoint.check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume)
-    if cfg.checkpoint.resume:
-        from spmd.io.params_io import refuse_resume
-
-        refuse_resume(cfg.checkpoint.checkpoint_dir)
+    directory, resume = cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume
+    resumes = checkpoint.check_directory(directory, resume)
+    if resumes:
+        refuse_resume(directory)
+        return True
+    partial = checkpoint.interrupted_saves(directory)
+    if resume == "auto" and partial:
+        say(
+            f"--checkpoint-dir {directory} holds only interrupted saves ({', '.join(partial)}), "
+            f"no complete checkpoint: starting fresh"
+        )
+    return False
 
 
 def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | None:

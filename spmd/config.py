@@ -19,6 +19,7 @@ import difflib
 import functools
 import importlib.resources
 import inspect
+import json
 import re
 import sys
 import tomllib
@@ -29,6 +30,8 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
+    BARE_FLAG_VALUES,
+    FORMER_VALUES,
     SECTIONS,
     CheckpointConfig,
     Config,
@@ -41,6 +44,7 @@ from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read 
     RunConfig,
     flag_name,
     flat_values,
+    literal_choices,
 )
 
 # The table name older config files and checkpoints use for every non-model field at once.
@@ -140,27 +144,31 @@ def build_parser(
         for name, kind in _field_types(cls).items():
             text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
             names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
-            if kind is bool:  # `--dry-run` alone means true; `--dry-run false` also works
-                group.add_argument(
-                    *names,
-                    dest=name,
-                    type=_parse_bool,
-                    nargs="?",
-                    const=True,
-                    default=argparse.SUPPRESS,
-                    metavar="BOOL",
-                    help=text,
-                )
-            else:
-                group.add_argument(
-                    *names,
-                    dest=name,
-                    type=kind,
-                    default=argparse.SUPPRESS,
-                    metavar=kind.__name__.upper(),
-                    help=text,
-                )
+            group.add_argument(
+                *names, dest=name, default=argparse.SUPPRESS, help=text, **_takes(name, kind)
+            )
     return parser
+
+
+def _takes(name: str, kind: Any) -> dict[str, Any]:
+    """What flag `name` of type `kind` takes, as argparse's keywords: a bool `true` or `false`,
+    or nothing for true (`--dry-run`); a value of a `Literal[...]`, which --help lists (the
+    resolver's `build` checks it, for files too); a value of the field's type. A field with a
+    meaning of its own alone (`--resume`) takes its value optionally."""
+    if kind is bool:
+        return {"type": _parse_bool, "nargs": "?", "const": True, "metavar": "BOOL"}
+    choices = literal_choices(kind)
+    takes = {
+        "type": type(choices[0]) if choices else kind,
+        "metavar": "|".join(map(_shown, choices)) if choices else kind.__name__.upper(),
+    }
+    if name in BARE_FLAG_VALUES:
+        takes.update(nargs="?", const=BARE_FLAG_VALUES[name])
+    return takes
+
+
+def _shown(choice: Any) -> str:
+    return str(choice) if choice != "" else '""'
 
 
 def preset(name: str, section: str = "model") -> dict[str, Any]:
@@ -197,12 +205,19 @@ def load_toml(path: Any) -> dict[str, Any]:
 def build(cls: type, values: dict[str, Any], source: str) -> Any:
     """Instantiate dataclass `cls` from `values`, naming unknown keys, bad types, gaps."""
     types = _field_types(cls)
+    values = {key: _current_value(key, value) for key, value in values.items()}
     for key, value in values.items():
         if key not in types:
             near = difflib.get_close_matches(key, list(types), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise UsageError(f"{source}: unknown key {key!r}{hint}")
         kind = types[key]
+        choices = literal_choices(kind)
+        if choices:  # the type too: `true` is no 1, nor "1" the 1 of a Literal[1, 2]
+            if not any(value == c and type(value) is type(c) for c in choices):
+                valid = ", ".join(map(_shown, choices))
+                raise UsageError(f"{flag_name(key)} {value!r} is not one of {valid}")
+            continue
         ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
         if not ok and not (kind is float and isinstance(value, int)):
             raise UsageError(f"{source}: {key} = {value!r} should be a {kind.__name__}")
@@ -214,6 +229,13 @@ def build(cls: type, values: dict[str, Any], source: str) -> Any:
     if missing:
         raise UsageError(f"{source}: missing {', '.join(missing)}")
     return cls(**{k: (float(v) if types[k] is float else v) for k, v in values.items()})
+
+
+def _current_value(key: str, value: Any) -> Any:
+    """`value`, or what it means now if it is one field `key` took before it changed type
+    (spmd.sections.FORMER_VALUES: an old file's `resume = true` is "required")."""
+    former = FORMER_VALUES.get(key, {})
+    return former.get(value, value) if isinstance(value, bool | str) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +256,13 @@ def resolve(
     description: str = "",
     positional: Positional | None = None,
     short: dict[str, str] | None = None,
+    printable: bool = False,
 ) -> dict[str, Any]:
     """Resolve a command's config sections from defaults, preset, --config file and flags.
     Every command parses its arguments here. `positional` (its value under its name in the
-    result) and `short` flags ({field: "-n"}) serve commands that take them.
+    result) and `short` flags ({field: "-n"}) serve commands that take them. A `printable`
+    command takes --print-config, given as `print_config` in the result (the command prints
+    the config it resolves from these sections with `format_config`, and exits).
 
     The preset named by `run.model` fills the "model" section, whose type is the config of the
     model family it names (`sections["model"]` only lists the flags: every family's fields,
@@ -246,9 +271,17 @@ def resolve(
     parser = build_parser(prog, sections, description, short or {})
     if positional is not None:
         parser.add_argument(positional.name, nargs=positional.nargs, help=positional.help)
+    if printable:
+        parser.add_argument(
+            "--print-config",
+            action="store_true",
+            help="print the resolved config as TOML (a file for --config) and exit",
+        )
     flags = vars(parser.parse_args(argv))
     config_path = flags.pop("config", None)
     extra = {positional.name: flags.pop(positional.name)} if positional is not None else {}
+    if printable:
+        extra["print_config"] = flags.pop("print_config")
     given = _tables_by_section(load_toml(config_path) if config_path else {}, sections)
     owner = field_owners(sections)
     for key, value in flags.items():
@@ -309,9 +342,21 @@ def as_dict(sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def format_config(sections: dict[str, Any]) -> str:
-    """The resolved config as TOML-like text, printed at the start of a run."""
-    lines = []
-    for name, values in as_dict(sections).items():
-        lines.append(f"[{name}]")
-        lines.extend(f"  {k} = {v!r}" for k, v in values.items())
-    return "\n".join(lines)
+    """The resolved config as a TOML file, one table per section, which `--config` reads back
+    to the same config: printed at the start of a run and by `spmd.train --print-config`."""
+    tables = [
+        "\n".join([f"[{name}]", *(f"{k} = {_toml_value(v, k)}" for k, v in values.items())])
+        for name, values in as_dict(sections).items()
+    ]
+    return "\n\n".join(tables)
+
+
+def _toml_value(value: Any, key: str) -> str:
+    """`value` (a section field's: bool, int, float or str) as TOML writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):  # Python's shortest round-trip text: 0.003, 1e-05, inf
+        return repr(value)
+    if isinstance(value, str):  # JSON's escapes are TOML's; DEL is the one control JSON keeps
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    raise TypeError(f"config field {key} = {value!r}: TOML for a {type(value).__name__}?")

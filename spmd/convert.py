@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from spmd import config
 from spmd.errors import UsageError, run_command
@@ -35,11 +36,11 @@ class ConvertConfig:
     checkpoint: str = ""  # an spmd checkpoint folder to read (with --to-hf)
     step: int = 0  # its step to read (0: the newest)
     to_hf: str = ""  # the Hugging Face folder to write (with --checkpoint)
-    hf_dtype: str = "float32"  # float32 | bfloat16: dtype of the written safetensors
+    hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
     mesh: str = "fsdp=-1"  # params sharded over every device: the least memory per device
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
-    zero: int = 3
+    zero: int = 3  # how the params are sharded over fsdp on the way (1-2: replicated, 3: split)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +65,12 @@ def run(argv: list[str] | None) -> int:
 
     started = time.perf_counter()
     if to_spmd:
-        checkpoint.check_directory(cfg.to, resume=False)
+        if Path(cfg.to).exists() and (
+            checkpoint.complete_steps(cfg.to) or not Path(cfg.to).is_dir()
+        ):
+            raise UsageError(
+                f"--to {cfg.to} already exists with checkpoints or as a file; give a new folder"
+            )
         folder = hf_llama.open_checkpoint(cfg.from_hf)  # every error before any device work
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)

@@ -40,12 +40,12 @@ class GenerateConfig:
     prompt: str = ""  # the text to continue
     prompts_file: str = ""  # or: one prompt per line
     num_samples: int = 1  # samples per prompt
-    max_new_tokens: int = 200
+    max_new_tokens: int = 200  # tokens sampled after each prompt
     temperature: float = 0.8  # softmax temperature; 0 is greedy
     top_k: int = 0  # sample among the k likeliest tokens (0: all)
     seed: int = 0  # of the sampling
     tokenizer: str = ""  # tokenizer.json (empty: the checkpoint's, else byte-level)
-    mesh: str = "dp=-1"
+    mesh: str = "dp=-1"  # the mesh the params are held on, e.g. "tp=2" (-1: the rest)
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
     zero: int = 3  # how params are sharded over fsdp, as in training
 

@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from models import family, llama, moe
 from spmd import config
@@ -48,7 +48,7 @@ class PlanConfig:
     precision: str = "bf16"  # planning default of --precision
     seq_len: int = 4096  # planning default of --seq-len
     tokens_per_step: int = 4 * 1024 * 1024  # without --batch: about this many tokens per step
-    optimizer: str = "adamw"  # adamw | momentum | sgd
+    optimizer: Literal["adamw", "momentum", "sgd"] = "adamw"  # the moments the state holds
     gpu: str = ""  # a key of search.GPUS: sets hbm, tflops, bandwidth, inter_bandwidth
     hbm: float = search.GPUS["h100"].hbm  # GB of memory per device
     overhead: float = 3.0  # GB per device for the runtime, communication buffers, fragmentation

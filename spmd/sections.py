@@ -7,13 +7,16 @@ DivergenceConfig, ...); the loop that runs a program takes `Config`, all section
 spmd.config resolves them from presets, files and flags. The model section is the model
 family's own config (models/). Field names are unique across sections, so
 every field is a flat flag: `seq_len` is `--seq-len`. The comment beside or above a field is
-its --help text.
+its --help text. A field with a fixed set of values is typed `Literal[...]`: that list is the
+one table of its choices, which --help shows, the resolver checks, and the packages that act
+on the field read through `choices`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import typing
+from typing import Any, Literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +34,7 @@ class RunConfig:
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
     dry_run: bool = False  # compile the step, print memory and collectives, do not train
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
-    num_processes: int = 0  # processes in the job (0: from spmd.launch, SLURM or Open MPI)
+    num_processes: int = 0  # processes in the job (0: from spmd.launch or a cluster JAX detects)
     process_id: int = -1  # this process's rank (-1: detect)
 
 
@@ -53,7 +56,7 @@ class DataConfig:
     tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
     # on: attention stays within each packed document, positions restart; off: as plain text;
     # auto: on for record corpora (JSONL / Parquet / Arrow), off for text files and token .bin
-    document_mask: str = "auto"
+    document_mask: Literal["auto", "on", "off"] = "auto"
     eval_fraction: float = 0.02  # share of the corpus's windows held out for eval
     eval_data: str = ""  # eval sets beside the held-out split: a path, or "name=path,name=path"
     eval_every: int = 100  # steps between eval losses (0: only at the end)
@@ -62,16 +65,21 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its LR schedule (linear warm-up, then cosine decay), DiLoCo's outer optimizer."""
+    """AdamW, its LR schedule (linear warm-up, then a decay), DiLoCo's outer optimizer."""
 
     lr: float = 3e-3  # peak learning rate (before the scaling rule)
-    lr_scaling: str = "none"  # none | linear: lr * batch / ref_batch
+    lr_scaling: Literal["none", "linear"] = "none"  # linear: lr * batch / ref_batch
     ref_batch: int = 32  # the global batch at which `lr` was tuned (for --lr-scaling linear)
-    warmup: int = 20  # linear warm-up steps, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
+    warmup: int = 20  # linear warm-up steps from 0 to the peak LR, then the schedule
+    # after warm-up: cosine = cosine decay to min_lr_ratio x peak at the end of the run;
+    # linear = linear decay to it; constant = stay at peak; wsd = warm-up, stable, decay: stay
+    # at peak, then decay linearly to min_lr_ratio x peak over the last decay_fraction of steps
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1  # the LR the decay ends at, as a fraction of the peak
+    decay_fraction: float = 0.2  # wsd: the share of --steps the final decay takes, in (0, 1]
     weight_decay: float = 0.1  # decoupled (AdamW), matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean, in [0, 1)
+    beta2: float = 0.95  # AdamW's decay rate of the squared gradient's running mean, in [0, 1)
     grad_clip: float = 1.0  # global L2 norm; 0 disables
     outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
@@ -86,7 +94,9 @@ class ParallelConfig:
     mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
     devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
     zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
-    collectives: str = "auto"  # auto: XLA inserts them (jit); explicit: hand-written (shard_map)
+    # who writes the collectives: auto = XLA inserts them (jit); explicit = spmd, by hand
+    # (shard_map)
+    collectives: Literal["auto", "explicit"] = "auto"
     sequence_parallel: bool = False  # Megatron-SP (tp > 1): norms/residuals split along length
     # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
     # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
@@ -94,15 +104,15 @@ class ParallelConfig:
     # explicit ZeRO-3: all-gather layer i+1's params while layer i computes (forward and
     # backward); 0: each layer gathers its own params when it starts
     prefetch: bool = True
-    xla_preset: str = "throughput"  # XLA flags spmd sets on GPU (yours win): throughput | none
-    pp_schedule: str = "gpipe"  # pipeline schedule when pp > 1: gpipe | 1f1b | interleaved
+    xla_preset: Literal["throughput", "none"] = "throughput"  # XLA flags set on GPU (yours win)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
     pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)
     dcn_mesh: str = ""  # ways of each mesh axis that cross hosts, e.g. "dp=2" (empty: data first)
     # every-step: all-reduce the gradients over the data axis every step; diloco: each way of
     # the data axis is a replica taking --sync-every local steps, then one all-reduce of the
     # pseudo-gradient (start-of-round params - local params) feeds the outer optimizer
-    dcn_sync: str = "every-step"
+    dcn_sync: Literal["every-step", "diloco"] = "every-step"
     sync_every: int = 10  # diloco: inner steps per round (H); the all-reduce runs once per round
     diloco_axis: str = ""  # diloco on one host: the mesh axis of the replicas ("data")
 
@@ -112,7 +122,8 @@ class PrecisionConfig:
     """The dtypes of compute, working params and gradient reductions (the master weights stay
     fp32)."""
 
-    precision: str = "fp32"  # fp32 | bf16 | fp16: compute and working-param dtype (master fp32)
+    # the compute and working-param dtype (the master weights stay fp32)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # dtype of gradient accumulation and of the cross-device gradient reduction: fp32, or the
     # 16-bit compute dtype; "" = the precision's default (its compute dtype, as in ZeRO)
     grad_reduce: str = ""
@@ -125,7 +136,10 @@ class CheckpointConfig:
     checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    # auto: continue from the newest complete checkpoint in checkpoint_dir when there is one,
+    # else start fresh; required: continue, exit 2 when there is none (`--resume` alone);
+    # fresh: start at step 1, exit 2 when the folder holds checkpoints (they would be mixed)
+    resume: Literal["auto", "required", "fresh"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +150,7 @@ class DivergenceConfig:
     # save nothing more and exit with status 3, naming the newest finite checkpoint; rollback =
     # restore that checkpoint, skip the data of the steps it undoes, go on; ignore = go on.
     # Under every policy a state whose loss, gradient norm or params are not finite is never saved.
-    on_divergence: str = "stop"
+    on_divergence: Literal["stop", "rollback", "ignore"] = "stop"
     spike_threshold: float = 0.0  # a loss above this x the median of recent ones diverges (0: off)
     spike_window: int = 50  # how many recent finite losses (steps) the spike median is taken over
     max_rollbacks: int = 3  # rollbacks over the whole run (resumes included); then as `stop`
@@ -156,6 +170,14 @@ class ObserveConfig:
     peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
     straggler_threshold: float = 0.2  # name a process this fraction slower than the median
 
+
+# The value a flag given alone means (`--resume` is `--resume required`, as when it was a bool).
+BARE_FLAG_VALUES: dict[str, str] = {"resume": "required"}
+# Values a field took before it changed type, read as the value meaning the same now: old TOML
+# files' `resume = true / false`, old command lines' `--resume true / false`.
+FORMER_VALUES: dict[str, dict[Any, str]] = {
+    "resume": {True: "required", False: "fresh", "true": "required", "false": "fresh"}
+}
 
 # section name -> its dataclass, in the order a resolved config is printed
 SECTIONS: dict[str, type] = {
@@ -203,6 +225,20 @@ def flat_values(saved: dict[str, dict[str, Any]]) -> dict[str, Any]:
     dict: sectioned configs and older ones with a single [train] table read alike."""
     tables = (table for name, table in saved.items() if name != "model" and isinstance(table, dict))
     return {k: v for table in tables for k, v in table.items()}
+
+
+def choices(cls: type, field: str) -> tuple[Any, ...]:
+    """The values field `field` of section `cls` may take: its `Literal[...]`'s (() for a
+    field of another type)."""
+    return literal_choices(typing.get_type_hints(cls)[field])
+
+
+def literal_choices(kind: Any) -> tuple[Any, ...]:
+    """The values of a `Literal[...]` type, () for any other type."""
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
+
+
+RESUME_MODES = choices(CheckpointConfig, "resume")
 
 
 def flag_name(field: str) -> str:

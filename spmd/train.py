@@ -9,6 +9,7 @@ line naming the bad value.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -20,9 +21,9 @@ from models import family, moe
 from spmd import builder, config
 from spmd.checks import (
     batch_arithmetic,
-    check_checkpoint_dir,
     check_choices,
     check_dcn_sync_mesh,
+    checkpoint_resumes,
     format_batch_arithmetic,
     step_memory_error,
 )
@@ -53,16 +54,14 @@ def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_processes(cfg: Config) -> int:
-    """Join the multi-process job if this is one (flags, spmd.launch, SLURM, Open MPI);
-    only process 0 prints progress and writes metrics. Returns the number of processes."""
+    """Join the multi-process job if this is one (flags, spmd.launch, or a cluster that JAX's
+    own detection finds: spmd.parallel.distributed); only process 0 prints progress and writes
+    metrics. Returns the number of processes."""
     from spmd.log import set_primary
     from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
-        cfg.run.coordinator,
-        cfg.run.num_processes,
-        cfg.run.process_id,
-        auto_detect=distributed.cluster_detected(),
+        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id
     )
     set_primary(distributed.process_id() == 0)
     return n_processes
@@ -88,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    cfg = Config.of(resolve_sections(argv))
+    sections = resolve_sections(argv)
+    cfg = Config.of(sections)
+    if sections["print_config"]:  # the config as resolved, before any check or device work
+        print(config.format_config(cfg.sections()))
+        return 0
     check_choices(cfg)
     from spmd.training.preemption import StopSignals
 
@@ -110,8 +113,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     say(config.format_config(cfg.sections()))
     say(xla_flags.describe(flags))
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
-    if checkpointing:
-        check_checkpoint_dir(cfg)
+    resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
@@ -123,7 +125,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     pipe_report = describe_program(cfg, program)
     manager, restored = None, None
     if checkpointing:
-        manager, restored = open_checkpoints(cfg, program, token_file.fingerprint)
+        manager, restored = open_checkpoints(cfg, program, token_file.fingerprint, resumes)
     from spmd.training.divergence import Guard
 
     saved = restored.data if restored is not None else None
@@ -253,22 +255,33 @@ def train_until_stopped(
 
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
-    """The config tree of the command line; with --init-from-hf the Hugging Face folder's
-    config.json is the architecture."""
-    sections = config.resolve(argv, SECTIONS, "python -m spmd.train", expand=expand_layout)
+    """The config tree of the command line (and `print_config`, whether --print-config was
+    given); with --init-from-hf the Hugging Face folder's config.json is the architecture."""
+    sections = config.resolve(
+        argv, SECTIONS, "python -m spmd.train", expand=expand_layout, printable=True
+    )
     if sections["run"].init_from_hf:
         from models import hf_llama
 
         folder = hf_llama.open_checkpoint(sections["run"].init_from_hf, sections["model"].remat)
-        # The architecture is the folder's; the router's training knobs given as flags win.
-        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        # The architecture is the folder's; the router's training knobs given win.
+        given = given_router_knobs(sys.argv[1:] if argv is None else argv)
         knobs = {
-            name: getattr(sections["model"], name)
-            for name in ROUTER_KNOBS
-            if config.flag_name(name) in given and hasattr(folder.config, name)
+            name: getattr(sections["model"], name) for name in given if hasattr(folder.config, name)
         }
         sections["model"] = dataclasses.replace(folder.config, **knobs)
     return sections
+
+
+def given_router_knobs(argv: list[str]) -> list[str]:
+    """The ROUTER_KNOBS that `argv` sets itself, as flags or in the [model] table of its
+    --config file (as --print-config writes them), rather than through the preset."""
+    flags = {a.split("=")[0] for a in argv}
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--config")
+    path = peek.parse_known_args(argv)[0].config
+    in_file = config.load_toml(path).get("model", {}) if path else {}
+    return [name for name in ROUTER_KNOBS if config.flag_name(name) in flags or name in in_file]
 
 
 def compile_step(cfg: Config, program: Any) -> tuple:

@@ -248,14 +248,49 @@ def test_checkpoint_of_another_model_shape_is_a_usage_error(workdir, stopped_at_
     assert checkpoint.complete_steps(str(directory)) == [2, 3]  # nothing moved or lost
 
 
-def test_resume_without_a_checkpoint_and_fresh_run_into_a_used_folder(
+def test_resume_required_without_a_checkpoint_and_fresh_into_a_used_folder(
     workdir, stopped_at_3, capsys
 ):
     empty = workdir / "empty"
     assert main(cli_args(workdir, "--checkpoint-dir", str(empty), "--resume")[3:]) == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
-    assert main(cli_args(workdir, "--checkpoint-dir", str(stopped_at_3))[3:]) == 2
-    assert "already holds checkpoints (newest: step 3); pass --resume" in capsys.readouterr().err
+    assert "--resume required: --checkpoint-dir" in capsys.readouterr().err
+    assert main(cli_args(workdir, "--checkpoint-dir", str(empty), "--resume", "bogus")[3:]) == 2
+    assert "--resume 'bogus' is not one of auto, required, fresh" in capsys.readouterr().err
+    used = ["--checkpoint-dir", str(stopped_at_3), "--resume", "fresh"]
+    assert main(cli_args(workdir, *used)[3:]) == 2
+    error = capsys.readouterr().err
+    assert (
+        "already holds checkpoints (newest: step 3); continue from it with --resume auto" in error
+    )
+    assert checkpoint.complete_steps(str(stopped_at_3)) == [2, 3]
+
+
+def test_the_same_command_twice_continues_where_the_first_stopped(workdir, capsys):
+    """--resume auto, the default: a command stopped by --stop-after 6 and then run again as it
+    was continues from step 6 and ends with the losses of a run that never stopped, which itself
+    started fresh in a folder holding only an interrupted save (of the step it saves last)."""
+
+    def command(name: str, *extra: str) -> list[str]:
+        folder, metrics = workdir / name, workdir / f"{name}.jsonl"
+        args = ("--steps", "8", "--checkpoint-every", "4", "--checkpoint-dir", str(folder))
+        return cli_args(workdir, *args, "--metrics", str(metrics), *extra)[3:]
+
+    unbroken = workdir / "unbroken"
+    (unbroken / f"8{checkpoint.PARTIAL_SUFFIX}" / "state").mkdir(parents=True)
+    assert main(command("unbroken")) == 0
+    out = capsys.readouterr().out
+    assert f"holds only interrupted saves (8{checkpoint.PARTIAL_SUFFIX}), no complete " in out
+    assert "starting fresh" in out and "resumed from" not in out
+    assert sorted(os.listdir(unbroken)) == ["4", "8"]  # the partial step 8 was replaced
+
+    assert main(command("twice", "--stop-after", "6")) == 0
+    assert "the same command continues from it" in capsys.readouterr().out
+    assert main(command("twice")) == 0
+    assert "resumed from step 6 in" in capsys.readouterr().out
+    expected = losses(workdir / "unbroken.jsonl")
+    assert sorted(expected) == list(range(1, 9))
+    assert losses(workdir / "twice.jsonl") == expected  # steps 1-6, then 7-8 resumed: bitwise
+    assert checkpoint.complete_steps(str(workdir / "twice")) == [4, 6, 8]
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(preempted):

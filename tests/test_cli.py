@@ -1,5 +1,11 @@
 """The command line end to end, in subprocesses: training, dry runs and every user error."""
 
+import contextlib
+import importlib
+import itertools
+import re
+import typing
+
 import pytest
 
 from tests.cli import records, run
@@ -132,3 +138,57 @@ def test_config_files_reach_every_command(tmp_path, capsys, command, table, mess
     extra = ["--", "true"] if command == "launch" else []
     assert importlib.import_module(f"spmd.{command}").main(["--config", str(path), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+COMMANDS = [
+    "train",
+    "plan",
+    "bench",
+    "bench_collectives",
+    "generate",
+    "convert",
+    "launch",
+    "report",
+]
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """{flag or positional: its help text} of an argparse --help page: an entry's help follows
+    its name and metavar after two spaces or more, or on the more indented lines below."""
+    lines, entries, heading = text.splitlines(), {}, ""
+    for i, line in enumerate(lines):
+        if line and not line.startswith(" "):
+            heading = line
+        entry = re.match(r"^  (-{1,2}[\w-]+|\w[\w-]*)", line)
+        if not entry or not (line.startswith("  -") or heading.startswith("positional")):
+            continue
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        more = itertools.takewhile(lambda x: re.match(r"^ {4,}\S", x), lines[i + 1 :])
+        entries[entry.group(1)] = " ".join([*parts[1:], *(x.strip() for x in more)])
+    return entries
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_of_every_command_has_a_help_text(command, capsys):
+    module = importlib.import_module(f"spmd.{command}")
+    with contextlib.suppress(SystemExit):  # argparse exits 0 after --help; spmd.plan returns
+        assert module.main(["--help"]) == 0
+    entries = help_entries(capsys.readouterr().out)
+    assert len(entries) > 3 and "--config" in entries
+    assert not [flag for flag, text in entries.items() if not text], entries
+
+
+def test_choice_flags_list_their_choices_in_help(capsys):
+    from spmd import config, train
+    from spmd.sections import literal_choices
+
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    hints = [typing.get_type_hints(cls) for cls in train.SECTIONS.values()]
+    listed = {f: literal_choices(k) for h in hints for f, k in h.items() if literal_choices(k)}
+    assert {"precision", "lr_schedule", "resume", "remat", "on_divergence"} <= set(listed)
+    for field, choices in listed.items():
+        flag, shown = config.flag_name(field), "|".join(choices)
+        assert f"{flag} {shown}" in text or f"{flag} [{shown}]" in text, field
+    assert "--resume [auto|required|fresh]" in text  # alone, it means required

@@ -1,14 +1,18 @@
-"""Mesh strings, config precedence and the data order, without compiling anything."""
+"""Mesh strings, config precedence, choices, --print-config and the data order, without
+compiling anything."""
+
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from models.llama import LlamaConfig
-from spmd import config
+from spmd import config, train
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
-from spmd.sections import RunConfig
+from spmd.sections import Config, RunConfig, choices
 from spmd.train import SECTIONS, expand_layout
 
 
@@ -70,6 +74,28 @@ def test_layout_fills_mesh_and_zero_unless_given():
     assert resolve("--layout", "zero1", "--mesh", "fsdp=4")["parallel"].mesh == "fsdp=4"
 
 
+@pytest.mark.parametrize(
+    "given, mode",
+    [
+        ((), "auto"),
+        (("--resume",), "required"),
+        (("--resume", "fresh"), "fresh"),
+        (("--resume", "true"), "required"),  # the command lines of the bool --resume
+        (("--resume", "false"), "fresh"),
+        (("--resume", "--steps", "3"), "required"),
+        (("--toml", "[checkpoint]\nresume = true\n"), "required"),  # files of the bool
+        (("--toml", "[train]\nresume = false\n"), "fresh"),
+        (("--toml", '[checkpoint]\nresume = "auto"\n', "--resume"), "required"),
+    ],
+)
+def test_resume_modes_and_the_values_of_the_former_bool(tmp_path, given, mode):
+    argv = list(given)
+    if argv[:1] == ["--toml"]:
+        (tmp_path / "c.toml").write_text(argv[1])
+        argv[:2] = ["--config", str(tmp_path / "c.toml")]
+    assert resolve(*argv)["checkpoint"].resume == mode
+
+
 def test_config_file_mistakes_are_named(tmp_path):
     file = tmp_path / "bad.toml"
     file.write_text("[train]\nstepz = 3\n")
@@ -78,6 +104,64 @@ def test_config_file_mistakes_are_named(tmp_path):
     file.write_text('[train]\nsteps = "many"\n')
     with pytest.raises(UsageError, match="steps = 'many' should be a int"):
         resolve("--config", str(file))
+
+
+def test_a_value_outside_its_fields_choices_is_named_from_flags_and_files(tmp_path):
+    with pytest.raises(UsageError, match="--lr-schedule 'step' is not one of cosine, linear, "):
+        resolve("--lr-schedule", "step")
+    file = tmp_path / "c.toml"
+    file.write_text('[precision]\nprecision = "fp8"\n')
+    with pytest.raises(UsageError, match="--precision 'fp8' is not one of fp32, bf16, fp16$"):
+        resolve("--config", str(file))
+    file.write_text("[checkpoint]\nresume = 1\n")  # the former bool's values only
+    with pytest.raises(UsageError, match="--resume 1 is not one of auto, required, fresh"):
+        resolve("--config", str(file))
+
+
+def test_the_tables_that_act_on_a_choice_hold_exactly_its_choices():
+    from models import hf_llama, llama
+    from spmd import convert, plan
+    from spmd.engine import precision
+    from spmd.estimate import cost
+    from spmd.sections import PrecisionConfig
+
+    assert set(precision.POLICIES) == set(choices(PrecisionConfig, "precision"))
+    assert set(llama.REMAT_POLICIES) == set(choices(llama.LlamaConfig, "remat"))
+    assert set(cost.REMATS) == set(choices(llama.LlamaConfig, "remat"))
+    assert set(hf_llama.EXPORT_DTYPES) == set(choices(convert.ConvertConfig, "hf_dtype"))
+    assert set(cost.OPTIMIZERS) == set(choices(plan.PlanConfig, "optimizer"))
+
+
+MIXTRAL = Path(__file__).resolve().parent / "fixtures" / "hf_mixtral"
+PRINTED = {  # flags, and what the printed [model] table holds
+    "flags": [
+        *("--model", "moe-tiny", "--layout", "megatron", "--n-layers", "3", "--shared-expert"),
+        *("--lr-schedule", "wsd", "--lr", "1e-05", "--min-lr-ratio", "0", "--resume"),
+        *("--data", 'web=a "b"\\c \u00fc\x7f\t.jsonl:0.5', "--spike-threshold", "inf"),
+    ],
+    # the folder is the architecture; a router knob given as a flag, then from the file
+    "hf": ["--init-from-hf", str(MIXTRAL), "--capacity-factor", "1.25", "--model", "moe-tiny"],
+}
+PRINTED_MODEL = {"flags": {"n_layers": 3, "shared_expert": True}, "hf": {"capacity_factor": 1.25}}
+
+
+@pytest.mark.parametrize("case", PRINTED)
+def test_print_config_writes_toml_that_config_reads_back_to_the_same_config(tmp_path, capsys, case):
+    flags = PRINTED[case]
+    assert train.main([*flags, "--print-config"]) == 0
+    printed = capsys.readouterr()
+    toml = tomllib.loads(printed.out)
+    assert printed.err == "" and toml["run"]["model"] == "moe-tiny"
+    assert toml["model"].items() >= PRINTED_MODEL[case].items()
+    file = tmp_path / "resolved.toml"
+    file.write_text(printed.out)
+
+    def resolved(argv: list[str]) -> dict:
+        return Config.of(train.resolve_sections(argv)).as_dict()
+
+    assert resolved(["--config", str(file)]) == resolved(flags)
+    assert train.main(["--config", str(file), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed.out  # printing the printed config changes nothing
 
 
 def test_batches_depend_on_seed_and_step_only_and_cover_an_epoch_once():

@@ -1,12 +1,19 @@
 """Every example runs as a user would run it and checks what it claims (exit 0; each prints
-FAILED and exits 1 when its claim does not hold)."""
+FAILED and exits 1 when its claim does not hold); the cluster examples, which cannot run here,
+are read: their commands resolve and their processes and GPUs add up to the mesh."""
 
+import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+import yaml
 
+from spmd import train
+from spmd.parallel.mesh import parse_mesh
 from tests.cli import ROOT
 
 EXAMPLES = {
@@ -39,3 +46,42 @@ def test_example_runs_and_checks_its_claim(script):
     assert result.returncode == 0, result.stdout + result.stderr
     for claim in EXAMPLES[script]:
         assert claim in result.stdout
+
+
+def devices(mesh: str) -> int:
+    return math.prod(parse_mesh(mesh).values())
+
+
+def test_the_cluster_examples_commands_resolve_and_add_up():
+    """The SLURM script and the Kubernetes JobSet cannot run here (no cluster): their spmd.train
+    commands resolve through spmd's resolver, and processes x GPUs each is the mesh's size."""
+    script = (ROOT / "examples" / "slurm_multinode.sh").read_text()
+    argv = shlex.split(script.split("\nsrun ", 1)[1].replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "spmd.train"]
+    parallel = train.resolve_sections(argv[3:])["parallel"]
+    sbatch = dict(re.findall(r"#SBATCH --([\w-]+)=(\S+)", script))
+    nodes, gpus = int(sbatch["nodes"]), int(sbatch["gpus-per-node"])
+    assert sbatch["ntasks-per-node"] == "1"  # one process per node drives all its GPUs ...
+    local_ids = re.search(r"export JAX_LOCAL_DEVICE_IDS=(\S+)", script).group(1)
+    assert local_ids == ",".join(map(str, range(gpus)))  # ... which JAX is told to leave visible
+    assert devices(parallel.mesh) == nodes * gpus and devices(parallel.dcn_mesh) == nodes
+    assert "--resume" not in argv  # a requeued job continues on its own (--resume auto)
+
+    documents = list(yaml.safe_load_all((ROOT / "examples" / "k8s_jobset.yaml").read_text()))
+    kinds = {d["kind"]: d for d in documents}
+    assert set(kinds) == {"ServiceAccount", "Role", "RoleBinding", "JobSet"}
+    [replicated] = kinds["JobSet"]["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    pod = job["template"]["spec"]
+    [container] = pod["containers"]
+    assert replicated["replicas"] == 1 and job["completionMode"] == "Indexed"
+    assert job["parallelism"] == job["completions"]
+    assert container["command"] == ["python", "-m", "spmd.train"]
+    parallel = train.resolve_sections(container["args"])["parallel"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert devices(parallel.mesh) == job["parallelism"] * gpus
+    assert devices(parallel.dcn_mesh) == job["parallelism"]
+    # what JAX's Kubernetes detection reads through the API: its pod (by IP) and its Job
+    assert pod["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
+    rules = {(r["apiGroups"][0], r["resources"][0]): r["verbs"] for r in kinds["Role"]["rules"]}
+    assert "list" in rules["", "pods"] and "get" in rules["batch", "jobs"]

@@ -1,14 +1,17 @@
 """Multi-process runs with real processes (CPU, gloo, spmd.launch): 2 processes x 4 devices
 train exactly like 1 process x 8 devices, and checkpoints move between process counts."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
+from spmd.launch import free_port
 from tests.cli import CACHE_HOME, ROOT, records
 
 RUN = (
@@ -144,3 +147,89 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(reference):
     assert sorted(back) == [4, 5, 6]
     assert_same(back, want)
     assert (one / "6.damaged").is_dir()
+
+
+# -- joining a job through JAX's own cluster detection --------------------------------------
+
+DETECTED_BY_JAX = (
+    *("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+    *("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+    *("OMPI_COMM_WORLD_LOCAL_RANK", "KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"),
+    *("SPMD_COORDINATOR", "SPMD_NUM_PROCESSES", "SPMD_PROCESS_ID", "SPMD_LOCAL_DEVICES"),
+)
+
+
+def srun_task(rank: int, tasks: int, port: int) -> dict[str, str]:
+    """The variables srun gives task `rank` of a one-node step (JAX reads these)."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "JAX_COORDINATOR_PORT": str(port),  # JAX's own override of the port it derives
+    }
+
+
+def test_spmd_joins_the_clusters_that_jax_detects(monkeypatch):
+    from spmd.errors import UsageError
+    from spmd.parallel import distributed
+
+    for name in DETECTED_BY_JAX:
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.detected_cluster() is None
+    for name, value in srun_task(1, 2, 1234).items():
+        monkeypatch.setenv(name, value)
+    assert distributed.detected_cluster() == ("Slurm", 2)
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # a single task runs as a plain single process
+    assert distributed.detected_cluster() is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # four tasks, but not started by srun
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    assert distributed.detected_cluster() is None
+    with pytest.raises(UsageError, match="SLURM_NTASKS=4: this process is one of 4, but JAX"):
+        distributed.initialize()  # rather than four runs each training alone
+    monkeypatch.delenv("SLURM_NTASKS")
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # Open MPI 5: JAX 0.10 does not detect it
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert distributed.detected_cluster() is None
+    with pytest.raises(UsageError, match="OMPI_COMM_WORLD_SIZE=2: .* --num-processes 2"):
+        distributed.initialize()
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.0.0.1:34911")  # Open MPI 4
+    assert distributed.detected_cluster() == ("Ompi", 2)
+    for name in DETECTED_BY_JAX:
+        monkeypatch.delenv(name, raising=False)
+
+    # Kubernetes: every pod has KUBERNETES_SERVICE_HOST; JAX is asked only in an Indexed Job's
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert distributed.detected_cluster() is None
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    if importlib.util.find_spec("kubernetes") is None:  # JAX needs it; without, it says so
+        with pytest.warns(UserWarning, match=r"the `kubernetes` package is not\s+installed"):
+            assert distributed.detected_cluster() is None
+
+
+def test_two_srun_tasks_join_one_job_through_jax_s_slurm_detection(tmp_path):
+    """No spmd.launch and no flags: two processes with the environment srun gives its tasks
+    find each other through jax.distributed.initialize()'s own SLURM detection and train one
+    fsdp=8 mesh over their 2 x 4 CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in DETECTED_BY_JAX}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": CACHE_HOME}
+    metrics = tmp_path / "m.jsonl"
+    command = [sys.executable, "-m", "spmd.train", *RUN, "--steps", "2", "--metrics", str(metrics)]
+    command += ["--mesh", "fsdp=8", "--devices", "4"]
+    port, tasks = free_port(), []
+    for rank in range(2):
+        log = (tmp_path / f"{rank}.log").open("w")
+        task_env = {**env, **srun_task(rank, 2, port)}
+        tasks.append(subprocess.Popen(command, cwd=ROOT, env=task_env, stdout=log, stderr=log))
+    codes = [task.wait(timeout=300) for task in tasks]
+    logs = [(tmp_path / f"{rank}.log").read_text() for rank in range(2)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "joined a Slurm job of 2 processes" in logs[0]
+    assert "mesh fsdp=8 (8 x cpu)" in logs[0] and "step 2/2" in logs[0]
+    assert "step 2/2" not in logs[1]  # only process 0 reports
+    assert [r["step"] for r in records(metrics) if r["kind"] == "train"] == [1, 2]

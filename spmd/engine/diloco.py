@@ -37,9 +37,10 @@ from spmd.engine.state_layout import optimizer_shardings
 from spmd.engine.step import Program, TrainState, build_program
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
+from spmd.sections import ParallelConfig, choices
 
 AXIS = "data"  # the mesh axis whose ways are the replicas
-MODES = ("every-step", "diloco")
+MODES = choices(ParallelConfig, "dcn_sync")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The optax optimizer: AdamW with decoupled weight decay on matrices only, global-norm
-clipping, linear warm-up then cosine decay, and the linear LR scaling rule."""
+clipping, the LR schedule (linear warm-up, then cosine, linear, constant or warm-up-stable-decay,
+joined from optax's own schedules), and the linear LR scaling rule."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import optax
 
 from spmd.errors import UsageError
 from spmd.parallel.collectives import global_norm
-from spmd.sections import OptimizerConfig
+from spmd.sections import OptimizerConfig, choices
 
-LR_SCALINGS = ("none", "linear")
+LR_SCALINGS = choices(OptimizerConfig, "lr_scaling")
+LR_SCHEDULES = choices(OptimizerConfig, "lr_schedule")
 
 
 def check_number(flag: str, value: float, low: float, high: float, valid: str) -> None:
@@ -32,6 +34,13 @@ def check_hyperparameters(cfg: OptimizerConfig) -> None:
     if cfg.warmup < 0:
         raise UsageError(f"--warmup {cfg.warmup} must be 0 or a positive number of steps")
     check_number("--min-lr-ratio", cfg.min_lr_ratio, 0.0, 1.0, "a fraction of --lr in [0, 1]")
+    check_number(
+        "--decay-fraction",
+        cfg.decay_fraction,
+        math.ulp(0.0),
+        1.0,
+        "a fraction of --steps in (0, 1]",
+    )
     check_number("--weight-decay", cfg.weight_decay, 0.0, math.inf, "0 or a positive number")
     check_number("--grad-clip", cfg.grad_clip, 0.0, math.inf, "a positive norm, or 0 (off)")
     for flag, beta in (("--beta1", cfg.beta1), ("--beta2", cfg.beta2)):
@@ -54,17 +63,46 @@ def peak_lr(cfg: OptimizerConfig, global_batch: int) -> float:
 
 
 def lr_schedule(cfg: OptimizerConfig, steps: int, global_batch: int) -> optax.Schedule:
-    """LR at each of `steps` optimizer steps: 0 -> peak over `warmup` steps, cosine to
-    min_lr_ratio * peak."""
+    """The LR by optimizer count (the updates applied before this one: optimizer step t reads
+    count t - 1) in a run of `steps` steps: 0 -> peak linearly over `warmup` counts, then
+    --lr-schedule: cosine or linear decay to min_lr_ratio x peak, reached at count `steps`
+    (after the last step); constant at peak; wsd at peak, then linear decay to min_lr_ratio x
+    peak over the last `wsd_decay_steps` counts. A function of the count alone, which the
+    optimizer state holds, so resumes and rollbacks continue it. UsageError for a WSD decay
+    that does not fit after the warm-up."""
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise UsageError(
+            f"--lr-schedule {cfg.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
+        )
     peak = peak_lr(cfg, global_batch)
-    warmup = min(cfg.warmup, max(steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=peak,
-        warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1),
-        end_value=peak * cfg.min_lr_ratio,
-    )
+    end = peak * cfg.min_lr_ratio
+    warmup = min(cfg.warmup, max(steps - 1, 0))  # a run shorter than its warm-up still decays
+    decay = max(steps, warmup + 1) - warmup  # counts from the warm-up's end to the run's
+    boundaries = [warmup]
+    if cfg.lr_schedule == "cosine":  # as optax.warmup_cosine_decay_schedule, bit for bit
+        alpha = end / peak if peak else 0.0
+        after_warmup = [optax.cosine_decay_schedule(peak, decay, alpha=alpha)]
+    elif cfg.lr_schedule == "linear":
+        after_warmup = [optax.linear_schedule(peak, end, decay)]
+    elif cfg.lr_schedule == "constant":
+        after_warmup = [optax.constant_schedule(peak)]
+    else:  # wsd
+        final = wsd_decay_steps(cfg, steps)
+        if cfg.warmup + final > steps:
+            raise UsageError(
+                f"--lr-schedule wsd: --warmup {cfg.warmup} plus the {final} decay steps "
+                f"(--decay-fraction {cfg.decay_fraction:g} of --steps {steps}) exceed --steps "
+                f"{steps}; lower --warmup or --decay-fraction"
+            )
+        after_warmup = [optax.constant_schedule(peak), optax.linear_schedule(peak, end, final)]
+        boundaries.append(steps - final)
+    warm = optax.linear_schedule(0.0, peak, warmup)
+    return optax.join_schedules([warm, *after_warmup], boundaries)
+
+
+def wsd_decay_steps(cfg: OptimizerConfig, steps: int) -> int:
+    """The optimizer steps of WSD's final decay: decay_fraction of `steps`, rounded, at least 1."""
+    return max(1, round(cfg.decay_fraction * steps))
 
 
 def decay_mask(names_tree: Any) -> Any:

@@ -28,10 +28,10 @@ from spmd.engine.explicit import explicit_steps
 from spmd.errors import UsageError
 from spmd.parallel import hooks
 from spmd.parallel.layout import Layout
-from spmd.sections import ParallelConfig
+from spmd.sections import ParallelConfig, choices
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
-EXECUTORS = ("auto", "explicit")
+EXECUTORS = choices(ParallelConfig, "collectives")
 
 
 class TrainState(NamedTuple):

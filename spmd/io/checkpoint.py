@@ -77,26 +77,35 @@ def complete_steps(directory: str) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory))
 
 
-def check_directory(directory: str, resume: bool) -> None:
-    """UsageError for --resume without a complete checkpoint, and for a fresh run into a folder
-    that already holds checkpoints (it would mix with or delete them)."""
+def check_directory(directory: str, resume: str) -> bool:
+    """Whether a run with `--resume resume` continues from the checkpoints of `directory`:
+    "auto" when it holds a complete one, "required" always (UsageError when it holds none),
+    "fresh" never (UsageError when it holds one: a fresh run would mix with or delete it)."""
     if Path(directory).exists() and not Path(directory).is_dir():
         raise UsageError(f"--checkpoint-dir {directory} is a file; give a folder")
     steps = complete_steps(directory)
-    if resume and not steps:
-        partial = (
-            list(Path(directory).glob(f"*{PARTIAL_SUFFIX}")) if Path(directory).is_dir() else []
-        )
+    if resume == "required" and not steps:
+        partial = interrupted_saves(directory)
         found = f" (only {len(partial)} interrupted save(s))" if partial else ""
         raise UsageError(
-            f"--resume: --checkpoint-dir {directory} holds no complete checkpoint{found}; "
-            f"run without --resume to start training"
+            f"--resume required: --checkpoint-dir {directory} holds no complete checkpoint"
+            f"{found}; run with --resume auto or fresh to start training"
         )
-    if not resume and steps:
+    if resume == "fresh" and steps:
         raise UsageError(
-            f"--checkpoint-dir {directory} already holds checkpoints (newest: step {steps[-1]}); "
-            f"pass --resume to continue from it, or give an empty or new folder"
+            f"--resume fresh: --checkpoint-dir {directory} already holds checkpoints (newest: "
+            f"step {steps[-1]}); continue from it with --resume auto, or give an empty or new "
+            f"folder"
         )
+    return bool(steps) and resume != "fresh"
+
+
+def interrupted_saves(directory: str) -> list[str]:
+    """The names of the steps in `directory` whose saves never completed (a crash or kill in the
+    middle of one); orbax replaces such a folder when it saves that step again."""
+    if not Path(directory).is_dir():
+        return []
+    return sorted(p.name for p in Path(directory).glob(f"*{PARTIAL_SUFFIX}"))
 
 
 class Manager(ocp.CheckpointManager):

@@ -8,7 +8,7 @@ subtree of the state item, straight into the shardings of the current mesh.
 A converted checkpoint is an ordinary checkpoint folder with one step, 0 (no optimizer step
 done), whose state holds only `params`: a Hugging Face model has no optimizer or data state, and
 a fresh AdamW state is zeros that training makes itself. Its config says where the weights came
-from (CONVERTED_FROM), and `refuse_resume` turns `spmd.train --resume` on such a folder into a
+from (CONVERTED_FROM), and `refuse_resume` turns `spmd.train` resuming from such a folder into a
 clear error: there is no run to continue, and a run writing into the folder would delete the
 converted weights as its checkpoints rotate. Train from the weights with `--init-from-hf`.
 
@@ -121,7 +121,7 @@ def save_converted(directory: str, params: Any, config: dict[str, Any], source: 
     """Write `params` as checkpoint step 0 of the new checkpoint folder `directory`, with
     `config` (e.g. {"model": ...}) marked as converted from `source`. Refuses a folder that
     already holds checkpoints."""
-    checkpoint.check_directory(directory, resume=False)
+    checkpoint.check_directory(directory, "fresh")
     manager = checkpoint.open_manager(directory, keep=1)
     try:
         checkpoint.save(
@@ -143,7 +143,7 @@ def refuse_resume(directory: str) -> None:
     source = saved_config(directory, steps[-1]).get(CONVERTED_FROM)
     if source is not None:
         raise UsageError(
-            f"--resume: {directory} holds weights converted from {source} (params only, no "
+            f"--checkpoint-dir {directory} holds weights converted from {source} (params only, no "
             f"optimizer or data state), not a run to continue; train from them with "
             f"--init-from-hf {source} and a new --checkpoint-dir"
         )

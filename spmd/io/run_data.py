@@ -12,9 +12,9 @@ from typing import Any
 from spmd.errors import UsageError
 from spmd.io import corpora, data, mixture, shards, tokens
 from spmd.log import say
-from spmd.sections import DataConfig
+from spmd.sections import DataConfig, choices
 
-DOCUMENT_MASK = ("auto", "on", "off")
+DOCUMENT_MASK = choices(DataConfig, "document_mask")
 
 
 def check_choices(data_cfg: DataConfig) -> None:

@@ -1,14 +1,31 @@
 """Join a multi-process JAX job when this process is one of several.
 
-From flags (`--coordinator HOST:PORT --num-processes N --process-id I`), from the environment
-spmd.launch sets (SPMD_COORDINATOR, SPMD_NUM_PROCESSES, SPMD_PROCESS_ID), or from JAX's own
-cluster detection (SLURM, Open MPI, Kubernetes) when `auto_detect` is set; a single process
-otherwise. Must run before anything asks JAX for devices.
+Where the job comes from, first found first:
+
+1. flags: `--coordinator HOST:PORT --num-processes N --process-id I`;
+2. the environment spmd.launch sets (SPMD_COORDINATOR, SPMD_NUM_PROCESSES, SPMD_PROCESS_ID);
+3. JAX's own cluster detection, the one `jax.distributed.initialize()` runs without arguments.
+   In this JAX version (0.10) it knows, in this order: Open MPI (OMPI_MCA_orte_hnp_uri, which
+   Open MPI 4's mpirun sets; Open MPI 5 does not), SLURM (SLURM_JOB_ID, SLURM_STEP_NODELIST,
+   SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID, as srun sets them), Cloud TPU VMs (GCE, and
+   GKE through TPU_WORKER_HOSTNAMES), and Kubernetes (KUBERNETES_SERVICE_HOST, with the
+   `kubernetes` package installed: `pip install "jax[k8s]"`; the pod must belong to an Indexed
+   Job, e.g. of a JobSet, and its service account may read pods and jobs). spmd asks it only
+   in a Kubernetes pod that has a JOB_COMPLETION_INDEX (in any other pod JAX's Kubernetes
+   bootstrap fails), and joins only when it finds more than one process: one SLURM task or
+   a one-pod Job runs as a plain single process. mpi4py is JAX's opt-in method and is not
+   tried.
+
+JAX's SLURM and Open MPI detection gives each process one GPU, that of its local rank (JAX
+assumes one process per GPU); a process that should drive every GPU of its node (spmd's usual
+layout: one process per host) needs JAX_LOCAL_DEVICE_IDS=0,1,...,7 (examples/slurm_multinode.sh).
+Kubernetes leaves every device of the pod visible. Must run before anything asks JAX for devices.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -36,12 +53,22 @@ def client() -> object | None:
     return distributed.global_state.client
 
 
-def cluster_detected() -> bool:
-    """True under a multi-task SLURM or Open MPI launch, where JAX finds its peers itself."""
-    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        if int(os.environ.get(name, "1") or 1) > 1:
-            return True
-    return False
+def detected_cluster() -> tuple[str, int] | None:
+    """(the cluster's name, its process count) when JAX's cluster detection finds a job of more
+    than one process (see the module's text), else None."""
+    # JAX keeps its detection private: the environments jax.distributed.initialize() tries,
+    # in its order. tests/test_multihost.py checks that this still finds a SLURM job.
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        if env is clusters.K8sCluster and "JOB_COMPLETION_INDEX" not in os.environ:
+            continue  # not an Indexed Job's pod: JAX's Kubernetes bootstrap cannot work
+        if env.is_env_present():
+            count = env.get_process_count()
+            return (env.__name__.removesuffix("Cluster"), count) if count > 1 else None
+    return None
 
 
 def cluster_from_env() -> dict[str, str | int] | None:
@@ -60,10 +87,9 @@ def local_devices_from_env() -> int:
     return int(os.environ.get("SPMD_LOCAL_DEVICES", "0"))
 
 
-def initialize(
-    coordinator: str = "", num_processes: int = 0, process_id: int = -1, auto_detect: bool = False
-) -> int:
-    """Start jax.distributed if this is a multi-process job; return the number of processes."""
+def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> int:
+    """Start jax.distributed if this is a multi-process job (flags, spmd.launch, or a cluster
+    JAX detects; see the module's text); return the number of processes."""
     if not coordinator:
         env = cluster_from_env()
         if env is not None:
@@ -81,12 +107,40 @@ def initialize(
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
         _JOB.update(num_processes=num_processes, process_id=process_id)
         return num_processes
-    if auto_detect:
+    cluster = detected_cluster()
+    if cluster is None:
+        _refuse_an_undetected_job()
+    else:
         _without_preemption_service()
-        jax.distributed.initialize()  # SLURM / Open MPI / Kubernetes, as JAX detects them
-        _JOB.update(num_processes=jax.process_count(), process_id=jax.process_index())
-        return jax.process_count()
+        jax.distributed.initialize()  # the same detection again: the coordinator, rank, devices
+        # What it found, read where it keeps it: jax.process_count() would start the backend,
+        # before spmd.parallel.mesh sets how many CPU devices to simulate.
+        from jax._src import distributed
+
+        state = distributed.global_state
+        _JOB.update(num_processes=state.num_processes, process_id=state.process_id)
+        if state.process_id == 0:
+            print(f"joined a {cluster[0]} job of {cluster[1]} processes", file=sys.stderr)
+        return state.num_processes
     return 1
+
+
+# What launchers tell each of their processes about the job's size, whatever JAX detects.
+LAUNCHER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def _refuse_an_undetected_job() -> None:
+    """UsageError when a launcher started several processes but JAX's detection found no job
+    (Open MPI 5, or a SLURM step without its step variables): each would train alone, all into
+    one --checkpoint-dir."""
+    for name in LAUNCHER_SIZES:
+        size = os.environ.get(name, "")
+        if size.isdigit() and int(size) > 1:
+            raise UsageError(
+                f"{name}={size}: this process is one of {size}, but JAX's cluster detection "
+                f"found no job to join (it reads Open MPI 4's mpirun and SLURM's srun); give "
+                f"--coordinator HOST:PORT --num-processes {size} --process-id RANK"
+            )
 
 
 def _without_preemption_service() -> None:

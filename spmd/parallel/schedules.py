@@ -31,8 +31,9 @@ from typing import NamedTuple
 import numpy as np
 
 from spmd.errors import UsageError
+from spmd.sections import ParallelConfig, choices
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = choices(ParallelConfig, "pp_schedule")
 
 # Columns of a tick table: one int per (tick, stage); -1 = nothing in that slot.
 FIELDS = (

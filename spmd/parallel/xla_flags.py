@@ -28,8 +28,9 @@ import shlex
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.sections import ParallelConfig, choices
 
-PRESETS = ("throughput", "none")
+PRESETS = choices(ParallelConfig, "xla_preset")
 GPU_THROUGHPUT = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",

@@ -47,10 +47,10 @@ from typing import Any
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say, warn
-from spmd.sections import DivergenceConfig
+from spmd.sections import DivergenceConfig, choices
 
 DIVERGED_EXIT = 3  # exit status of a run that --on-divergence stop ended (2 is a usage error)
-POLICIES = ("stop", "rollback", "ignore")
+POLICIES = choices(DivergenceConfig, "on_divergence")
 MIN_SPIKE_HISTORY = 2  # earlier finite losses a spike is measured against, at the least
 
 
@@ -274,8 +274,8 @@ class Guard:
             checkpoint_step=newest,
         )
         where = (
-            f"its newest checkpoint, step {newest} in {folder}, is finite: resume from it with "
-            f"--resume and a lower --lr or --on-divergence rollback"
+            f"its newest checkpoint, step {newest} in {folder}, is finite: the same command "
+            f"continues from it (--resume auto); give it a lower --lr or --on-divergence rollback"
             if newest is not None
             else "no checkpoint was saved before it: start again with a lower --lr"
         )

@@ -35,15 +35,16 @@ BOOKKEEPING_FIELDS = (
 )
 
 
-def open_checkpoints(cfg: Config, program: Any, fingerprint: str) -> tuple[Any, Any]:
-    """(the checkpoint manager, the restored checkpoint or None): with --resume, the newest
-    readable checkpoint, read onto this run's mesh, after checking it continues this run."""
+def open_checkpoints(cfg: Config, program: Any, fingerprint: str, resumes: bool) -> tuple[Any, Any]:
+    """(the checkpoint manager, the restored checkpoint or None): when the run `resumes`
+    (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
+    after checking it continues this run."""
     from spmd.io import checkpoint
 
     manager = checkpoint.open_manager(
         cfg.checkpoint.checkpoint_dir, cfg.checkpoint.keep_checkpoints
     )
-    if not cfg.checkpoint.resume:
+    if not resumes:
         return manager, None
     try:
         restored = checkpoint.restore_newest(
@@ -117,5 +118,6 @@ def finish_stopped(
         else f"its state was not finite, so not saved: {folder} keeps older steps"
     )
     say(
-        f"stopped after step {step} ({reason}); {what}; continue with the same command and --resume"
+        f"stopped after step {step} ({reason}); {what}; the same command continues from it "
+        f"(--resume auto, the default, or required)"
     )
