@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from spmd import checkpoint as checkpoint_command
 from spmd import generate
-from spmd.io import checkpoint, manifest
+from spmd.io import checkpoint, manifest, stray_reads
 from tests import cli
 from tests.test_checkpoint import abstract, save_steps, sharded_state
 
@@ -126,8 +126,8 @@ def test_a_step_without_a_manifest_is_read_unverified_and_its_damage_told_in_one
 def test_only_the_stray_reads_of_a_failed_restore_are_kept_off_the_terminal(monkeypatch):
     reached = []
     monkeypatch.setattr(sys, "unraisablehook", reached.append)
-    checkpoint.quiet_stray_reads()
-    checkpoint.quiet_stray_reads()  # once is enough: no hook wraps another of its kind
+    stray_reads.quiet_stray_reads()
+    stray_reads.quiet_stray_reads()  # once is enough: no hook wraps another of its kind
     stray = SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None)
     other = SimpleNamespace(exc_value=RuntimeError("something else"), object=None)
     sys.unraisablehook(stray)

@@ -26,7 +26,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
-from spmd.io import checkpoint, manifest
+from spmd.io import checkpoint, manifest, stray_reads
 from spmd.log import warn
 
 CONVERTED_FROM = "converted_from"  # config key of a converted checkpoint: the source folder
@@ -84,7 +84,7 @@ def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
         ) from None
     _check_shapes(saved.get("params", {}), abstract_params, f"{directory} step {step}")
     target = {"params": abstract_params}
-    checkpoint.quiet_stray_reads()  # a failed read's others would print tracebacks
+    stray_reads.quiet_stray_reads()  # a failed read's others would print tracebacks
     try:
         restored = ocp.PyTreeCheckpointer().restore(
             path,
