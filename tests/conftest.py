@@ -5,7 +5,9 @@ programs are tiny and run a few steps each, so compiling is most of their time, 
 halves it. The optimized HLO (collectives, buffer assignment, memory figures) is the same;
 only the generated machine code is slower. Subprocesses the tests start inherit it."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,6 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # meshes, in-process and as commands), and a cached executable loads in a fraction of a second
 # instead of seconds. A fresh folder per session: nothing carries over between runs.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-test-jax-cache-")
+atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
