@@ -62,7 +62,7 @@ SEED_LIMIT = 2**63  # numpy's and JAX's seeds are unsigned 64-bit at most; negat
 
 def check_counts(cfg: Config) -> None:
     """UsageError for a count below its range (--steps 0, --eval-every -1, --seed -1, ...)."""
-    values = config.flat_values(config.as_dict(cfg.sections()))
+    values = config.flat_values(cfg.as_dict())
     for name in POSITIVE:
         if values[name] < 1:
             raise UsageError(f"{config.flag_name(name)} {values[name]} must be a positive integer")

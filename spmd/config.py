@@ -337,7 +337,8 @@ def _tables_by_section(tables: dict[str, Any], sections: dict[str, type]) -> dic
 
 
 def as_dict(sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The resolved config as plain dicts, e.g. for the metrics JSONL and checkpoints."""
+    """Resolved sections as plain dicts (a command's own sections included; a run's Config has
+    .as_dict())."""
     return {name: dataclasses.asdict(value) for name, value in sections.items()}
 
 

@@ -307,9 +307,10 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     from spmd.parallel.hooks import notes
 
     say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
-    say(f"train step HLO fingerprint {hlo.fingerprint(compiled)}")  # spmd.bench prints its own
+    fingerprint = hlo.fingerprint(compiled)
+    say(f"train step HLO fingerprint {fingerprint}")  # spmd.bench prints its own
     facts = {
-        "hlo_fingerprint": hlo.fingerprint(compiled),
+        "hlo_fingerprint": fingerprint,
         "model_notes": notes(),
         "compile_s": compile_s,
         "state_bytes": state_bytes,
@@ -346,7 +347,7 @@ def write_config_record(
     mesh = program.layout.mesh
     log.write(
         "config",
-        config=config.as_dict(cfg.sections()),
+        config=cfg.as_dict(),
         mesh=dict(mesh.shape),
         mesh_text=format_mesh(dict(mesh.shape)),
         devices=mesh.size,

@@ -102,11 +102,11 @@ def fingerprint(compiled: Any) -> str:
     def renumber(match: re.Match) -> str:
         return f"{match.group(1)}.{numbers.setdefault(match.group(0), len(numbers))}"
 
-    text = "\n".join(_NUMBERED.sub(renumber, line) for line in without_locations(compiled))
+    text = "\n".join(_NUMBERED.sub(renumber, line) for line in _without_locations(compiled))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def without_locations(compiled: Any) -> list[str]:
+def _without_locations(compiled: Any) -> list[str]:
     """The lines of the compiled module's text, source-location tables and metadata dropped."""
     kept, skipping = [], False
     for line in compiled.as_text().splitlines():

@@ -43,11 +43,6 @@ class AgreedStop:
         self.reason: str | None = None
         self._published = False
 
-    @property
-    def received(self) -> str | None:
-        """The stop signal this process received (None: none)."""
-        return self.signals.received
-
     def stop_after(self, step: int) -> int | None:
         """The step this run stops after (and saves), once any process asked; None while none
         did. Call once per step, after dispatching `step`, on every process."""
