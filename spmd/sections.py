@@ -61,6 +61,9 @@ class DataConfig:
     eval_data: str = ""  # eval sets beside the held-out split: a path, or "name=path,name=path"
     eval_every: int = 100  # steps between eval losses (0: only at the end)
     eval_batches: int = 4  # batches of `batch` sequences per eval
+    # one eval before the first step of a fresh run (logged at step 0): the held-out loss of
+    # the loaded weights, the "before" of a fine-tune
+    eval_at_start: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

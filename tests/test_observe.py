@@ -29,6 +29,7 @@ def dp8_run(tmp_path_factory):
         "--steps", "6",
         "--log-every", "2",
         "--eval-batches", "1",
+        "--eval-at-start",
         "--profile", "3:4",
         "--profile-dir", str(out / "trace"),
         "--tensorboard", str(out / "tb"),
@@ -54,6 +55,15 @@ def test_profile_of_dp8_names_all_reduce_with_a_share_between_0_and_1(dp8_run):
         assert 0 < row["comm_fraction"] < 1
         assert row["comm_fraction"] == pytest.approx(row["all-reduce"] / row["step"])
     assert 0 < prof["comm_fraction"] < 1
+
+
+def test_eval_at_start_logs_the_untrained_loss_at_step_0(dp8_run):
+    _, stdout, lines = dp8_run
+    evals = [r for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 6]
+    assert "eval at step 0: loss" in stdout
+    # random init over 256 byte tokens starts near ln 256 = 5.55, and 6 steps lower it
+    assert abs(evals[0]["loss"] - 5.545) < 0.3 and evals[1]["loss"] < evals[0]["loss"]
 
 
 def test_mfu_with_a_fake_peak_is_achieved_over_peak(dp8_run):

@@ -265,6 +265,9 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     evaluate, progress = make_evaluator(run), Progress(run, first)
     eval_loss, pending, stop_reason, saved = None, None, None, False
     step, last = first, run.cfg.run.stop_after or run.cfg.run.steps
+    if run.evaluates and run.cfg.data.eval_at_start and first == 1:
+        evaluate(state["params"], 0)
+        progress.restart_clock()
     while step <= last:
         state, metrics = run_step(run, progress, state, step)
         if run.heartbeat is not None:
