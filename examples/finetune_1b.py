@@ -77,8 +77,9 @@ def memory_table(model: str, batch: int, seq_len: int) -> list[str]:
         )
         print(f"{name:<10}" + "".join(f"{c / GB:>11.3f}" for c in cells))
         for row in ("params", "master + optimizer state"):
-            if abs(m["rows"][row]["ratio"] - 1) > 0.01:
-                failures.append(f"{name}: compiled {row} is {m['rows'][row]['ratio']:.3f}x the formula")
+            ratio = m["rows"][row]["ratio"]
+            if abs(ratio - 1) > 0.01:
+                failures.append(f"{name}: compiled {row} is {ratio:.3f}x the formula")
     print("planned total = params + gradients + master/optimizer + activations + runtime overhead")
     one, zero3 = rows["1 device"], rows["ZeRO-3"]
     print(f"params + master + optimizer per device: {one / GB:.2f} GB on 1 device, ", end="")
