@@ -80,11 +80,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
+    cfg, rounds, steps, compile_s, program = prepare(argv)
+    per_round = max(cfg.run.steps // rounds, 1)
+    times = time_alternating(steps, rounds, per_round)
+    report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
+    return 0
+
+
+def prepare(argv: list[str] | None, prog: str = "python -m spmd.bench") -> tuple:
+    """(Config, rounds, {name: run n steps}, {name: compile seconds}, Program) of a bench
+    command line: the XLA flags applied, the mesh made, both steps compiled."""
     sections = config.resolve(
-        argv,
-        {**train.SECTIONS, "bench": BenchConfig},
-        "python -m spmd.bench",
-        expand=train.expand_layout,
+        argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
     )
     cfg, rounds = config.Config.of(sections), sections["bench"].rounds
     if rounds < 1:
@@ -102,10 +109,7 @@ def run(argv: list[str] | None) -> int:
     )
     mesh = setup_mesh(cfg.parallel.mesh, cfg.parallel.devices)
     steps, compile_s, program = compiled_pair(cfg, mesh)
-    per_round = max(cfg.run.steps // rounds, 1)
-    times = time_alternating(steps, rounds, per_round)
-    report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
-    return 0
+    return cfg, rounds, steps, compile_s, program
 
 
 def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
