@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--profile", type=int, default=0, help="also profile N torch steps")
+    parser.add_argument("--profile", type=int, default=0, help="also profile N steps of each")
     args, rest = parser.parse_known_args(argv)
 
     from spmd import bench
@@ -120,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(t) for name, t in times.items()}
     say(f"torch / spmd step time: {medians['torch'] / medians['spmd']:.3f} (above 1: spmd faster)")
     if args.profile:
-        say(f"torch self CPU time per step, top ops of {args.profile} profiled steps:")
+        from xla_ops import op_table
+
+        compiled = program.compile_train_step(cfg.run.batch, cfg.run.seq_len)
+        say(f"spmd: XLA op time per step (ms, events per step), {args.profile} steps traced:")
+        for label, ms, per_step in op_table(steps["spmd"], args.profile, compiled)[:25]:
+            say(f"  {ms:9.2f} ms {per_step:6.0f}x  {label}")
+        say(f"torch: self CPU time per step (ms), {args.profile} steps profiled:")
         for name, ms in worker.profile(args.profile)[:25]:
             say(f"  {ms:9.2f} ms  {name}")
     worker.close()
