@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from spmd.engine.state_layout import with_sharding
 from spmd.errors import UsageError
 from spmd.sections import ParallelConfig, choices
 
@@ -123,3 +124,44 @@ def bytes_by_memory(abstract: Any) -> dict[str, int]:
         size = math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
         out["host" if leaf.sharding.memory_kind in (HOST, "unpinned_host") else DEVICE] += size
     return out
+
+
+def state_bytes_by_memory(compiled: Any, program: Any) -> dict[str, dict[str, int]]:
+    """{"params" | "opt_state": {"device": bytes, "host": bytes}} one device holds, read from
+    the shardings (and their memory kinds) the compiled train step takes its state in.
+    `program` is a spmd.engine.step.Program."""
+    (param_sh, opt_sh, *_), _ = compiled.input_shardings
+    return {
+        "params": bytes_by_memory(with_sharding(program.abstract_params, param_sh)),
+        "opt_state": bytes_by_memory(with_sharding(program.abstract_opt_state, opt_sh)),
+    }
+
+
+def host_state_bytes(by_memory: dict[str, dict[str, int]]) -> int:
+    """The bytes of state one device keeps in host memory (of `state_bytes_by_memory`)."""
+    return sum(parts["host"] for parts in by_memory.values())
+
+
+def device_peak(memory: dict[str, int], host_bytes: int) -> int | None:
+    """XLA's per-device peak estimate (spmd.estimate.hlo.memory) without the state kept in host
+    memory. XLA:GPU and TPU report host arguments apart (host_argument_size_in_bytes); XLA:CPU
+    counts them in the argument and output bytes (its host_* figures are 0), so there the
+    offloaded state (an argument aliased to its output) is taken out of the estimate here."""
+    peak = memory.get("peak_estimate")
+    if peak is None:
+        return None
+    reported_apart = memory.get("host_argument", 0) > 0
+    return peak if reported_apart else peak - host_bytes
+
+
+def describe(by_memory: dict[str, dict[str, int]], offload: str) -> str:
+    """The compile line's tail under --offload: what of the state one device keeps in host
+    memory, in MiB ("" without offload)."""
+    if offload == "none":
+        return ""
+    host = ", ".join(
+        f"{name} {by_memory[role]['host'] / 2**20:.2f} MiB"
+        for role, name in (("params", "params"), ("opt_state", "optimizer state"))
+        if by_memory[role]["host"]
+    )
+    return f" | --offload {offload}: in host memory {host}"
