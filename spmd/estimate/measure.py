@@ -15,6 +15,7 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
+from spmd.estimate import offload as offload_model
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
 
@@ -177,7 +178,7 @@ def state_against_formula(
     )
     if offload == "none" or by_memory is None:
         return line
-    formula = offload_split(state, offload)
+    formula = offload_model.split(state, offload)
     compiled = {
         where: sum(roles[where] for roles in by_memory.values()) for where in ("device", "host")
     }
@@ -187,10 +188,3 @@ def state_against_formula(
         for where in ("device", "host")
     )
     return f"{line}\n--offload {offload}, params + master + optimizer per device: {split}"
-
-
-def offload_split(state: dict[str, float], offload: str) -> dict[str, float]:
-    """{"device", "host"}: the formula's bytes of params and of master + optimizer state
-    (spmd.estimate.memory.model_state_bytes) that --offload keeps in each memory."""
-    host = state["optimizer"] + (state["params"] if offload == "params" else 0.0)
-    return {"device": state["params"] + state["optimizer"] - host, "host": host}
