@@ -48,11 +48,13 @@ WHOLE = ("batch", "length", "embed")
 
 # LlamaConfig.remat's choices (its --help and the resolver's check); REMAT_POLICIES maps each
 # to its jax.checkpoint policy.
-Remat = Literal["none", "full", "dots_saveable"]
+Remat = Literal["none", "full", "dots_saveable", "offload"]
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # dots_saveable's matmul outputs, kept in host memory until the backward pass reads them
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
@@ -71,7 +73,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5  # epsilon of the RMS norms
     tie_embeddings: bool = False  # the output projection is the embedding, transposed
     # what the backward pass keeps of each layer: none = every activation; full = nothing (the
-    # layer's forward runs again); dots_saveable = the matmul outputs
+    # layer's forward runs again); dots_saveable = the matmul outputs; offload = the matmul
+    # outputs, kept in host memory
     remat: Remat = "none"
     family: str = "llama"  # the model family this config describes: llama or moe (models.family)
 

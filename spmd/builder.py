@@ -25,7 +25,7 @@ import optax
 from models import family
 from spmd.checks import check_sequence_split
 from spmd.config import Config
-from spmd.engine import precision
+from spmd.engine import offload, precision
 from spmd.engine.optim import make_optimizer
 from spmd.engine.step import Program, build_program, check_batch
 from spmd.parallel.layout import Layout
@@ -109,8 +109,12 @@ def program(
         executor=cfg.parallel.collectives,
         batch_fields=batch_fields,
     )
+    # a program without an optimizer (loading, converting weights) has no state to offload
+    offload_state = cfg.parallel.offload if train else "none"
     if cfg.parallel.dcn_sync == "diloco":
         from spmd.engine import diloco
+
+        offload.check(offload_state, layout.zero_stage, pipelined=False, vmapped=True)
 
         p, o = cfg.parallel, cfg.optimizer
         sync = diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
@@ -123,6 +127,7 @@ def program(
         pipeline=pipeline_of(cfg, layout),
         bucket_mb=cfg.parallel.bucket_mb,
         prefetch=cfg.parallel.prefetch,
+        offload_state=offload_state,
         **common,
     )
 

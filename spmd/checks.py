@@ -230,10 +230,13 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
 
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     capacity = device_capacity(local)
-    memory, state = facts["memory"], facts["state_bytes"]
-    parts = {"params": state["params"], "optimizer state": state["opt_state"]}
+    from spmd.engine import offload
+
+    memory, placed = facts["memory"], facts["state_bytes_by_memory"]
+    # what the device holds: the state in host memory (--offload) is not counted
+    parts = {"params": placed["params"]["device"], "optimizer state": placed["opt_state"]["device"]}
     parts["temp"] = memory.get("temp", 0)
-    need = memory.get("peak_estimate") or sum(parts.values())
+    need = offload.device_peak(memory, offload.host_state_bytes(placed)) or sum(parts.values())
     if capacity is None or need <= capacity.bytes:
         return None
     shrink = ["--remat full"] if cfg.model.remat != "full" else []
@@ -241,6 +244,10 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
     shrink += ["a larger mesh", f"more --accum (now {cfg.run.accum})"]
     shrink += [f"a smaller --batch (now {cfg.run.batch})"]
     shrink += [f"a shorter --seq-len (now {cfg.run.seq_len})"]
+    if cfg.parallel.offload != "params":
+        shrink += [
+            "--offload optimizer" if cfg.parallel.offload == "none" else "--offload params --zero 3"
+        ]
     return (
         f"the compiled train step needs {human_bytes(need)} per device ("
         + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())

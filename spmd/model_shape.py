@@ -25,7 +25,7 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int
     tie_embeddings: bool = False
-    remat: str = "none"  # none | full | dots_saveable: what the backward pass keeps
+    remat: str = "none"  # none | full | dots_saveable | offload: what the backward pass keeps
     n_experts: int = 0  # routed experts per block (0: the dense MLP)
     experts_per_token: int = 0  # top-k
     expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)

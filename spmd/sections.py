@@ -107,6 +107,10 @@ class ParallelConfig:
     # explicit ZeRO-3: all-gather layer i+1's params while layer i computes (forward and
     # backward); 0: each layer gathers its own params when it starts
     prefetch: bool = True
+    # host offload: optimizer = the optimizer state (Adam's moments, and under bf16 / fp16 the
+    # fp32 master weights) lives in host memory, streamed to the devices for each step; params
+    # = the params too (needs --zero 3); none = everything in device memory
+    offload: Literal["none", "optimizer", "params"] = "none"
     xla_preset: Literal["throughput", "none"] = "throughput"  # XLA flags set on GPU (yours win)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp

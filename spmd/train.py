@@ -223,6 +223,8 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
             model_cfg,
             dict(mesh.shape),
             facts["state_bytes"],
+            facts["state_bytes_by_memory"],
+            cfg.parallel.offload,
         )
     )
     shape = family.of(model_cfg).shape(model_cfg)
@@ -289,6 +291,7 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     compile time and per-device memory."""
     import jax
 
+    from spmd.engine import offload
     from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
     from spmd.observe.observer import make_observer, model_metrics
@@ -297,12 +300,14 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     compiled = program.compile_train_step(cfg.run.batch, cfg.run.seq_len)
     compile_s = time.perf_counter() - started
     state_bytes = state_bytes_per_device(compiled, program)
+    by_memory = offload.state_bytes_by_memory(compiled, program)
     memory = hlo.memory(compiled)
     say(
         f"compiled the train step in {compile_s:.1f} s | per device: params "
         f"{state_bytes['params'] / 2**20:.2f} MiB, optimizer state "
         f"{state_bytes['opt_state'] / 2**20:.2f} MiB, temp {memory.get('temp', 0) / 2**20:.2f} "
         f"MiB with --remat {cfg.model.remat} (activations kept for the backward pass)"
+        + offload.describe(by_memory, cfg.parallel.offload)
     )
     from spmd.parallel.hooks import notes
 
@@ -314,6 +319,7 @@ def compile_step(cfg: Config, program: Any) -> tuple:
         "model_notes": notes(),
         "compile_s": compile_s,
         "state_bytes": state_bytes,
+        "state_bytes_by_memory": by_memory,
         "memory": memory,
         "device_kind": jax.devices()[0].device_kind,
         "observer": make_observer(
@@ -356,6 +362,7 @@ def write_config_record(
         n_params=family.of(cfg.model).n_params(cfg.model),
         hlo_fingerprint=facts["hlo_fingerprint"],
         state_bytes_per_device=facts["state_bytes"],
+        state_bytes_by_memory=facts["state_bytes_by_memory"],  # device / host, --offload
         compile_s=facts["compile_s"],
         flops_per_step=facts["observer"].flops_per_step,
         peak_tflops_per_device=facts["observer"].peak,

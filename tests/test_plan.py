@@ -253,7 +253,7 @@ def test_recommend_fits_first_and_keeps_tp_in_a_node(capsys):
     cluster = search.Cluster(cost.Network(400e9, 50e9, 5e-6, 4), 400e12, 16e9, 3e9)
     every = list(search.candidates(base, search.Space(batch=16), cluster))
     assert all(c.setup.mesh["tensor"] <= 4 for c in every)
-    assert {c.setup.remat for c in every} == set(cost.REMATS)
+    assert {c.setup.remat for c in every} == set(cost.SEARCHED_REMATS)
     fitting = [c for c in every if c.memory["fits"]]
     # ... up to the search's ties (equal to 3 significant digits go to the simpler layout)
     assert out["step_time_s"] == pytest.approx(min(c.step_s for c in fitting), rel=5e-3)

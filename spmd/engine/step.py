@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from spmd.engine import precision, state_layout
+from spmd.engine import offload, precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
 from spmd.engine.explicit import explicit_steps
@@ -71,6 +71,7 @@ class Program:
     # --prefetch asked of the explicit executor: its ZeRO-3 layer scan gathers one layer ahead
     # when the layers are rematerialised (hooks.scan_layers; theory.prefetching)
     prefetch: bool = False
+    offload: str = "none"  # --offload: the state kept in host memory (spmd.engine.offload)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -157,6 +158,7 @@ def build_program(
     bucket_mb: float = 0.0,
     prefetch: bool = ParallelConfig.prefetch,
     batch_fields: tuple[str, ...] = ("inputs", "targets"),
+    offload_state: str = "none",
 ) -> Program:
     """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
     params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
@@ -185,8 +187,13 @@ def build_program(
 
     `batch_fields`: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields).
 
+    `offload_state`: "optimizer" keeps the optimizer state (with the master weights) in host
+    memory between steps, "params" the params too (spmd.engine.offload); both executors.
+
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     check_executor(executor)
+    pipelined = pipeline is not None and layout.mesh.shape["pipeline"] > 1
+    offload.check(offload_state, layout.zero_stage, pipelined, vmapped=bool(exclude_axes))
     graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
     loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
@@ -212,7 +219,8 @@ def build_program(
         train_step, eval_step = auto_steps(
             losses.global_loss, tx, layout, shardings, losses.step_accum, policy, exclude_axes
         )
-    abstract = state_layout.abstract_state(shapes, opt_shapes, shardings, layout, policy)
+    placed = offload.placed(shardings, offload_state)
+    abstract = state_layout.abstract_state(shapes, opt_shapes, placed, layout, policy)
     makers = _state_makers(make_model, seed, tx, policy)
     return Program(
         layout=layout,
@@ -223,6 +231,7 @@ def build_program(
         train_fn=train_step,
         prefetch=prefetch and executor == "explicit",
         batch_fields=batch_fields,
+        offload=offload_state,
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )
@@ -310,13 +319,16 @@ def _jitted(
     replicated: NamedSharding,
 ) -> dict[str, Callable]:
     """The Program's jitted functions: the state comes back in the shardings of `abstract`
-    (state_layout.abstract_state), and the train step donates the state buffers."""
+    (state_layout.abstract_state), and the train step donates the state buffers. State that
+    `abstract` puts in host memory is streamed to the devices inside the steps."""
     state_sh = TrainState(
         *(
             jax.tree.map(lambda s: s.sharding, abstract[f"abstract_{role}"])
             for role in ("params", "opt_state", "loss_scale")
         )
     )
+    train_step = offload.streamed_train_step(train_step, state_sh)
+    eval_step = offload.streamed_eval_step(eval_step, state_sh.params)
     return {
         "init": jax.jit(makers.init, out_shardings=state_sh),
         "start": jax.jit(makers.start, out_shardings=state_sh),

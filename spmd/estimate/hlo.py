@@ -162,7 +162,8 @@ def _element_type(shape: str) -> str:
 
 def memory(compiled: Any) -> dict[str, int]:
     """Per-device bytes from ``compiled.memory_analysis()``: argument, output, temp,
-    generated_code, alias, and peak_estimate = argument + output + temp - alias.
+    generated_code, alias, and peak_estimate = argument + output + temp - alias; host_argument,
+    host_output and host_temp where the backend reports host memory apart (non-zero).
     Fields the backend does not report are omitted."""
     stats = compiled.memory_analysis()
     if stats is None:
@@ -172,6 +173,10 @@ def memory(compiled: Any) -> dict[str, int]:
         value = getattr(stats, f"{key}_size_in_bytes", None)
         if value is not None:
             out[key] = int(value)
+    for key in ("argument", "output", "temp"):  # host memory, where the backend counts it apart
+        value = getattr(stats, f"host_{key}_size_in_bytes", None)
+        if value:
+            out[f"host_{key}"] = int(value)
     if all(k in out for k in ("argument", "output", "temp")):
         out["peak_estimate"] = out["argument"] + out["output"] + out["temp"] - out.get("alias", 0)
     return out

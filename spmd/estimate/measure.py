@@ -15,6 +15,7 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
+from spmd.estimate import offload as offload_model
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
 
@@ -138,11 +139,14 @@ def state_against_formula(
     model_cfg: Any,
     mesh_sizes: dict[str, int],
     held: dict[str, int],
+    by_memory: dict[str, dict[str, int]] | None = None,
+    offload: str = "none",
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
     the ZeRO paper's formula for the same layout (spmd.estimate.memory), with compiled/formula
-    ratios.
+    ratios; under --offload also the bytes in device and in host memory (`by_memory`, from
+    spmd.engine.offload.state_bytes_by_memory) beside the formula's split.
     `model_cfg` is the run's model config (a Llama-shaped config with n_params())."""
     s = cost.Setup(
         shape=model_cfg.shape(),  # any model family's config describes its shape
@@ -167,8 +171,20 @@ def state_against_formula(
             f"(x{compiled / formula:.3f})"
         )
     per_param = memory.bytes_per_param(s)
-    return (
+    line = (
         f"state per device against the ZeRO formula ({per_param['params']} + "
         f"{per_param['grads']} + {per_param['optimizer']} B/param, stage {zero}): "
         + "; ".join(parts)
     )
+    if offload == "none" or by_memory is None:
+        return line
+    formula = offload_model.split(state, offload)
+    compiled = {
+        where: sum(roles[where] for roles in by_memory.values()) for where in ("device", "host")
+    }
+    split = "; ".join(
+        f"{where} memory {compiled[where] / 2**20:.2f} MiB compiled vs "
+        f"{formula[where] / 2**20:.2f} MiB formula"
+        for where in ("device", "host")
+    )
+    return f"{line}\n--offload {offload}, params + master + optimizer per device: {split}"

@@ -59,7 +59,8 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         sequence, plus its visiting key / value blocks and partial outputs,
         spmd.estimate.long_sequence);
       dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
-      full: T*e/r (the block input only).
+      full: T*e/r (the block input only);
+      offload: as full on the device (dots_saveable's set waits in host memory).
     An MoE block replaces 4m (2m) by its buffers: per token E x capacity / t slots of the
     dispatched input and expert output (2e), gate, up, silu, product (4m, m the expert width
     / tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
@@ -81,6 +82,8 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none) + attention,
         "dots_saveable": tokens * (3 * e + (h + 2 * k) * d + mlp_dots),
         "full": tokens * e / r,
+        # dots_saveable's set goes to host memory: the device keeps what full keeps
+        "offload": tokens * e / r,
     }
 
 

@@ -203,7 +203,7 @@ def candidates(
             batch = batch_for(space, base.seq_len, data_parallel)
             if batch % data_parallel:
                 continue
-            for remat in (space.remat,) if space.remat else cost.REMATS:
+            for remat in (space.remat,) if space.remat else cost.SEARCHED_REMATS:
                 setup = dataclasses.replace(
                     base, mesh=mesh, zero=zero, batch=batch, remat=remat, sequence_parallel=sp
                 )

@@ -4,11 +4,10 @@ communication that compute does not hide.
 FLOPs follow spmd.estimate.flops (Kaplan et al.; PaLM appendix B): per token, 2 FLOPs per
 matmul parameter and 4 * layers * seq_len * heads * head_dim for attention in the forward,
 three times that for forward + backward ("model FLOPs"). What the devices execute adds the
-recomputation: remat "full" replays each block's forward, "dots_saveable" replays attention
-only (the weight matmuls' outputs are kept), and a pipeline stage re-runs its chunk's forward
-inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only); an MoE's fixed-
-shape routing runs every capacity slot. Units: FLOPs,
-seconds, FLOP/s.
+recomputation: remat "full" replays each block's forward, "dots_saveable" and "offload"
+replay attention only (the weight matmuls' outputs are kept), and a pipeline stage re-runs its
+chunk's forward inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only);
+an MoE's fixed-shape routing runs every capacity slot. Units: FLOPs, seconds, FLOP/s.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def executed_flops(s: cost.Setup) -> float:
     f = forward_flops_per_token(s)
     layer = f["blocks"] + f["attention"]
     replays = layer * (s.pipelined + (s.remat == "full"))
-    replays += f["attention"] * (s.remat == "dots_saveable")
+    replays += f["attention"] * (s.remat in ("dots_saveable", "offload"))
     forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len)
     replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     return model_flops(s) + s.batch * s.seq_len * replays
