@@ -257,7 +257,7 @@ def save(
         value = get(params, entry.path)
         if entry.layer is not None:
             value = value[entry.layer]  # sliced on the devices: one layer comes to the host
-        return entry.to_hf(np.asarray(jax.deviceget(value)), np_dtype)
+        return entry.to_hf(np.asarray(jax.device_get(value)), np_dtype)
 
     total = 0
     written = []
