@@ -2,9 +2,11 @@
 
 Token embedding, RMSNorm, rotary position embedding (the "rotate half" convention that
 Hugging Face checkpoints use), grouped-query causal attention, SwiGLU MLP, tied or untied
-output head. The decoder blocks are created stacked (a leading `layers` dimension) and applied
-with `lax.scan`, so compile time does not grow with depth; `remat` recomputes each block's
-activations in the backward pass.
+output head; and the switches of its Hugging Face variants (models/hf_config.py): Llama 3's
+rope scaling (models/rope.py), Qwen2's q/k/v biases, Qwen3's per-head q/k norms and Mistral's
+sliding window (models/attention.py). The decoder blocks are created stacked (a leading
+`layers` dimension) and applied with `lax.scan`, so compile time does not grow with depth;
+`remat` recomputes each block's activations in the backward pass.
 
 Params are stored in `param_dtype` (fp32) and cast to `dtype` for compute; the loss is always
 computed in fp32.

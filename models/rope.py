@@ -36,8 +36,8 @@ class Rope:
     theta: float = 10000.0  # base of the frequencies
     scaling: Scaling = "none"
     factor: float = 1.0  # linear, llama3: how much longer the context is than pretraining's
-    low_freq_factor: float = 1.0  # llama3: L / this is the longest wavelength kept unscaled-ish
-    high_freq_factor: float = 4.0  # llama3: L / this is the shortest wavelength scaled
+    low_freq_factor: float = 1.0  # llama3: wavelengths over L / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths under L / this are kept
     original_max_positions: int = 8192  # llama3: L, the pretraining context (tokens)
 
     @classmethod
