@@ -9,6 +9,11 @@ probing a config for fields.
     family.get("moe")            the family called "moe" (UsageError naming the valid ones)
     family.of(cfg)               the family of a config, by its type
     family.config_from_dict(d)   a checkpoint's saved [model] section as its family's config
+
+Llama 3.x, Mistral, Qwen2 / Qwen2.5 and Qwen3 are the llama family: switches of LlamaConfig
+(rope scaling, sliding_window, qkv_bias, qk_norm), not families of their own, because nothing
+the engine or the estimators ask of a family differs between them; only the Hugging Face
+architecture does, and models/hf_config.py reads and writes it from the switches.
 """
 
 from __future__ import annotations
@@ -77,10 +82,6 @@ class Family:
         }
 
 
-def _dense_layout(cfg: Any, mesh: Any, executor: str) -> None:
-    """A dense Llama composes with every layout the engine builds."""
-
-
 LLAMA = Family(
     name="llama",
     config=llama.LlamaConfig,
@@ -88,7 +89,7 @@ LLAMA = Family(
     loss=llama.lm_loss,
     logits_loss=llama.logits_loss,
     hf=HFMapping(config_from_hf=hf_config.llama_config, config_to_hf=hf_config.hf_config),
-    check_layout=_dense_layout,
+    check_layout=llama.check_layout,
     check=llama.check,
 )
 MOE = Family(

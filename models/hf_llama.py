@@ -4,24 +4,9 @@
 A Hugging Face checkpoint folder holds `config.json` and the weights in `model.safetensors`, or
 in shards listed by `model.safetensors.index.json`. The two layouts differ only in names and in
 how matrices are stored; the maths is the same, including the rotary embedding: both use the
-"rotate half" pairing (i, i + head_dim/2), so q and k need no permutation.
-
-    Hugging Face name (+ .weight)     shape            spmd param            conversion
-    model.embed_tokens                [vocab, hid]     embed                 as is
-    model.layers.{i}.self_attn.q_proj [heads*hd, hid]  blocks/attn/wq[i]     .T -> [hid, heads, hd]
-    model.layers.{i}.self_attn.k_proj [kv*hd, hid]     blocks/attn/wk[i]     .T -> [hid, kv, hd]
-    model.layers.{i}.self_attn.v_proj [kv*hd, hid]     blocks/attn/wv[i]     .T -> [hid, kv, hd]
-    model.layers.{i}.self_attn.o_proj [hid, heads*hd]  blocks/attn/wo[i]     .T -> [heads, hd, hid]
-    model.layers.{i}.mlp.gate_proj    [mlp, hid]       blocks/mlp/w_gate[i]  .T
-    model.layers.{i}.mlp.up_proj      [mlp, hid]       blocks/mlp/w_up[i]    .T
-    model.layers.{i}.mlp.down_proj    [hid, mlp]       blocks/mlp/w_down[i]  .T
-    model.layers.{i}.input_layernorm  [hid]            blocks/attn_norm/scale[i]
-    model.layers.{i}.post_attention_layernorm [hid]    blocks/mlp_norm/scale[i]
-    model.norm                        [hid]            final_norm/scale
-    lm_head                           [vocab, hid]     lm_head               .T (absent if tied)
-
-Grouped-query heads need nothing more: query head h reads kv head h // (heads / kv_heads) in
-both.
+"rotate half" pairing (i, i + head_dim/2), so q and k need no permutation. The table of names
+and layouts is models/hf_tensors.py; grouped-query heads need nothing more: query head h reads
+kv head h // (heads / kv_heads) in both.
 
 Memory: loading reads one HF tensor at a time from a memory map, transforms it on the host and
 puts it straight onto the devices in the target sharding (`jax.make_array_from_callback`: each
@@ -47,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import hf_mixtral, llama, moe
+from models import hf_mixtral, llama
 from models.hf_config import architectures, hf_config, llama_config
+from models.hf_tensors import STACKED, Entry, entries, get, param_shapes, put
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 
@@ -59,107 +44,6 @@ EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints saved; recomputed
-
-# (spmd param path, Hugging Face name ("{}" = layer index), in_dims): HF stores a Linear as
-# [out, in]; in_dims is how many leading dims of the spmd param make up `in` (0: stored as is).
-TENSORS: tuple[tuple[tuple[str, ...], str, int], ...] = (
-    (("embed",), "model.embed_tokens.weight", 0),
-    (("blocks", "attn", "wq"), "model.layers.{}.self_attn.q_proj.weight", 1),
-    (("blocks", "attn", "wk"), "model.layers.{}.self_attn.k_proj.weight", 1),
-    (("blocks", "attn", "wv"), "model.layers.{}.self_attn.v_proj.weight", 1),
-    (("blocks", "attn", "wo"), "model.layers.{}.self_attn.o_proj.weight", 2),
-    (("blocks", "mlp", "w_gate"), "model.layers.{}.mlp.gate_proj.weight", 1),
-    (("blocks", "mlp", "w_up"), "model.layers.{}.mlp.up_proj.weight", 1),
-    (("blocks", "mlp", "w_down"), "model.layers.{}.mlp.down_proj.weight", 1),
-    (("blocks", "attn_norm", "scale"), "model.layers.{}.input_layernorm.weight", 0),
-    (("blocks", "mlp_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
-    (("final_norm", "scale"), "model.norm.weight", 0),
-    (("lm_head",), "lm_head.weight", 1),
-    *hf_mixtral.TENSORS,  # a model has either the dense MLP's tensors or the experts'
-)
-STACKED = "blocks"  # params under this key carry a leading `layers` dim
-
-
-# --- the name and shape table -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One Hugging Face tensor and where it goes in the spmd params."""
-
-    hf_name: str
-    path: tuple[str, ...]
-    layer: tuple[int, ...] | None  # (layer,) or (layer, expert) in a stacked param, or None
-    shape: tuple[int, ...]  # the spmd shape of this tensor (one layer's / expert's if stacked)
-    in_dims: int
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        if not self.in_dims:
-            return self.shape
-        return (math.prod(self.shape[self.in_dims :]), math.prod(self.shape[: self.in_dims]))
-
-    def to_spmd(self, hf: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        """The HF tensor in spmd layout and `dtype` (one host copy)."""
-        host = hf.T if self.in_dims else hf
-        return np.ascontiguousarray(host, dtype=dtype).reshape(self.shape)
-
-    def to_hf(self, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        host = value.reshape(self.hf_shape[::-1]).T if self.in_dims else value
-        return np.ascontiguousarray(host, dtype=dtype)
-
-
-def param_shapes(cfg: llama.LlamaConfig) -> dict[str, Any]:
-    """The spmd params of `cfg` (dense or MoE) as a pure dict of ShapeDtypeStructs."""
-    with nnx.use_eager_sharding(False):
-        return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: moe.create(cfg, 0))))
-
-
-def entries(params: dict[str, Any]) -> list[Entry]:
-    """Every HF tensor of a model whose params (arrays or ShapeDtypeStructs) are `params`, in
-    the order Hugging Face lists them: embeddings, layer by layer, final norm, head."""
-    top, per_layer = [], []
-    for path, hf_name, in_dims in TENSORS:
-        if not _has(params, path):
-            continue  # lm_head with tied embeddings
-        shape = tuple(_get(params, path).shape)
-        if path[0] == STACKED:
-            per_layer.append((path, hf_name, in_dims, shape))
-        else:
-            top.append(Entry(hf_name, path, None, shape, in_dims))
-    n_layers = per_layer[0][3][0] if per_layer else 0
-    layers = []
-    for i in range(n_layers):
-        for path, hf_name, in_dims, shape in per_layer:
-            if hf_name.count("{}") == 1:
-                layers.append(Entry(hf_name.format(i), path, (i,), shape[1:], in_dims))
-            else:  # one HF tensor per expert: rows [i, j] of a [layers, experts, ...] param
-                layers += [
-                    Entry(hf_name.format(i, j), path, (i, j), shape[2:], in_dims)
-                    for j in range(shape[1])
-                ]
-    return top[:1] + layers + top[1:]
-
-
-def _has(tree: dict, path: tuple[str, ...]) -> bool:
-    for key in path:
-        if not isinstance(tree, dict) or key not in tree:
-            return False
-        tree = tree[key]
-    return True
-
-
-def _get(tree: dict, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
 
 # --- reading a folder -----------------------------------------------------------------
 
@@ -284,7 +168,7 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
     for entry in entries(abstract_params):
         by_path.setdefault(entry.path, []).append(entry)
     for path, layer_entries in by_path.items():
-        target = _get(abstract_params, path)
+        target = get(abstract_params, path)
 
         def host(entry: Entry, dtype: Any = target.dtype) -> np.ndarray:
             return entry.to_spmd(checkpoint.tensors[entry.hf_name].read(), np.dtype(dtype))
@@ -293,7 +177,7 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
             value = _stacked(target, [(e.layer, lambda e=e: host(e)) for e in layer_entries])
         else:
             value = _to_devices(host(layer_entries[0]), target.sharding)
-        _set(params, path, value)
+        put(params, path, value)
     if jax.tree.structure(params) != jax.tree.structure(abstract_params):
         raise ValueError("the HF tensor table does not cover every param of the model")
     return params
@@ -370,7 +254,7 @@ def save(
 
     def produce(hf_name: str) -> np.ndarray:
         entry = by_name[hf_name]
-        value = _get(params, entry.path)
+        value = get(params, entry.path)
         if entry.layer is not None:
             value = value[entry.layer]  # sliced on the devices: one layer comes to the host
         return entry.to_hf(np.asarray(jax.device_get(value)), np_dtype)

@@ -15,7 +15,8 @@ dropless (capacity_factor 0: each expert takes every token that chose it) and th
 fp32 rounding. Mixtral has no shared expert and no router z-loss (z_loss_coef 0); its
 router_aux_loss_coef is the same load-balancing loss (E x sum_e f_e P_e) and becomes
 aux_loss_coef. Training-time router jitter is refused, as is anything else spmd does not
-compute (sliding window, rope scaling, ...: see hf_config.dense_config).
+compute (a sliding window, q/k/v biases, a rope type other than default, linear or llama3
+...: see hf_config.dense_config).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def mixtral_config(hf: dict[str, Any], where: str, remat: str = "none") -> moe.M
     aux = hf.get("router_aux_loss_coef", 0.001)
     if not (aux == 0 or positive_number(aux)):
         raise UsageError(f"{where}: router_aux_loss_coef = {aux!r} must be a finite number >= 0")
-    dense = dense_config(hf, where, remat)
+    dense = dense_config(hf, where, remat, ARCHITECTURE)
     cfg = moe.MoEConfig(
         **(dataclasses.asdict(dense) | {"family": "moe"}),
         n_experts=experts,
@@ -89,6 +90,11 @@ def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dic
     """The config.json of `cfg` as a MixtralForCausalLM; UsageError for an MoE model Mixtral
     cannot express (a shared expert, experts of another width than mlp_dim). A model trained
     with a capacity factor exports as is: Mixtral then runs it dropless."""
+    if cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window:
+        raise UsageError(
+            f"this MoE model (qkv_bias {cfg.qkv_bias}, qk_norm {cfg.qk_norm}, sliding_window "
+            f"{cfg.sliding_window}) has no Mixtral equivalent; Mixtral's attention is Llama's"
+        )
     if cfg.shared_expert or cfg.expert_dim != cfg.mlp_dim:
         raise UsageError(
             f"this MoE model (shared_expert {cfg.shared_expert}, expert_mlp_dim "

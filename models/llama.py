@@ -2,9 +2,11 @@
 
 Token embedding, RMSNorm, rotary position embedding (the "rotate half" convention that
 Hugging Face checkpoints use), grouped-query causal attention, SwiGLU MLP, tied or untied
-output head. The decoder blocks are created stacked (a leading `layers` dimension) and applied
-with `lax.scan`, so compile time does not grow with depth; `remat` recomputes each block's
-activations in the backward pass.
+output head; and the switches of its Hugging Face variants (models/hf_config.py): Llama 3's
+rope scaling (models/rope.py), Qwen2's q/k/v biases, Qwen3's per-head q/k norms and Mistral's
+sliding window (models/attention.py). The decoder blocks are created stacked (a leading
+`layers` dimension) and applied with `lax.scan`, so compile time does not grow with depth;
+`remat` recomputes each block's activations in the backward pass.
 
 Params are stored in `param_dtype` (fp32) and cast to `dtype` for compute; the loss is always
 computed in fp32.
@@ -25,13 +27,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import Attention, segment_positions
+from models.layers import RESIDUAL, WHOLE, RMSNorm
+from models.layers import param as _param
+from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
-    attention,
     constrain,
     gather,
-    note,
     scan_layers,
     token_positions,
     tp_enter,
@@ -40,11 +44,6 @@ from spmd.parallel.hooks import (
     tp_reduce,
     tp_sum,
 )
-
-# Residual-stream activations (embedding output, norms, residual adds). Their length is split
-# over `tensor` under sequence parallelism; the matmuls' inputs are whole along `length`.
-RESIDUAL = ("batch", "residual_length", "embed")
-WHOLE = ("batch", "length", "embed")
 
 # LlamaConfig.remat's choices (its --help and the resolver's check); REMAT_POLICIES maps each
 # to its jax.checkpoint policy.
@@ -77,13 +76,29 @@ class LlamaConfig:
     # outputs, kept in host memory
     remat: Remat = "none"
     family: str = "llama"  # the model family this config describes: llama or moe (models.family)
+    # rotary frequency scaling of long-context checkpoints (models/rope.py): none, linear
+    # (frequencies / rope_factor) or llama3 (Llama 3.1's banded rule)
+    rope_scaling: Scaling = "none"
+    rope_factor: float = 1.0  # linear, llama3: the context's growth over pretraining's
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over L / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under L / this are kept
+    rope_original_max_positions: int = 8192  # llama3: L, the pretraining context (tokens)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMS norm of each q and k head over head_dim, before rotary (Qwen3)
+    sliding_window: int = 0  # attend to this many positions, the own included (0: all; Mistral)
 
     def n_params(self) -> int:
         """Parameter count (number of scalars)."""
         attn = self.embed_dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += self.attention_extras()
         block = attn + 3 * self.embed_dim * self.mlp_dim + 2 * self.embed_dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.embed_dim
         return self.vocab_size * self.embed_dim + self.n_layers * block + self.embed_dim + head
+
+    def attention_extras(self) -> int:
+        """Parameters of one layer's q, k, v biases and q, k norms (0 for a Llama)."""
+        biases = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
+        return biases + (2 * self.head_dim if self.qk_norm else 0)
 
     def n_active_params(self) -> int:
         """Parameters one token uses: all of them (a dense model)."""
@@ -101,6 +116,8 @@ class LlamaConfig:
             head_dim=self.head_dim,
             tie_embeddings=self.tie_embeddings,
             remat=self.remat,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
         )
 
 
@@ -126,134 +143,46 @@ def check(cfg: LlamaConfig) -> None:
         raise UsageError(f"--norm-eps {cfg.norm_eps} must be positive and finite, e.g. 1e-5")
     if cfg.remat not in REMAT_POLICIES:
         raise UsageError(f"--remat {cfg.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+    if cfg.sliding_window < 0:
+        raise UsageError(
+            f"--sliding-window {cfg.sliding_window} must be a number of positions, or 0 (none)"
+        )
+    check_rope(cfg)
 
 
-def _param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]):
-    init = jax.nn.initializers.normal(std) if std else jax.nn.initializers.ones
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names)
+def check_rope(cfg: LlamaConfig) -> None:
+    """UsageError for rope scaling settings that give no frequencies (models/rope.py)."""
+    if cfg.rope_scaling not in SCALINGS:
+        raise UsageError(f"--rope-scaling {cfg.rope_scaling!r} is not one of {', '.join(SCALINGS)}")
+    if cfg.rope_scaling == "none":
+        return
+    if not 1 <= cfg.rope_factor < math.inf:
+        raise UsageError(f"--rope-factor {cfg.rope_factor} must be a finite factor >= 1")
+    if cfg.rope_scaling != "llama3":
+        return
+    if cfg.rope_original_max_positions < 1:
+        raise UsageError(
+            f"--rope-original-max-positions {cfg.rope_original_max_positions} must be a "
+            f"positive number of positions"
+        )
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    if not 0 < low < high < math.inf:
+        raise UsageError(
+            f"--rope-low-freq-factor {low} and --rope-high-freq-factor {high} need "
+            f"0 < low < high (finite), e.g. 1 and 4"
+        )
 
 
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-        self.scale = _param(rngs, 0.0, (dim,), ("embed",))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * gather(self.scale)).astype(x.dtype)
-
-
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate pairs (i, i + head_dim/2) of `x` [batch, length, heads, head_dim] by angle
-    position * theta^(-2i/head_dim)."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, :, None, None].astype(jnp.float32) * freqs
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
-
-def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
-) -> jax.Array:
-    """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
-    length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
-    `segments` [batch, length] (document ids), a position attends only within its document.
-
-    On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
-    implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
-    multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
-    else XLA's. fp16 on XLA takes `grouped_causal_attention`: jax.nn.dot_product_attention asks
-    for the fp32-logit dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to
-    compile. The choice is recorded with `note("attention", ...)` for the run's report."""
-    if segments is not None:  # document masks go through XLA's attention (a general mask)
-        note("attention", "xla (document mask)")
-    elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-            note("attention", "cudnn")
-            return out
-        except (ValueError, NotImplementedError, RuntimeError) as why:
-            note("attention", f"xla (cudnn declined: {why})")
-    else:
-        note("attention", "xla")
-    if q.dtype == jnp.float16:
-        return grouped_causal_attention(q, k, v, segments)
-    mask = None if segments is None else same_document(segments)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
-
-
-def same_document(segments: jax.Array) -> jax.Array:
-    """bool [batch, length, length]: whether query position t and key position s hold the
-    same document."""
-    return segments[:, :, None] == segments[:, None, :]
-
-
-def segment_positions(segments: jax.Array) -> jax.Array:
-    """Rotary positions [batch, length] that restart at 0 where each document starts."""
-    index = jnp.arange(segments.shape[1])
-    starts = jnp.concatenate(
-        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1
-    )
-    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-
-
-def grouped_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
-) -> jax.Array:
-    """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype."""
-    b, t, h, d = q.shape
-    groups = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
-    causal = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
-    if segments is not None:
-        causal = causal & same_document(segments)[:, None, None]
-    logits = jnp.where(causal, logits * d**-0.5, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        e, h, k, d = cfg.embed_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        std, out_std = 0.02, 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.wq = _param(rngs, std, (e, h, d), ("embed", "heads", "head_dim"))
-        self.wk = _param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
-        self.wv = _param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
-        self.wo = _param(rngs, out_std, (h, d, e), ("heads", "head_dim", "embed"))
-        self.rope_theta = cfg.rope_theta
-        self.group = h // k  # query heads per kv head
-
-    def _kv_for_local_heads(self, wq: jax.Array, wk: jax.Array, wv: jax.Array):
-        """The kv heads this device's query heads read. When the heads are split more ways
-        than there are kv heads, the kv heads are replicated: pick the one this block needs."""
-        local_heads, needed = wq.shape[1], max(wq.shape[1] // self.group, 1)
-        if wk.shape[1] == needed:
-            return wk, wv
-        first = tp_rank("heads") * local_heads // self.group
-        return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=1) for w in (wk, wv))
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
-    ) -> jax.Array:
-        dtype = x.dtype
-        x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
-        wq = gather(self.wq)
-        wk, wv = self._kv_for_local_heads(wq, gather(self.wk), gather(self.wv))
-        q = jnp.einsum("bte,ehd->bthd", x, wq.astype(dtype))
-        k = jnp.einsum("bte,ekd->btkd", x, wk.astype(dtype))
-        v = jnp.einsum("bte,ekd->btkd", x, wv.astype(dtype))
-        q = constrain(rotary(q, positions, self.rope_theta), ("batch", "length", "heads", None))
-        k = constrain(rotary(k, positions, self.rope_theta), ("batch", "length", "kv_heads", None))
-        v = constrain(v, ("batch", "length", "kv_heads", None))
-        # ring attention when length is split over `context` (refused with document masks)
-        out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments))
-        out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(dtype))
-        # row-parallel: sum the heads' partial outputs
-        return constrain(tp_reduce(out, "heads"), RESIDUAL)
+def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
+    """UsageError for what the model does not compose with: a sliding window with context
+    parallelism (ring attention passes whole chunks of keys around the ring and masks only
+    causally)."""
+    if cfg.sliding_window and mesh.shape["context"] > 1:
+        raise UsageError(
+            f"--sliding-window {cfg.sliding_window} with cp={mesh.shape['context']}: ring "
+            f"attention does not mask a sliding window; use cp=1 (sequence parallelism "
+            f"splits long activations too) or no sliding window"
+        )
 
 
 class MLP(nnx.Module):

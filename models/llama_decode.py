@@ -3,8 +3,10 @@
 `forward(model, tokens, positions, cache)` runs tokens [batch, T] that sit at per-row
 `positions` [batch, T] through the same params and maths as `Llama.__call__`, writes their keys
 and values into the cache at those positions and attends over the cache: every key at a
-position <= the query's. One function serves both phases of generation: the prefill (T = the
-prompt length, positions 0..T-1) and each decoding step (T = 1, each row at its own position).
+position <= the query's, and within the sliding window of a model that has one (the cache
+keeps every position, so the window is a mask, as in training). One function serves both
+phases of generation: the prefill (T = the prompt length, positions 0..T-1) and each decoding
+step (T = 1, each row at its own position).
 
 Cache slots beyond a row's current position may hold anything (padding of a shorter prompt,
 slots not yet written): the mask never lets a query see them, and decoding overwrites them in
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import moe
-from models.llama import Attention, Block, Llama, LlamaConfig, rotary
+from models.attention import Attention, visible
+from models.llama import Block, Llama, LlamaConfig
 from spmd.parallel.hooks import constrain
 
 CACHE_NAMES = ("batch", "length", "kv_heads", None)  # of one layer's keys or values
@@ -43,11 +46,7 @@ def _attend(
     """Self-attention of x [b, t, embed] over one layer's cache; returns (output, keys, values)
     with this step's keys and values written at `positions`."""
     dtype = x.dtype
-    q = jnp.einsum("bte,ehd->bthd", x, attn.wq[...].astype(dtype))
-    k = jnp.einsum("bte,ekd->btkd", x, attn.wk[...].astype(dtype))
-    v = jnp.einsum("bte,ekd->btkd", x, attn.wv[...].astype(dtype))
-    q = rotary(q, positions, attn.rope_theta)
-    k = rotary(k, positions, attn.rope_theta)
+    q, k, v = attn.project(x, positions)
     rows = jnp.arange(x.shape[0])[:, None]
     keys = constrain(keys.at[rows, positions].set(k.astype(keys.dtype)), CACHE_NAMES)
     values = constrain(values.at[rows, positions].set(v.astype(values.dtype)), CACHE_NAMES)
@@ -59,8 +58,8 @@ def _attend(
         "btkgd,bskd->bkgts", grouped, keys.astype(dtype), preferred_element_type=jnp.float32
     )
     scores = scores * head_dim**-0.5
-    visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, s]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    seen = visible(positions, jnp.arange(keys.shape[1]), attn.window)  # [b, t, s]
+    scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
     out = out.reshape(batch, length, heads, head_dim)

@@ -33,7 +33,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import llama
-from models.llama import REMAT_POLICIES, Attention, LlamaConfig, RMSNorm, _param
+from models.attention import Attention
+from models.layers import RMSNorm
+from models.layers import param as _param
+from models.llama import REMAT_POLICIES, LlamaConfig
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
@@ -135,8 +138,10 @@ def check(cfg: MoEConfig) -> None:
 def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
     """UsageError for what an MoE model does not compose with: a pipeline (pp > 1) passes
     only activations between stages, so it cannot carry the router losses: it needs
-    --aux-loss-coef 0 --z-loss-coef 0 (the router still trains through the output weights)."""
-    if not isinstance(cfg, MoEConfig) or not cfg.n_experts:  # dense: nothing to check
+    --aux-loss-coef 0 --z-loss-coef 0 (the router still trains through the output weights).
+    The attention's refusals are the dense Llama's (llama.check_layout)."""
+    llama.check_layout(cfg, mesh, executor)
+    if not isinstance(cfg, MoEConfig) or not cfg.n_experts:  # dense: nothing more to check
         return
     check(cfg)
     if mesh.shape["pipeline"] > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef):

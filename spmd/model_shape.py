@@ -34,6 +34,8 @@ class ModelShape:
     # False when the training loss needs what a pipeline cannot pass between its stages (an
     # MoE's router losses): the planner then keeps pp = 1.
     pipelines: bool = True
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2): no matmul FLOPs
+    qk_norm: bool = False  # a per-head RMS norm scale on q and on k (Qwen3)
 
     @property
     def expert_dim(self) -> int:

@@ -1,6 +1,7 @@
 """models.family: the registry, configs by type and from saved sections, and the counts each
 family reports against its config's own."""
 
+import jax
 import pytest
 
 from models import family, llama, moe
@@ -95,3 +96,48 @@ def test_moe_family_logs_router_statistics_and_maps_to_mixtral():
     assert family.get("moe").step_metrics is moe.router_stats
     assert family.get("llama").step_metrics is None
     assert family.get("moe").hf.config_to_hf is not family.get("llama").hf.config_to_hf
+
+
+def test_counts_include_the_attention_biases_and_norms():
+    """Qwen2's q/k/v biases and Qwen3's q/k norms: the config's count, the estimator's and the
+    built model's agree; the biases add no matmul FLOPs; ZeRO leaves them whole over fsdp."""
+    import dataclasses
+    import math
+
+    from flax import nnx
+
+    from spmd.estimate import cost, shape
+
+    base = preset("tiny", llama.LlamaConfig)
+    cfg = dataclasses.replace(base, qkv_bias=True, qk_norm=True)
+    built = nnx.state(nnx.eval_shape(lambda: llama.create(cfg, 0)), nnx.Param)
+    real = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.to_pure_dict(built)))
+    extras = cfg.n_layers * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads + 2)
+    assert real == cfg.n_params() == base.n_params() + extras
+    assert shape.shape_params(cfg.shape()) == real
+    assert family.of(cfg).flops_per_token(cfg, 128) == family.of(base).flops_per_token(base, 128)
+    mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
+
+    def per_device(c: llama.LlamaConfig) -> float:
+        run = dict(precision="fp32", optimizer="adamw", batch=8, seq_len=128)
+        setup = cost.Setup(shape=c.shape(), n_params=c.n_params(), mesh=mesh, zero=3, **run)
+        return cost.params_per_device(setup, fsdp_shards=True)
+
+    assert per_device(cfg) - per_device(base) == extras  # whole on every fsdp device
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"sliding_window": -1}, "--sliding-window -1"),
+        ({"rope_scaling": "dynamic"}, "--rope-scaling 'dynamic'"),
+        ({"rope_scaling": "linear", "rope_factor": 0.5}, "--rope-factor 0.5"),
+        ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "--rope-low-freq-factor 4.0"),
+        ({"rope_scaling": "llama3", "rope_original_max_positions": 0}, "original-max-positions"),
+    ],
+)
+def test_the_variants_settings_are_checked(change, flag):
+    import dataclasses
+
+    with pytest.raises(UsageError, match=flag):
+        llama.check(dataclasses.replace(preset("tiny", llama.LlamaConfig), **change))

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import llama
+from models import attention, llama
 from spmd.io import data
 from tests import trainer
 
@@ -32,8 +32,8 @@ def test_two_documents_in_a_window_get_the_logits_they_have_alone():
     # The fp16 path's written-out attention masks documents the same way.
     q, k, v = (jnp.asarray(rng.normal(size=(1, SEQ_LEN, h, 8)), jnp.float32) for h in (8, 4, 4))
     np.testing.assert_allclose(
-        llama.grouped_causal_attention(q, k, v, jnp.asarray(segments)),
-        llama.causal_attention(q, k, v, jnp.asarray(segments)),
+        attention.grouped_causal_attention(q, k, v, jnp.asarray(segments)),
+        attention.causal_attention(q, k, v, jnp.asarray(segments)),
         atol=1e-5,
     )
 

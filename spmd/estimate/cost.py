@@ -23,7 +23,7 @@ from spmd.engine import precision
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence, volumes
 from spmd.estimate.pipeline_figures import pipeline_ticks
-from spmd.estimate.shape import EXPERT_AXES, param_groups, shape_params
+from spmd.estimate.shape import EXPERT_AXES, NO_FSDP, param_groups, shape_params
 from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 
@@ -226,7 +226,7 @@ def params_per_device(
         count
         * scale
         / math.prod(s.sharding_mesh.get(a, 1) for a in axes)
-        / (fsdp ** ("fsdp" not in axes))
+        / (fsdp ** ("fsdp" not in axes and NO_FSDP not in axes))
         for count, axes in param_groups(s.shape)
         if (layers is None or layers == ("pipeline" in axes))
         and (experts is None or experts == (axes == EXPERT_AXES))

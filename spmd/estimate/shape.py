@@ -31,8 +31,9 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
     following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline.
     Every param has an `embed` dim, which ZeRO shards over fsdp, except an MoE's routed
     experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The embedding and head
-    stay whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The counts
-    add up to n_params()."""
+    stay whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The q, k, v
+    biases and per-head q, k norms have no `embed` dim: ZeRO leaves them whole (NO_FSDP). The
+    counts add up to n_params()."""
     e, layers = shape.embed_dim, shape.n_layers
     attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
     tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
@@ -46,11 +47,20 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
         (tables, ("tensor",)),  # embedding and output head: vocab over tensor
         (e, ()),  # final norm
     ]
+    if shape.qkv_bias:  # [heads, head_dim] and twice [kv_heads, head_dim] per block
+        biases = layers * shape.head_dim * (shape.n_heads + 2 * shape.n_kv_heads)
+        groups.append((biases, ("tensor", "pipeline", NO_FSDP)))
+    if shape.qk_norm:  # two [head_dim] scales per block
+        groups.append((layers * 2 * shape.head_dim, ("pipeline", NO_FSDP)))
     if n_experts:  # MoE: each block's router [embed, experts], then the routed experts
         groups.append((layers * e * n_experts, ("pipeline",)))
         groups.append((experts.expert_params(shape), EXPERT_AXES))
     return groups
 
+
+# Marks a group of params without an `embed` dim, which ZeRO's fsdp does not shard (no mesh
+# has an axis of this name).
+NO_FSDP = "no fsdp"
 
 # The routed experts' axes: their `expert` dim over (expert, fsdp) at every ZeRO stage
 # (spmd.parallel.rules), their mlp dim over tensor, their layers over pipeline.

@@ -1,0 +1,176 @@
+"""Grouped-query causal self-attention, speaking logical axis names only: the layer (q, k, v
+and output projections, optional q/k/v biases (Qwen2) and per-head q/k RMS norms (Qwen3),
+the rotary embedding of models/rope.py) and the attention kernels (causal, optionally within
+documents and within a sliding window (Mistral)).
+
+The layer is Megatron's column-parallel q, k, v / row-parallel output projection: under tensor
+parallelism each device holds its heads' slices of every projection, their biases and (whole)
+the per-head norms, and `tp_reduce` sums the heads' partial outputs.
+
+A sliding window of w tokens lets query position i see key positions j with i - w < j <= i
+(itself and the w - 1 before it), the band transformers' `sliding_window` masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import RESIDUAL, WHOLE, RMSNorm, param, zeros
+from models.rope import Rope
+from spmd.parallel.hooks import (
+    attention,
+    constrain,
+    gather,
+    note,
+    tp_enter,
+    tp_rank,
+    tp_reduce,
+)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+        e, h, k, d = cfg.embed_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        std, out_std = 0.02, 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.wq = param(rngs, std, (e, h, d), ("embed", "heads", "head_dim"))
+        self.wk = param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.wv = param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.wo = param(rngs, out_std, (h, d, e), ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.bq = zeros((h, d), ("heads", "head_dim"))
+            self.bk = zeros((k, d), ("kv_heads", "head_dim"))
+            self.bv = zeros((k, d), ("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
+            self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
+        self.rope = Rope.of(cfg)
+        self.window = cfg.sliding_window  # 0: none
+        self.group = h // k  # query heads per kv head
+
+    def _kv_for_local_heads(self, wq: jax.Array, kv: tuple[jax.Array, ...], axis: int):
+        """The kv heads (dim `axis` of each of `kv`) this device's query heads read. When the
+        heads are split more ways than there are kv heads, the kv heads are replicated: pick
+        the one this block needs."""
+        local_heads, needed = wq.shape[1], max(wq.shape[1] // self.group, 1)
+        if kv[0].shape[axis] == needed:
+            return kv
+        first = tp_rank("heads") * local_heads // self.group
+        return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=axis) for w in kv)
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """(q [b, t, heads, d], k and v [b, t, kv_heads, d]) of x [b, t, embed] (whole along
+        length): projected, biased, normed per head and rotated to `positions` [b, t]."""
+        dtype = x.dtype
+        wq = gather(self.wq)
+        wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
+        q = jnp.einsum("bte,ehd->bthd", x, wq.astype(dtype))
+        k = jnp.einsum("bte,ekd->btkd", x, wk.astype(dtype))
+        v = jnp.einsum("bte,ekd->btkd", x, wv.astype(dtype))
+        if hasattr(self, "bq"):
+            bk, bv = self._kv_for_local_heads(wq, (gather(self.bk), gather(self.bv)), axis=0)
+            q, k, v = (y + b.astype(dtype) for y, b in ((q, gather(self.bq)), (k, bk), (v, bv)))
+        if hasattr(self, "q_norm"):  # Qwen3: RMS norm of each head's features, before rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(self.rope(q, positions), ("batch", "length", "heads", None))
+        k = constrain(self.rope(k, positions), ("batch", "length", "kv_heads", None))
+        return q, k, constrain(v, ("batch", "length", "kv_heads", None))
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None
+    ) -> jax.Array:
+        x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
+        q, k, v = self.project(x, positions)
+        # ring attention when length is split over `context` (refused with document masks and
+        # with a sliding window: llama.check_layout)
+        out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments, self.window))
+        out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(x.dtype))
+        # row-parallel: sum the heads' partial outputs
+        return constrain(tp_reduce(out, "heads"), RESIDUAL)
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
+    window: int = 0,
+) -> jax.Array:
+    """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
+    length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
+    `segments` [batch, length] (document ids), a position attends only within its document;
+    with `window` > 0 only to itself and the window - 1 positions before it.
+
+    On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
+    implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
+    multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
+    else XLA's. fp16 on XLA takes `grouped_causal_attention`: jax.nn.dot_product_attention asks
+    for the fp32-logit dot by an explicit algorithm (F16_F16_F32) that XLA:CPU refuses to
+    compile. The choice is recorded with `note("attention", ...)` for the run's report."""
+    # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
+    band = (window - 1, 0) if window else None
+    if segments is not None:  # document masks go through XLA's attention (a general mask)
+        note("attention", "xla (document mask)")
+    elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            out = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, local_window_size=band, implementation="cudnn"
+            )
+            note("attention", "cudnn")
+            return out
+        except (ValueError, NotImplementedError, RuntimeError) as why:
+            note("attention", f"xla (cudnn declined: {why})")
+    else:
+        note("attention", "xla")
+    if q.dtype == jnp.float16:
+        return grouped_causal_attention(q, k, v, segments, window)
+    mask = None if segments is None else same_document(segments)[:, None]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=band, implementation="xla"
+    )
+
+
+def same_document(segments: jax.Array) -> jax.Array:
+    """bool [batch, length, length]: whether query position t and key position s hold the
+    same document."""
+    return segments[:, :, None] == segments[:, None, :]
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """Rotary positions [batch, length] that restart at 0 where each document starts."""
+    index = jnp.arange(segments.shape[1])
+    starts = jnp.concatenate(
+        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def visible(queries: jax.Array, keys: jax.Array, window: int = 0) -> jax.Array:
+    """bool [..., t, s]: whether a query at position `queries` [..., t] sees a key at
+    `keys` [s]: causal, and within `window` positions when it is > 0."""
+    seen = keys <= queries[..., None]
+    if window:
+        seen &= keys > queries[..., None] - window
+    return seen
+
+
+def grouped_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
+    window: int = 0,
+) -> jax.Array:
+    """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype."""
+    b, t, h, d = q.shape
+    groups = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
+    causal = visible(jnp.arange(t), jnp.arange(k.shape[1]), window)
+    if segments is not None:
+        causal = causal & same_document(segments)[:, None, None]
+    logits = jnp.where(causal, logits * d**-0.5, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)

@@ -1,0 +1,42 @@
+"""The smallest pieces of the decoders: a param with its logical axis names, and RMSNorm.
+
+Params are created in fp32 (the master copy); callers cast them to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd.parallel.hooks import gather
+
+# Residual-stream activations (embedding output, norms, residual adds). Their length is split
+# over `tensor` under sequence parallelism; the matmuls' inputs are whole along `length`.
+RESIDUAL = ("batch", "residual_length", "embed")
+WHOLE = ("batch", "length", "embed")
+
+
+def param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """A param of normal(0, std) values, or of ones when `std` is 0 (a norm's scale)."""
+    init = jax.nn.initializers.normal(std) if std else jax.nn.initializers.ones
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names)
+
+
+def zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """A param of zeros (a bias: the layer starts as if it had none)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last dim (`names` is its logical name: `embed` for the
+    residual stream, `head_dim` for Qwen3's per-head q and k norms); computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ("embed",)):
+        self.scale = param(rngs, 0.0, (dim,), names)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * gather(self.scale)).astype(x.dtype)

@@ -1,0 +1,84 @@
+"""The rotary position embedding and the frequency scalings long-context checkpoints use.
+
+Pairs (i, i + head_dim/2) of each head's features (the "rotate half" convention of Hugging
+Face checkpoints) turn by angle position x inv_freq[i], with inv_freq[i] = theta^(-2i/head_dim)
+(radians per position) before scaling:
+
+    none     as is
+    linear   inv_freq / factor (positions interpolated: Chen et al. 2023, "position interpolation")
+    llama3   Llama 3.1's banded rule. With wavelength 2 pi / inv_freq and the context length
+             L = original_max_positions it was pretrained on: wavelengths shorter than
+             L / high_freq_factor are kept, those longer than L / low_freq_factor are divided by
+             `factor`, and those between are blended: (1 - s) inv_freq / factor + s inv_freq
+             with s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+
+Transformers' `dynamic` scaling (NTK, whose theta grows with the longest sequence seen) is
+not here: its frequencies depend on the batch, so training and decoding would not match it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+Scaling = Literal["none", "linear", "llama3"]
+SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """A rotary embedding's settings (LlamaConfig's rope_* fields)."""
+
+    theta: float = 10000.0  # base of the frequencies
+    scaling: Scaling = "none"
+    factor: float = 1.0  # linear, llama3: how much longer the context is than pretraining's
+    low_freq_factor: float = 1.0  # llama3: wavelengths over L / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths under L / this are kept
+    original_max_positions: int = 8192  # llama3: L, the pretraining context (tokens)
+
+    @classmethod
+    def of(cls, cfg: Any) -> Rope:
+        """The rotary settings of a LlamaConfig (or anything with its rope_* fields)."""
+        return cls(
+            theta=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            factor=cfg.rope_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_positions=cfg.rope_original_max_positions,
+        )
+
+    def inv_freq(self, head_dim: int) -> jax.Array:
+        """fp32 [head_dim / 2]: radians per position of each rotated pair."""
+        half = head_dim // 2
+        freqs = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        if self.scaling == "linear":
+            return freqs / self.factor
+        if self.scaling == "llama3":
+            return self._llama3(freqs)
+        return freqs
+
+    def _llama3(self, freqs: jax.Array) -> jax.Array:
+        context = self.original_max_positions
+        wavelength = 2 * math.pi / freqs
+        blend = (context / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - blend) * freqs / self.factor + blend * freqs
+        scaled = jnp.where(wavelength > context / self.low_freq_factor, freqs / self.factor, freqs)
+        kept = wavelength < context / self.high_freq_factor
+        between = ~kept & ~(wavelength > context / self.low_freq_factor)
+        return jnp.where(between, blended, scaled)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [batch, length, heads, head_dim] rotated at `positions` [batch, length]."""
+        half = x.shape[-1] // 2
+        angles = positions[:, :, None, None].astype(jnp.float32) * self.inv_freq(x.shape[-1])
+        sin, cos = jnp.sin(angles), jnp.cos(angles)
+        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(x.dtype)
