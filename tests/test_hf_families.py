@@ -188,9 +188,13 @@ def one_device_run(name: str):
 @pytest.mark.parametrize(
     "name, mesh, executor",
     [
-        *[(name, "dp=2,fsdp=2,tp=2", "auto") for name in FAMILIES],
-        *[(name, "dp=2,fsdp=2,tp=2", "explicit") for name in FAMILIES],
-        ("hf_qwen2", "fsdp=2,tp=4", "explicit"),  # tp over kv heads: biases of a shared kv head
+        # one executor per family on the 3-D mesh (each executor sees biases, norms, a window
+        # and the llama3 rope between them): the suite's time is tight
+        ("hf_llama3", "dp=2,fsdp=2,tp=2", "auto"),
+        ("hf_qwen3", "dp=2,fsdp=2,tp=2", "auto"),
+        ("hf_qwen2", "dp=2,fsdp=2,tp=2", "explicit"),
+        ("hf_mistral", "dp=2,fsdp=2,tp=2", "explicit"),
+        ("hf_qwen2", "fsdp=2,tp=4", "auto"),  # tp over kv heads: biases of a shared kv head
     ],
 )
 def test_training_steps_on_a_sharded_mesh_equal_one_device(name, mesh, executor):
