@@ -28,6 +28,7 @@ from typing import Any
 
 from spmd import config
 from spmd.errors import UsageError, run_command
+from spmd.io import hub
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class GenerateConfig:
 
     checkpoint: str = ""  # spmd checkpoint folder (a run's --checkpoint-dir or convert's --to)
     step: int = 0  # checkpoint step to read (0: the newest)
-    from_hf: str = ""  # a Hugging Face Llama or Mixtral folder instead of --checkpoint
+    from_hf: str = ""  # a Hugging Face folder or Hub id (org/name) instead of --checkpoint
     prompt: str = ""  # the text to continue
     prompts_file: str = ""  # or: one prompt per line
     num_samples: int = 1  # samples per prompt
@@ -44,7 +45,7 @@ class GenerateConfig:
     temperature: float = 0.8  # softmax temperature; 0 is greedy
     top_k: int = 0  # sample among the k likeliest tokens (0: all)
     seed: int = 0  # of the sampling
-    tokenizer: str = ""  # tokenizer.json (empty: the checkpoint's, else byte-level)
+    tokenizer: str = ""  # tokenizer.json, its folder or a Hub id (empty: the checkpoint's)
     mesh: str = "dp=-1"  # the mesh the params are held on, e.g. "tp=2" (-1: the rest)
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
     zero: int = 3  # how params are sharded over fsdp, as in training
@@ -323,6 +324,7 @@ def run(argv: list[str] | None) -> int:
     cfg = config.resolve(argv, sections, "python -m spmd.generate", description=about)["generate"]
     check_choices(cfg)
     texts = read_prompts(cfg)
+    cfg = hub.resolve_section(cfg)  # Hub ids in --from-hf, --tokenizer: local folders
     from spmd import weights
     from spmd.io import params_io
 
