@@ -25,7 +25,7 @@ from typing import Literal
 
 from spmd import config
 from spmd.errors import UsageError, run_command
-from spmd.io import hub
+from spmd.io import eos, hub
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,7 @@ def run(argv: list[str] | None) -> int:
             "tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "",
             # what config.json declares, so that spmd.generate bounds the checkpoint alike
             weights.MAX_POSITIONS: folder.raw_config.get("max_position_embeddings"),
+            eos.KEY: eos.declared(cfg.from_hf),  # where spmd.generate stops
         }
         source = str(Path(cfg.from_hf).absolute())
         params_io.save_converted(cfg.to, loaded.params, saved, source)
