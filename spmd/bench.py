@@ -23,7 +23,7 @@ from models import family
 from spmd import builder, checks, config, train
 from spmd.config import Config
 from spmd.errors import UsageError, run_command
-from spmd.io import data, tokens
+from spmd.io import data, hub, tokens
 from spmd.log import say
 
 
@@ -93,6 +93,7 @@ def prepare(argv: list[str] | None, prog: str = "python -m spmd.bench") -> tuple
     sections = config.resolve(
         argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
     )
+    sections = hub.resolve_names(sections)  # a Hub id in --tokenizer: its tokenizer.json
     cfg, rounds = config.Config.of(sections), sections["bench"].rounds
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")

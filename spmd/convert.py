@@ -25,13 +25,14 @@ from typing import Literal
 
 from spmd import config
 from spmd.errors import UsageError, run_command
+from spmd.io import eos, hub
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
     """Which way to convert, and on which mesh the params are held on the way."""
 
-    from_hf: str = ""  # a Hugging Face Llama or Mixtral folder (config.json, *.safetensors) to read
+    from_hf: str = ""  # a Hugging Face folder (config.json, *.safetensors) or Hub id to read
     to: str = ""  # the spmd checkpoint folder to write (with --from-hf)
     checkpoint: str = ""  # an spmd checkpoint folder to read (with --to-hf)
     step: int = 0  # its step to read (0: the newest)
@@ -59,6 +60,7 @@ def run(argv: list[str] | None) -> int:
             "--to-hf DIR (spmd -> HF)"
         )
     check_choices(cfg, to_spmd)
+    cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
     from models import hf_llama
     from spmd import weights
     from spmd.io import checkpoint, params_io
@@ -80,6 +82,7 @@ def run(argv: list[str] | None) -> int:
             "tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "",
             # what config.json declares, so that spmd.generate bounds the checkpoint alike
             weights.MAX_POSITIONS: folder.raw_config.get("max_position_embeddings"),
+            eos.KEY: eos.declared(cfg.from_hf),  # where spmd.generate stops
         }
         source = str(Path(cfg.from_hf).absolute())
         params_io.save_converted(cfg.to, loaded.params, saved, source)

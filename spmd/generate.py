@@ -1,33 +1,33 @@
 """`python -m spmd.generate`: sample text from a checkpoint with a key/value cache, on any mesh.
 
     python -m spmd.generate --checkpoint runs/ckpt --prompt "def " --max-new-tokens 200
-    python -m spmd.generate --from-hf path/to/hf_llama --prompts-file prompts.txt --top-k 40
+    python -m spmd.generate --from-hf meta-llama/Llama-3.2-1B-Instruct --chat --prompt "Hi"
+    python -m spmd.generate --from-hf path/to/hf_llama --prompts-file prompts.txt --top-p 0.9
 
 The params come from an spmd checkpoint folder (a training run's `--checkpoint-dir`, or the
-`--to` folder of spmd.convert) or a Hugging Face Llama or Mixtral folder, read straight into
-the param shardings of `--mesh`. Text is byte-level unless a tokenizer is given or the
-checkpoint was trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging
-Face folder).
+`--to` folder of spmd.convert) or a Hugging Face folder or Hub id, read straight into the
+param shardings of `--mesh`. Text is byte-level unless a tokenizer is given or the checkpoint
+was trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging Face folder).
 
 All prompts (`--prompt`, or one per line of `--prompts-file`, each `--num-samples` times) form
-one batch. They are right-padded to the longest and every row keeps its own positions (see
-models/llama_decode.py); the batch is padded with copies of its last row to a multiple of the
-mesh's data-parallel size. One jitted function runs the prefill and then a `lax.scan` of
-single-token steps; `--temperature 0` is greedy decoding.
+one batch (spmd/decoding.py: right-padded, each row at its own positions). Each row stops at
+the model's end-of-sequence ids (spmd/io/eos.py) unless `--ignore-eos`. `--chat` renders each
+prompt as a user message with the tokenizer's chat template. A single prompt's text is printed
+as it is sampled (`--stream`); a batch's at the end. stdout holds the text only; the closing
+line of counts and tokens/s goes to stderr.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spmd import config
+from spmd import config, decoding
+from spmd.decoding import Sampling, generate
 from spmd.errors import UsageError, run_command
+from spmd.io import eos, hub
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,158 +36,29 @@ class GenerateConfig:
 
     checkpoint: str = ""  # spmd checkpoint folder (a run's --checkpoint-dir or convert's --to)
     step: int = 0  # checkpoint step to read (0: the newest)
-    from_hf: str = ""  # a Hugging Face Llama or Mixtral folder instead of --checkpoint
+    from_hf: str = ""  # a Hugging Face folder or Hub id (org/name) instead of --checkpoint
     prompt: str = ""  # the text to continue
     prompts_file: str = ""  # or: one prompt per line
     num_samples: int = 1  # samples per prompt
-    max_new_tokens: int = 200  # tokens sampled after each prompt
+    chat: bool = False  # render each prompt as a user message with the tokenizer's chat template
+    max_new_tokens: int = 200  # most tokens sampled after each prompt
+    ignore_eos: bool = False  # sample all --max-new-tokens, past the end-of-sequence ids
     temperature: float = 0.8  # softmax temperature; 0 is greedy
     top_k: int = 0  # sample among the k likeliest tokens (0: all)
+    top_p: float = 1.0  # sample among the likeliest tokens holding this probability (1: all)
     seed: int = 0  # of the sampling
-    tokenizer: str = ""  # tokenizer.json (empty: the checkpoint's, else byte-level)
+    stream: bool = True  # print a single prompt's text as it is sampled (a batch: at the end)
+    tokenizer: str = ""  # tokenizer.json, its folder or a Hub id (empty: the checkpoint's)
     mesh: str = "dp=-1"  # the mesh the params are held on, e.g. "tp=2" (-1: the rest)
     devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
     zero: int = 3  # how params are sharded over fsdp, as in training
 
-
-# --- sampling -------------------------------------------------------------------------------
-
-
-def sample(logits: Any, key: Any, temperature: float, top_k: int) -> Any:
-    """Token ids [batch] drawn from logits [batch, vocab] (argmax when temperature is 0)."""
-    import jax
-    import jax.numpy as jnp
-
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p)
 
 
-_SAMPLERS: dict[tuple, tuple[Any, Callable]] = {}  # (id(program), ...) -> (program, sampler)
-
-
-def sampler(
-    program: Any, max_new_tokens: int, temperature: float, top_k: int
-) -> Callable[[Any, Any, Any, Any], Any]:
-    """A jitted (params, tokens [b, p], lengths [b], key) -> new tokens [b, max_new_tokens]:
-    prefill of the right-padded prompts, then one cached decoding step per further token.
-    Made once per (program, settings), so repeated calls reuse the compiled function."""
-    key = (id(program), max_new_tokens, temperature, top_k)
-    if key not in _SAMPLERS:  # the entry keeps the program alive, so its id stays unique
-        _SAMPLERS[key] = (program, _make_sampler(program, max_new_tokens, temperature, top_k))
-    return _SAMPLERS[key][1]
-
-
-def _make_sampler(
-    program: Any, max_new_tokens: int, temperature: float, top_k: int
-) -> Callable[[Any, Any, Any, Any], Any]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from models import llama_decode
-    from spmd.parallel import traced_layout
-
-    layout = program.layout
-
-    def run(params: Any, tokens: Any, lengths: Any, key: Any) -> Any:
-        with traced_layout.activation_layout(layout.mesh, layout.zero_stage):
-            model = nnx.merge(program.graphdef, params)
-            batch, prompt_len = tokens.shape
-            cache = llama_decode.init_cache(
-                model.cfg, batch, prompt_len + max_new_tokens, model.dtype
-            )
-            positions = jnp.broadcast_to(jnp.arange(prompt_len), tokens.shape)
-            logits, cache = llama_decode.forward(model, tokens, positions, cache)
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            keys = jax.random.split(key, max_new_tokens)
-            first = sample(last, keys[0], temperature, top_k)
-
-            def step(carry: tuple, step_key: Any) -> tuple[tuple, Any]:
-                token, position, cache = carry
-                logits, cache = llama_decode.forward(
-                    model, token[:, None], position[:, None], cache
-                )
-                token = sample(logits[:, 0], step_key, temperature, top_k)
-                return (token, position + 1, cache), token
-
-            _, rest = jax.lax.scan(step, (first, lengths, cache), keys[1:])
-            return jnp.concatenate([first[:, None], rest.T], axis=1)
-
-    batch_sharding = layout.batch_sharding()
-    return jax.jit(
-        run,
-        in_shardings=(
-            jax.tree.map(lambda x: x.sharding, program.abstract_params),
-            batch_sharding,
-            layout.batch_sharding(1),
-            layout.replicated,
-        ),
-        out_shardings=batch_sharding,
-    )
-
-
-def generate(
-    program: Any,
-    params: Any,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
-) -> list[list[int]]:
-    """The `max_new_tokens` token ids sampled after each prompt (lists of ids, any lengths)."""
-    import jax
-    import numpy as np
-
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UsageError("every prompt needs at least one token; give non-empty text")
-    vocab = program.abstract_params["embed"].shape[0]
-    largest = max(max(p) for p in prompts)
-    if largest >= vocab:
-        raise UsageError(f"a prompt holds token id {largest}, beyond the model's vocab {vocab}")
-    check_sampling(max_new_tokens, temperature, top_k, vocab)
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > POSITION_LIMIT:
-        raise UsageError(
-            f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the "
-            f"{POSITION_LIMIT} positions int32 holds"
-        )
-    ways = program.layout.data_parallel
-    rows = list(prompts) + [prompts[-1]] * (-len(prompts) % ways)
-    lengths = np.array([len(p) for p in rows], np.int32)
-    tokens = np.zeros((len(rows), lengths.max()), np.int32)
-    for i, prompt in enumerate(rows):
-        tokens[i, : len(prompt)] = prompt
-    layout = program.layout
-    run = sampler(program, max_new_tokens, float(temperature), int(top_k))
-    out = run(
-        params,
-        jax.device_put(tokens, layout.batch_sharding()),
-        jax.device_put(lengths, layout.batch_sharding(1)),
-        jax.random.key(seed),
-    )
-    return np.asarray(jax.device_get(out))[: len(prompts)].tolist()
-
-
-# Positions are int32 in the decoder (jnp.arange, the cache index): the hard upper bound.
-POSITION_LIMIT = 2**31 - 1
 CACHE_ITEMSIZE = 4  # bytes per cached key or value: generation runs the fp32 policy
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, vocab: int = 0) -> None:
-    """UsageError for sampling settings out of range (`vocab` 0: not known yet)."""
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    if not 0 <= temperature < math.inf:  # NaN fails every comparison
-        raise UsageError(f"--temperature {temperature} must be a finite number >= 0 (0: greedy)")
-    if top_k < 0 or (vocab and top_k > vocab):
-        valid = f"in 0..{vocab}" if vocab else ">= 0"
-        raise UsageError(f"--top-k {top_k} must be {valid} (0: all tokens)")
 
 
 def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, layout: Any) -> None:
@@ -201,7 +72,7 @@ def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, lay
     from spmd.observe.capacity import device_capacity, human_bytes
 
     longest = max(len(p) for p in prompts)
-    total, limit = longest + cfg.max_new_tokens, source.max_positions or POSITION_LIMIT
+    total, limit = longest + cfg.max_new_tokens, source.max_positions or decoding.POSITION_LIMIT
     if total > limit:
         declared = source.where if source.max_positions else "int32 positions"
         raise UsageError(
@@ -230,19 +101,22 @@ def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, lay
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Text <-> token ids: a Hugging Face tokenizer, or bytes (ids 0..255)."""
+    """Text <-> token ids: a Hugging Face tokenizer (read from `path`), or bytes (ids 0..255)."""
 
     tokenizer: Any  # tokenizers.Tokenizer or None
+    path: str = ""  # its tokenizer.json
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        """`text`'s ids; `specials` False leaves out the tokens the tokenizer adds itself (a
+        chat template writes its own)."""
         if self.tokenizer is None:
             return list(text.encode("utf-8"))
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=specials).ids
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids)  # special tokens (the eos) left out
 
 
 def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Codec:
@@ -259,13 +133,62 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
     if not path and beside is not None and beside.is_file():
         path = str(beside)
     if path:
-        return Codec(_load_tokenizer(path))
+        return Codec(_load_tokenizer(path), path)
     if vocab > 256:
         raise UsageError(
             f"the model's vocab {vocab} is not byte-level (256) and no tokenizer is known; "
-            f"give --tokenizer PATH (a tokenizer.json)"
+            f"give --tokenizer PATH (a tokenizer.json, its folder or a Hub id)"
         )
     return Codec(None)
+
+
+def stop_ids(cfg: GenerateConfig, run_config: dict[str, Any], codec: Codec) -> tuple[int, ...]:
+    """The end-of-sequence ids generation stops at (see spmd/io/eos.py); none with
+    --ignore-eos."""
+    if cfg.ignore_eos:
+        return ()
+    found = eos.declared(cfg.from_hf) if cfg.from_hf else eos.ids(run_config.get(eos.KEY))
+    if not found and codec.tokenizer is not None:
+        found = eos.of_tokenizer(codec.path, codec.tokenizer)
+    return tuple(found)
+
+
+def encode_prompts(cfg: GenerateConfig, texts: list[str], codec: Codec) -> list[list[int]]:
+    """The prompts' token ids; with --chat, each rendered first as a user message and the
+    template's generation prompt (UsageError where there is no template)."""
+    if not cfg.chat:
+        return [codec.encode(text) for text in texts]
+    from spmd.io import chat
+
+    if codec.tokenizer is None:  # byte-level text has no template
+        chat.load_template("", "--chat")
+    render = chat.Renderer(codec.path, "--chat")
+    rendered = []
+    for i, text in enumerate(texts):
+        try:
+            rendered.append(render.prompt(text))
+        except ValueError as e:
+            raise UsageError(f"--chat: prompt {i + 1}: {e}") from None
+    return [codec.encode(text, specials=False) for text in rendered]
+
+
+class Stream:
+    """Prints one row's text as its tokens come. Each print is the text the new tokens add to
+    the few before them (decoded together, as a tokenizer may join or space them), held back
+    while it ends in a partial character (decoded as U+FFFD); so the work per token stays
+    constant however long the text."""
+
+    def __init__(self, codec: Codec):
+        self.codec, self.ids, self.context, self.shown = codec, [], 0, 0
+
+    def __call__(self, new: list[list[int]], last: bool = False) -> None:
+        """Print what `new` (the row's next ids) adds; with `last`, all of it and a newline."""
+        self.ids.extend(new[0])
+        before = self.codec.decode(self.ids[self.context : self.shown])
+        after = self.codec.decode(self.ids[self.context :])
+        if last or (len(after) > len(before) and not after.endswith("\ufffd")):
+            print(after[len(before) :], end="\n" if last else "", flush=True)
+            self.context, self.shown = self.shown, len(self.ids)
 
 
 # --- the command ------------------------------------------------------------------------
@@ -280,7 +203,9 @@ def check_choices(cfg: GenerateConfig) -> None:
         raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
     if cfg.step and cfg.from_hf:
         raise UsageError(f"--step {cfg.step} picks a step of --checkpoint; --from-hf has none")
-    check_sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k)
+    if cfg.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {cfg.max_new_tokens} must be at least 1")
+    cfg.sampling.check()
     if not 0 <= cfg.seed < 2**63:
         raise UsageError(f"--seed {cfg.seed} must be an integer in [0, 2**63)")
     if cfg.devices < 0:
@@ -323,6 +248,7 @@ def run(argv: list[str] | None) -> int:
     cfg = config.resolve(argv, sections, "python -m spmd.generate", description=about)["generate"]
     check_choices(cfg)
     texts = read_prompts(cfg)
+    cfg = hub.resolve_section(cfg)  # Hub ids in --from-hf, --tokenizer: local folders
     from spmd import weights
     from spmd.io import params_io
 
@@ -335,33 +261,53 @@ def run(argv: list[str] | None) -> int:
     layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
     source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
     codec = codec_for(cfg, source.run_config, source.model.vocab_size)
-    prompts = [codec.encode(text) for text in texts]
+    prompts = encode_prompts(cfg, texts, codec)
+    stops = stop_ids(cfg, source.run_config, codec)
     check_length(cfg, prompts, source, layout)
     if cfg.checkpoint:
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
     else:
         loaded = weights.from_hf(cfg.from_hf, layout)
-    started = time.perf_counter()
+    show = Stream(codec) if cfg.stream and len(prompts) == 1 else None
+    if show is not None and not cfg.chat:  # a chat prints the reply only
+        print(texts[0], end="", flush=True)
+    clock = decoding.Clock()
     completions = generate(
         loaded.program,
         loaded.params,
         prompts,
         cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
+        cfg.sampling,
         cfg.seed,
+        stops,
+        show,
+        stream=show is not None,
+        clock=clock,
     )
-    seconds = time.perf_counter() - started
-    print(
-        f"{loaded.source}: {len(prompts)} x {cfg.max_new_tokens} tokens in {seconds:.1f} s "
-        f"(compile included) on mesh {cfg.mesh}",
-        file=sys.stderr,
-    )
-    for i, (text, ids) in enumerate(zip(texts, completions, strict=True)):
-        if len(texts) > 1:
-            print(f"=== sample {i + 1} ===")
-        print(text + codec.decode(ids), flush=True)
+    if show is not None:
+        show([[]], last=True)  # what a partial character held back, and the line's end
+    else:
+        for i, (text, ids) in enumerate(zip(texts, completions, strict=True)):
+            if len(texts) > 1:
+                print(f"=== sample {i + 1} ===")
+            print(("" if cfg.chat else text) + codec.decode(ids), flush=True)
+    print(speed_line(completions, clock, f"{loaded.source} on mesh {cfg.mesh}"), file=sys.stderr)
     return 0
+
+
+def speed_line(completions: list[list[int]], clock: decoding.Clock, where: str) -> str:
+    """The closing line: the tokens generated, in how long, how fast; and apart, the wait for
+    the first tokens (prefill and its compile), the decode loop's compile and the pace of
+    the tokens after the first."""
+    count = sum(map(len, completions))
+    seconds = clock.first + clock.compile + clock.rest
+    rest = count - len(completions)
+    pace = f", then {rest / clock.rest:.1f} tokens/s" if rest and clock.rest > 0 else ""
+    return (
+        f"generated {count} tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s; the "
+        f"first after {clock.first:.2f} s with the prefill's compile, {clock.compile:.2f} s "
+        f"compiling the decode loop{pace}) from {where}"
+    )
 
 
 if __name__ == "__main__":

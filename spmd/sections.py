@@ -30,7 +30,7 @@ class RunConfig:
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)
     seq_len: int = 128  # tokens per sequence
     seed: int = 0  # model init and data order
-    init_from_hf: str = ""  # start from a HF Llama or Mixtral folder (its config.json: the model)
+    init_from_hf: str = ""  # start from a HF folder or Hub id org/name (its config.json: the model)
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
     dry_run: bool = False  # compile the step, print memory and collectives, do not train
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
@@ -46,7 +46,7 @@ class DataConfig:
     # text file, folder of text files, token .bin, JSONL / Parquet / Arrow shards (a file, folder
     # or glob), or a mixture "web=a/*.parquet:0.7,code=b:0.3"; empty: the stdlib sources
     data: str = ""
-    tokenizer: str = ""  # Hugging Face tokenizer.json for text (empty: bytes, vocabulary 256)
+    tokenizer: str = ""  # HF tokenizer.json, its folder or a Hub id (empty: bytes, vocabulary 256)
     data_cache: str = ""  # folder of tokenized corpora (empty: $XDG_CACHE_HOME or ~/.cache/spmd)
     text_field: str = "text"  # the text column of JSONL / Parquet / Arrow records
     prompt_field: str = ""  # SFT: the prompt column (not counted in the loss); + response_field

@@ -30,7 +30,7 @@ from spmd.checks import (
 from spmd.config import Config
 from spmd.engine import precision
 from spmd.errors import UsageError, run_command
-from spmd.io import run_data
+from spmd.io import hub, run_data
 from spmd.log import say, warn
 from spmd.observe.metrics import MetricsLog
 from spmd.training.resume import open_checkpoints
@@ -262,6 +262,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     sections = config.resolve(
         argv, SECTIONS, "python -m spmd.train", expand=expand_layout, printable=True
     )
+    sections = hub.resolve_names(sections)  # Hub ids in --init-from-hf, --tokenizer: folders
     if sections["run"].init_from_hf:
         from models import hf_llama
 

@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE_HOME = tempfile.mkdtemp(prefix="spmd-test-cache-")
 
 
-def run(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run(
+    module: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m module args` from the repository root; `env` adds environment variables."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
         "XDG_CACHE_HOME": CACHE_HOME,
+        **(env or {}),
     }
     env.pop("XLA_FLAGS", None)
     return subprocess.run(

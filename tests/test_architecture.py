@@ -16,12 +16,13 @@ CORE_PACKAGES = (
 # Top-level modules of spmd/ that run as `python -m spmd.X` or `spmd X` (cli), and what only
 # they share: `weights` (loads a model from a checkpoint or a Hugging Face folder, so it may
 # import models/), the one `builder`, the resolver `config` (the command line's config), the
-# run-level `checks` and the library front `api`. No core package imports any of them.
+# run-level `checks`, the library front `api` and generate's `decoding` loop (it runs the
+# models' cached decoder). No core package imports any of them.
 COMMANDS = {
     f"spmd.{m}"
     for m in (
         "__main__ cli train plan convert generate checkpoint bench bench_collectives launch report "
-        "weights builder config checks api"
+        "weights builder config checks api decoding"
     ).split()
 }
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file

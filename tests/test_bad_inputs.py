@@ -120,6 +120,7 @@ CASES = [
     *map(generate, ["--max-new-tokens 0", "--temperature nan", "--temperature inf"]),
     *map(generate, ["--temperature -1", "--top-k -1", "--step 3", "--seed -1"]),
     *map(generate, ["--devices -1", "--mesh dp=2,,tp=2", "--num-samples 0"]),
+    *map(generate, ["--top-p 0", "--top-p 1.5", "--top-p nan", "--chat false --top-p -1"]),
     generate(f"--from-hf {UNTIED} --prompts-file {{binary}}", ()),
     generate(f"--from-hf {UNTIED} --prompts-file {{tmp}}/missing.txt", ()),
     generate(f"--from-hf {UNTIED} --prompt ''", ()),
@@ -131,6 +132,7 @@ CASES = [
     generate("--max-new-tokens 100000000", mesh=True),  # past config.json's 2048 positions
     generate("--max-new-tokens 2044", mesh=True),  # "Hello" + 2044 = 2049
     generate("--top-k 100000", mesh=True),  # more than the vocab's 128
+    generate("--chat", mesh=True),  # byte-level text: no chat template
     generate("--checkpoint {checkpoint} --prompt Hello --max-new-tokens 100000000", (), True),
     # the launcher
     *[Case("launch", f"-n 2 -- {command}") for command in ("{tmp}/missing", "no-such-program-x")],

@@ -18,7 +18,7 @@ from flax import nnx
 from models import hf_config, hf_llama
 from spmd import convert, train, weights
 from spmd.errors import UsageError
-from spmd.io import data, safetensors_io, tokens
+from spmd.io import data, eos, params_io, safetensors_io, tokens
 from spmd.parallel import traced_layout
 from tests import cli, trainer
 
@@ -119,6 +119,7 @@ def test_the_commands_convert_hf_to_spmd_and_back_bit_exactly(tmp_path, capsys):
     mesh = ["--mesh", "dp=2,fsdp=2,tp=-1"]
     assert convert.main(["--from-hf", str(TIED), "--to", spmd_dir, *mesh]) == 0
     assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
+    assert params_io.saved_config(spmd_dir, 0)[eos.KEY] == [2]  # spmd.generate stops there
     original, back = hf_tensors(TIED), hf_tensors(Path(hf_dir))
     assert sorted(original) == sorted(back)
     for name, value in original.items():

@@ -1,10 +1,13 @@
 """Chat records: a `messages` list of {role, content} rendered with the tokenizer's chat
 template, the loss counting the assistant turns only.
 
-The template is the `chat_template` of the `tokenizer_config.json` beside `--tokenizer`
-(Hugging Face's convention): Jinja, rendered by jinja2 in a sandbox with the settings those
-templates are written for (trim_blocks, lstrip_blocks, a `raise_exception` function, the
-config's special tokens such as `bos_token` and `eos_token` as variables).
+The template is the `chat_template` of the `tokenizer_config.json` beside `--tokenizer`, or
+the `chat_template.jinja` file there (Hugging Face's conventions, older and newer): Jinja,
+rendered by jinja2 in a sandbox with the settings those templates are written for
+(trim_blocks, lstrip_blocks, loop controls, a `raise_exception` function, a `strftime_now`
+function, a `tojson` filter that writes plain JSON, the config's special tokens such as
+`bos_token` and `eos_token` as variables). spmd.generate --chat renders a prompt with it too
+(`Renderer.prompt`).
 
 Which tokens count. Each assistant message's text span is found by rendering prefixes of
 the conversation: the messages before it with `add_generation_prompt=True` (everything up to
@@ -19,6 +22,7 @@ assistant's.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 from pathlib import Path
@@ -32,30 +36,32 @@ def config_path(tokenizer: str) -> Path:
     return Path(tokenizer).parent / "tokenizer_config.json"
 
 
-def load_template(tokenizer: str, field: str) -> tuple[str, dict[str, str]]:
+def load_template(tokenizer: str, flag: str) -> tuple[str, dict[str, str]]:
     """(the chat template's source, the special tokens it may use) of `tokenizer`'s folder;
-    UsageError where there is none."""
+    UsageError naming `flag` (the flag that wants it) where there is none."""
     if not tokenizer:
         raise UsageError(
-            f"--messages-field {field} needs a chat template: pass --tokenizer with a "
-            f"tokenizer.json whose folder's tokenizer_config.json has a chat_template "
-            f"(byte-level tokens have none)"
+            f"{flag} needs a chat template: pass --tokenizer with a tokenizer.json whose "
+            f"folder's tokenizer_config.json has a chat_template (byte-level tokens have none)"
         )
     path = config_path(tokenizer)
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(
-            f"--messages-field {field} needs {path} with a chat_template; cannot read it ({e})"
+            f"{flag} needs {path} with a chat_template; cannot read it ({e})"
         ) from None
     template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    beside = path.parent / "chat_template.jinja"  # where transformers >= 4.43 saves it
+    if not template and beside.is_file():
+        template = beside.read_text(encoding="utf-8")
     if not isinstance(template, str) or not template:
         raise UsageError(
-            f"--messages-field {field}: {path} has no chat_template (a Jinja string); use a "
-            f"tokenizer that ships one, or --prompt-field / --response-field"
+            f"{flag}: {path} has no chat_template (a Jinja string) and there is no {beside.name} "
+            f"beside it; use a tokenizer that ships one"
         )
     specials = {}
     for key, value in config.items():
@@ -66,9 +72,9 @@ def load_template(tokenizer: str, field: str) -> tuple[str, dict[str, str]]:
     return template, specials
 
 
-def template_id(tokenizer: str, field: str) -> str:
+def template_id(tokenizer: str, flag: str) -> str:
     """A hash of what the rendering depends on (for the cache key)."""
-    template, specials = load_template(tokenizer, field)
+    template, specials = load_template(tokenizer, flag)
     blob = json.dumps([template, specials], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -90,33 +96,52 @@ def message_problem(value: object) -> str | None:
 class Renderer:
     """A compiled chat template: conversation -> (text, assistant character spans)."""
 
-    def __init__(self, tokenizer: str, field: str):
+    def __init__(self, tokenizer: str, flag: str):
+        """The template of `tokenizer`'s folder; `flag` (e.g. "--chat") names what wants it in
+        the UsageError where it is missing or not valid Jinja."""
         try:
             import jinja2.sandbox
         except ImportError:
             raise UsageError(
-                f"--messages-field {field} needs jinja2 for the chat template (pip install "
-                f"jinja2, or spmd[tokenizer])"
+                f"{flag} needs jinja2 for the chat template (pip install jinja2, or "
+                f"spmd[tokenizer])"
             ) from None
 
         def raise_exception(message: str) -> None:
             raise jinja2.TemplateError(message)
 
-        source, self.specials = load_template(tokenizer, field)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        source, self.specials = load_template(tokenizer, flag)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        # jinja2's own tojson escapes <, >, & and ' for HTML; a prompt wants the JSON itself
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(
+            value, ensure_ascii=False, indent=indent
+        )
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise UsageError(
-                f"--messages-field {field}: the chat_template of {config_path(tokenizer)} is "
-                f"not valid Jinja (line {e.lineno}: {e.message})"
+                f"{flag}: the chat_template of {config_path(tokenizer)} is not valid Jinja "
+                f"(line {e.lineno}: {e.message})"
             ) from None
 
     def _render(self, messages: list, generation_prompt: bool) -> str:
         return self.template.render(
             messages=messages, add_generation_prompt=generation_prompt, **self.specials
         )
+
+    def prompt(self, text: str) -> str:
+        """`text` as one user message followed by the template's generation prompt (where the
+        assistant starts writing); ValueError (saying why) where the template refuses it."""
+        import jinja2
+
+        try:
+            return self._render([{"role": "user", "content": text}], True)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refuses it ({e})") from None
 
     def __call__(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and its assistant spans [start, end) in characters;

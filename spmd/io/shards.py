@@ -58,8 +58,9 @@ def open_records(
         "tokenizer": tokenizer_id,
     }
     if fields.messages:  # chats: the field and the template (its absence exits 2 here)
-        identity["chat"] = [fields.messages, chat.template_id(tokenizer, fields.messages)]
-        chat.Renderer(tokenizer, fields.messages)  # compiles: a broken template exits 2 here
+        flag = f"--messages-field {fields.messages}"
+        identity["chat"] = [fields.messages, chat.template_id(tokenizer, flag)]
+        chat.Renderer(tokenizer, flag)  # compiles: a broken template exits 2 here
     key = tokens._hash_json(identity)
     what = f"{len(shards)} record shard(s) of {data}, fields {'/'.join(fields.names())}, " + (
         f"tokenizer {tokenizer}" if tokenizer else "byte-level"
@@ -161,7 +162,9 @@ def tokenize_shard(
     render = None
     if fields.messages:
         if (tokenizer, fields.messages) not in _RENDERERS:
-            _RENDERERS[tokenizer, fields.messages] = chat.Renderer(tokenizer, fields.messages)
+            _RENDERERS[tokenizer, fields.messages] = chat.Renderer(
+                tokenizer, f"--messages-field {fields.messages}"
+            )
         render = _RENDERERS[tokenizer, fields.messages]
     bad = corpora.BadRecords()
     pid = os.getpid()
