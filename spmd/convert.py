@@ -17,6 +17,7 @@ export gathers each tensor to that host).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import sys
 import time
@@ -105,12 +106,23 @@ def run(argv: list[str] | None) -> int:
         if tokenizer and Path(tokenizer).is_file():  # the run's tokenizer goes with its weights
             shutil.copyfile(tokenizer, Path(cfg.to_hf) / "tokenizer.json")
             files.append(Path(cfg.to_hf) / "tokenizer.json")
+        files += write_generation_config(Path(cfg.to_hf), eos.ids(loaded.run_config.get(eos.KEY)))
         target = f"Hugging Face folder {cfg.to_hf} ({len(files)} files, {cfg.hf_dtype})"
     print(
         f"converted {loaded.source} ({loaded.model.n_params() / 1e6:.2f} M params) to {target} "
         f"in {time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def write_generation_config(folder: Path, eos_ids: list[int]) -> list[Path]:
+    """generation_config.json declaring `eos_ids` (the ids a converted checkpoint kept), so that
+    transformers' generate stops where spmd.generate does; nothing when there are none."""
+    if not eos_ids:
+        return []
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}))
+    return [path]
 
 
 def check_choices(cfg: ConvertConfig, to_spmd: bool) -> None:

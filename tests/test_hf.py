@@ -120,6 +120,8 @@ def test_the_commands_convert_hf_to_spmd_and_back_bit_exactly(tmp_path, capsys):
     assert convert.main(["--from-hf", str(TIED), "--to", spmd_dir, *mesh]) == 0
     assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
     assert params_io.saved_config(spmd_dir, 0)[eos.KEY] == [2]  # spmd.generate stops there
+    assert eos.declared(hf_dir) == [2]  # and the export declares it for transformers
+    assert json.loads(Path(hf_dir, "generation_config.json").read_text())["eos_token_id"] == 2
     original, back = hf_tensors(TIED), hf_tensors(Path(hf_dir))
     assert sorted(original) == sorted(back)
     for name, value in original.items():
