@@ -23,6 +23,7 @@ from spmd.checks import (
     batch_arithmetic,
     check_choices,
     check_dcn_sync_mesh,
+    check_paths,
     checkpoint_resumes,
     format_batch_arithmetic,
     step_memory_error,
@@ -92,14 +93,20 @@ def run(argv: list[str] | None) -> int:
     if sections["print_config"]:  # the config as resolved, before any check or device work
         print(config.format_config(cfg.sections()))
         return 0
-    check_choices(cfg)
+    from spmd.log import close_rank_file, set_level
+    from spmd.training import run_folder
     from spmd.training.preemption import StopSignals
 
+    set_level(cfg.observe.log_level)
+    check_choices(run_folder.with_paths(cfg, run_folder.planned_folder(cfg, "stamp")))
     # From here to the last save a first SIGTERM / SIGINT is noted, never fatal: during start-up
     # and compile it ends the run before its first step (nothing trained, nothing lost); later
     # every process stops after one agreed step and saves it (spmd.training.job).
     with StopSignals() as signals:
-        return start_and_train(cfg, signals)
+        try:
+            return start_and_train(cfg, signals)
+        finally:
+            close_rank_file()
 
 
 def start_and_train(cfg: Config, signals: Any) -> int:
@@ -110,8 +117,14 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     p = cfg.parallel
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
-    say(config.format_config(cfg.sections()))
+    from spmd.training import run_folder
+
+    config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
+    cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
+    say(config_text)
     say(xla_flags.describe(flags))
+    if folder is not None:
+        check_paths(cfg)  # the folder's paths, now that its name is agreed
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
@@ -149,7 +162,9 @@ def start_and_train(cfg: Config, signals: Any) -> int:
             manager.close()
         return 0
     log = MetricsLog(
-        cfg.observe.metrics, append=restored is not None, tensorboard=cfg.observe.tensorboard
+        cfg.observe.metrics,
+        append=restored is not None,
+        trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)
     from spmd.parallel import distributed
