@@ -17,7 +17,8 @@ be reached at start is one warning line and the run goes on without it (`open_tr
 that fails later is dropped by MetricsLog with one line, never ending the run. W&B and MLflow
 take their own settings from their environment (WANDB_MODE=offline, WANDB_PROJECT,
 WANDB_API_KEY; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); without a tracking URI MLflow
-writes a file store in the run folder (`<run folder>/mlruns`).
+writes a file store in the run folder (`<run folder>/mlruns`; MLflow 3 keeps that store only
+behind MLFLOW_ALLOW_FILE_STORE, which spmd sets unless it is set already).
 """
 
 from __future__ import annotations
@@ -173,9 +174,10 @@ class MLflow:
     def __init__(self, folder: str | None, run_name: str) -> None:
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
-            f"file://{os.path.abspath(os.path.join(folder, 'mlruns'))}" if folder else None
-        )
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri and folder:  # the run folder's own store; MLflow 3 asks to opt in to it
+            uri = f"file://{os.path.abspath(os.path.join(folder, 'mlruns'))}"
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
         experiment = self.client.get_experiment_by_name(experiment_name)
