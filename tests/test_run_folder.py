@@ -119,6 +119,16 @@ def test_dry_run_and_run_dir_none_make_no_folder(tmp_path):
     assert not root.exists()
 
 
+def test_without_the_variable_run_folders_go_under_runs_and_none_turns_them_off(monkeypatch):
+    cfg = train.Config.of(train.resolve_sections(["--model", "tiny", "--mesh", "fsdp=2"]))
+    monkeypatch.delenv(run_folder.RUNS_ENV)
+    assert run_folder.planned_folder(cfg, "t") == "runs/tiny-fsdp2-t"
+    monkeypatch.setenv(run_folder.RUNS_ENV, "none")
+    assert run_folder.planned_folder(cfg, "t") is None
+    given = train.Config.of(train.resolve_sections(["--model", "tiny", "--run-dir", "r"]))
+    assert run_folder.planned_folder(given) == "r"
+
+
 def test_run_names_say_model_mesh_and_stamp(monkeypatch):
     cfg = train.Config.of(train.resolve_sections(["--model", "tiny", "--mesh", "dp=2,fsdp=2,tp=2"]))
     monkeypatch.setenv(run_folder.RUNS_ENV, "/r")
