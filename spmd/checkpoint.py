@@ -11,7 +11,8 @@ a manifest matches it (a step without one is listed as unverified, not counted a
 otherwise. Nothing is moved or changed: `spmd.train --resume` sets a damaged step aside itself
 and resumes from the newest good one. Folders already set aside (`<step>.damaged`,
 `<step>.diverged`) and saves that never finished (`<step>.orbax-checkpoint-tmp`) are not steps,
-so they are not checked.
+so they are not checked. DIR may be a run folder (its `checkpoints/` is checked) and a local
+path or a gs:// s3:// file:// URL (spmd.paths).
 """
 
 from __future__ import annotations

@@ -176,7 +176,9 @@ class ObserveConfig:
     metrics: str = ""  # path or URL of the metrics JSONL (empty: the run folder's metrics.jsonl)
     tensorboard: str = ""  # directory of TensorBoard scalars (empty: the run folder's tensorboard/)
     profile: str = ""  # START:STOP: trace those steps, print compute vs collectives per device
-    profile_dir: str = ""  # where the trace goes (empty: the run folder's profile/, else ./profile)
+    # where the trace goes (empty: the --tensorboard dir, else the run folder's profile/, else
+    # ./profile)
+    profile_dir: str = ""
     comm_warn: float = 0.3  # warn when exposed communication exceeds this share of the step
     peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
     straggler_threshold: float = 0.2  # name a process this fraction slower than the median

@@ -91,7 +91,8 @@ def with_paths(cfg: Config, folder: str | None) -> Config:
             observe,
             metrics=observe.metrics or join(folder, METRICS_FILE),
             tensorboard=join(folder, TENSORBOARD) if tensorboard else observe.tensorboard,
-            profile_dir=observe.profile_dir or join(folder, PROFILE),
+            # a --tensorboard given keeps its traces, where TensorBoard's profile plugin looks
+            profile_dir=observe.profile_dir or observe.tensorboard or join(folder, PROFILE),
         ),
     )
 
