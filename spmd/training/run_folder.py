@@ -152,7 +152,8 @@ def choose_folder(cfg: Config) -> str | None:
 def agreed_folder(cfg: Config, client: Any, process_id: int) -> str | None:
     """The run folder, the same on every process: process 0 chooses it and publishes it
     through the distributed runtime's key-value store (`client`; None in a single process)."""
-    if client is None or not makes_folder(cfg) or cfg.run.run_dir:
+    named = cfg.run.run_dir or cfg.run.run_name  # the same on every process already
+    if client is None or named or planned_folder(cfg) is None:
         return choose_folder(cfg)
     if process_id == 0:
         folder = choose_folder(cfg)
