@@ -9,7 +9,6 @@ line naming the bad value.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -32,8 +31,9 @@ from spmd.config import Config
 from spmd.engine import precision
 from spmd.errors import UsageError, run_command
 from spmd.io import run_data
-from spmd.log import say, warn
+from spmd.log import close_rank_file, say, set_level, warn
 from spmd.observe.metrics import MetricsLog
+from spmd.training import run_folder
 from spmd.training.resume import open_checkpoints
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
@@ -93,8 +93,6 @@ def run(argv: list[str] | None) -> int:
     if sections["print_config"]:  # the config as resolved, before any check or device work
         print(config.format_config(cfg.sections()))
         return 0
-    from spmd.log import close_rank_file, set_level
-    from spmd.training import run_folder
     from spmd.training.preemption import StopSignals
 
     set_level(cfg.observe.log_level)
@@ -117,14 +115,11 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     p = cfg.parallel
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
-    from spmd.training import run_folder
-
     config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
     cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
     say(config_text)
     say(xla_flags.describe(flags))
-    if folder is not None:
-        check_paths(cfg)  # the folder's paths, now that its name is agreed
+    check_paths(cfg)  # the run folder's paths, now that its name is agreed
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
@@ -280,23 +275,12 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
 
         folder = hf_llama.open_checkpoint(sections["run"].init_from_hf, sections["model"].remat)
         # The architecture is the folder's; the router's training knobs given win.
-        given = given_router_knobs(sys.argv[1:] if argv is None else argv)
+        given = config.given_model_fields(sys.argv[1:] if argv is None else argv, ROUTER_KNOBS)
         knobs = {
             name: getattr(sections["model"], name) for name in given if hasattr(folder.config, name)
         }
         sections["model"] = dataclasses.replace(folder.config, **knobs)
     return sections
-
-
-def given_router_knobs(argv: list[str]) -> list[str]:
-    """The ROUTER_KNOBS that `argv` sets itself, as flags or in the [model] table of its
-    --config file (as --print-config writes them), rather than through the preset."""
-    flags = {a.split("=")[0] for a in argv}
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--config")
-    path = peek.parse_known_args(argv)[0].config
-    in_file = config.load_toml(path).get("model", {}) if path else {}
-    return [name for name in ROUTER_KNOBS if config.flag_name(name) in flags or name in in_file]
 
 
 def compile_step(cfg: Config, program: Any) -> tuple:
