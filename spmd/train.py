@@ -95,16 +95,17 @@ def run(argv: list[str] | None) -> int:
         return 0
     from spmd.training.preemption import StopSignals
 
-    set_level(cfg.observe.log_level)
     check_choices(run_folder.with_paths(cfg, run_folder.planned_folder(cfg, "stamp")))
     # From here to the last save a first SIGTERM / SIGINT is noted, never fatal: during start-up
     # and compile it ends the run before its first step (nothing trained, nothing lost); later
     # every process stops after one agreed step and saves it (spmd.training.job).
     with StopSignals() as signals:
+        set_level(cfg.observe.log_level)
         try:
             return start_and_train(cfg, signals)
-        finally:
+        finally:  # the process may go on (a notebook, the tests): as it was before the run
             close_rank_file()
+            set_level("info")
 
 
 def start_and_train(cfg: Config, signals: Any) -> int:

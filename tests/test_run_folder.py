@@ -3,6 +3,7 @@ running the same training again, the same command continuing a --run-dir, file:/
 and metrics, data from an fsspec filesystem, log levels and rank files, and the processes of
 a job agreeing on one folder."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import fsspec
 import pytest
 
 from spmd import checkpoint as checkpoint_command
-from spmd import report, train
+from spmd import log, report, train
 from spmd.io import checkpoint, fetch
 from spmd.training import run_folder
 from tests.cli import CACHE_HOME, ROOT, records
@@ -74,6 +75,7 @@ def test_its_config_toml_trains_the_same_losses_into_a_new_folder(default_run, c
     assert train_losses(again / "metrics.jsonl") == train_losses(folder / "metrics.jsonl")
     assert "step " not in capsys.readouterr().out  # --log-level warning: no progress lines
     assert "INFO" not in (again / "logs" / "rank-00000.log").read_text()
+    assert log.LOGGER.level == logging.INFO  # the level of one run does not outlive it
 
 
 def test_the_same_command_twice_into_a_run_dir_continues_with_file_url_checkpoints(
