@@ -22,8 +22,12 @@ set -euo pipefail
 # per GPU); one task per node must name all eight.
 export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7
 
-# Resubmitted or requeued, the same script continues from the newest complete checkpoint in
-# --checkpoint-dir; the first time it starts fresh (--resume auto, the default).
+# One folder per run on the shared filesystem: config.toml, metrics.jsonl, logs/rank-*.log,
+# tensorboard/ and checkpoints/ (docs/operations.md). Resubmitted or requeued, the same script
+# continues from the newest complete checkpoint in it; the first time it starts fresh (--resume
+# auto, the default). The folder is named here; without --run-dir it would be
+# runs/1b-fsdp4-tp8-job$SLURM_JOB_ID, which a requeue (same job id) also finds again, but a
+# fresh sbatch (a new id) would not.
 srun python -m spmd.train \
   --model 1b \
   --mesh fsdp=4,tp=8 \
@@ -31,5 +35,4 @@ srun python -m spmd.train \
   --precision bf16 \
   --batch 64 --seq-len 2048 --steps 2000 \
   --data /shared/corpus \
-  --checkpoint-dir /shared/checkpoints/spmd-1b --checkpoint-every 200 \
-  --metrics /shared/runs/spmd-1b.jsonl
+  --run-dir /shared/runs/spmd-1b --checkpoint-every 200

@@ -11,16 +11,16 @@ a manifest matches it (a step without one is listed as unverified, not counted a
 otherwise. Nothing is moved or changed: `spmd.train --resume` sets a damaged step aside itself
 and resumes from the newest good one. Folders already set aside (`<step>.damaged`,
 `<step>.diverged`) and saves that never finished (`<step>.orbax-checkpoint-tmp`) are not steps,
-so they are not checked.
+so they are not checked. DIR may be a run folder (its `checkpoints/` is checked) and a local
+path or a gs:// s3:// file:// URL (spmd.paths).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
-from spmd import config
+from spmd import config, paths
 from spmd.errors import UsageError, run_command
 
 ACTIONS = ("verify",)
@@ -69,7 +69,10 @@ def verify(folder: str, only: int = 0) -> list[str]:
     """Print each step's verdict; returns the damaged steps' folders."""
     from spmd.io import checkpoint, manifest
 
-    if not Path(folder).is_dir():
+    in_run = f"{folder.rstrip('/')}/checkpoints"  # a run folder (spmd.training.run_folder)
+    if not checkpoint.complete_steps(folder) and checkpoint.complete_steps(in_run):
+        folder = in_run
+    if not paths.epath(folder).is_dir():
         raise UsageError(
             f"{folder} is not a folder; give the --checkpoint-dir of a training run or the --to "
             f"folder of spmd.convert"
@@ -81,11 +84,11 @@ def verify(folder: str, only: int = 0) -> list[str]:
         raise UsageError(f"--step {only} is not in {folder}; it holds steps {steps}")
     damaged = []
     for step in [only] if only else steps:
-        step_dir = Path(folder) / str(step)
-        verdict = manifest.verify(step_dir)
+        step_dir = f"{folder.rstrip('/')}/{step}"
+        verdict = manifest.verify(paths.epath(folder) / str(step))
         print(f"{step_dir}: {verdict}", flush=True)
         if verdict.status == "damaged":
-            damaged.append(str(step_dir))
+            damaged.append(step_dir)
     return damaged
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from models import family
-from spmd import config
+from spmd import config, paths
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
@@ -165,6 +165,10 @@ def check_observability(cfg: Config) -> None:
     """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
     if cfg.observe.profile:
         profile.parse_window(cfg.observe.profile, cfg.run.steps)
+    from spmd.observe import trackers
+    from spmd.training import run_folder
+
+    trackers.check_names(run_folder.trackers(cfg))
     # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
     if not (0 <= cfg.observe.peak_tflops < math.inf):
         raise UsageError(
@@ -187,7 +191,8 @@ def check_paths(cfg: Config) -> None:
         "--data-cache": cfg.data.data_cache,
     }
     for flag, path in [("--metrics", cfg.observe.metrics), *folders.items()]:
-        if not path:
+        path = paths.local(path)
+        if not path or paths.is_url(path):  # a bucket is checked when it is written
             continue
         folder, given = flag != "--metrics", Path(path)
         if given.exists() and given.is_dir() != folder:

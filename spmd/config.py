@@ -361,3 +361,14 @@ def _toml_value(value: Any, key: str) -> str:
     if isinstance(value, str):  # JSON's escapes are TOML's; DEL is the one control JSON keeps
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     raise TypeError(f"config field {key} = {value!r}: TOML for a {type(value).__name__}?")
+
+
+def given_model_fields(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """The model fields of `names` that `argv` sets itself, as flags or in the [model] table of
+    its --config file (as --print-config writes them), rather than through the preset."""
+    flags = {a.split("=")[0] for a in argv}
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--config")
+    path = peek.parse_known_args(argv)[0].config
+    in_file = load_toml(path).get("model", {}) if path else {}
+    return [name for name in names if flag_name(name) in flags or name in in_file]

@@ -1,15 +1,55 @@
-"""What a run tells the person watching: progress on stdout, trouble on stderr, from process 0.
+"""What a run tells the person watching and what it keeps: Python `logging` under the logger
+"spmd", at the level of `--log-level`.
 
-The bottom of spmd's package order: every package may print through here, and this module
-imports nothing of spmd.
+- the console: process 0 only, the bare message, progress (info, debug) on stdout and trouble
+  (warning, error) on stderr, each line flushed;
+- a file per process (`rank_file`): every process, every line at the level, with the time,
+  rank and level, e.g. `<run folder>/logs/rank-00003.log`.
+
+The console handler looks up sys.stdout / sys.stderr when it writes, not when it is made, so
+output redirected later (a test's capture, a notebook) still receives it. The bottom of spmd's
+package order: every package may log through here, and this module imports nothing of spmd.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
+from typing import Literal
+
+LOGGER = logging.getLogger("spmd")
+LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+LevelName = Literal["debug", "info", "warning", "error"]
+FILE_FORMAT = "%(asctime)s rank {rank} %(levelname)s %(message)s"
 
 # Only one process of a multi-process job talks to the person and writes the metrics file.
 _PRIMARY = {"is_primary": True}
+
+
+class _Console(logging.Handler):
+    """The bare message on this process's stdout (below warning) or stderr, process 0 only."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _PRIMARY["is_primary"]:
+            return
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            print(self.format(record), file=stream, flush=True)
+        except Exception:  # a closed stream must not end the run; logging's own convention
+            self.handleError(record)
+
+
+_CONSOLE = _Console()
+LOGGER.addHandler(_CONSOLE)
+LOGGER.setLevel(logging.INFO)
+LOGGER.propagate = False  # the root logger's handlers (absl's, a notebook's) would repeat lines
+_FILE: dict[str, logging.Handler | None] = {"handler": None}
 
 
 def set_primary(is_primary: bool) -> None:
@@ -22,13 +62,42 @@ def is_primary() -> bool:
     return _PRIMARY["is_primary"]
 
 
+def set_level(level: str) -> None:
+    """Log at `level` (debug, info, warning, error) from now on, console and file alike."""
+    LOGGER.setLevel(LEVELS[level])
+
+
+def open_rank_file(path: str | Path, rank: int) -> Path:
+    """Also write every line of this process to `path` (created with its folder; appended to,
+    so a resumed run keeps the earlier lines); replaces an earlier rank file. Returns the path."""
+    close_rank_file()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(FILE_FORMAT.format(rank=rank)))
+    LOGGER.addHandler(handler)
+    _FILE["handler"] = handler
+    return path
+
+
+def close_rank_file() -> None:
+    """Stop writing the rank file (a run's end; the next run of this process opens its own)."""
+    handler, _FILE["handler"] = _FILE["handler"], None
+    if handler is not None:
+        LOGGER.removeHandler(handler)
+        handler.close()
+
+
+def debug(message: str) -> None:
+    """Detail for whoever debugs a run (shown with --log-level debug)."""
+    LOGGER.debug(message)
+
+
 def say(message: str) -> None:
-    """A progress message for the person watching (stdout, flushed; process 0 only)."""
-    if _PRIMARY["is_primary"]:
-        print(message, file=sys.stdout, flush=True)
+    """A progress message for the person watching (info: stdout of process 0, every rank file)."""
+    LOGGER.info(message)
 
 
 def warn(message: str) -> None:
-    """A line for the person that ends or endangers the run (stderr, flushed; process 0 only)."""
-    if _PRIMARY["is_primary"]:
-        print(message, file=sys.stderr, flush=True)
+    """A line for the person that ends or endangers the run (warning: stderr of process 0)."""
+    LOGGER.warning(message)

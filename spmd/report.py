@@ -1,8 +1,11 @@
-"""`python -m spmd.report RUN.jsonl [MORE.jsonl ...] --out report.png`: runs side by side.
+"""`python -m spmd.report RUN [MORE ...] [--out report.png]`: runs side by side.
 
-Draws loss, throughput (tokens/s) and step time against step from the train records of each
-metrics JSONL (spmd.observe.metrics), one line per run, labelled with its mesh and ZeRO stage, so
-layouts can be compared at a glance. Needs matplotlib (the optional extra `report`).
+Each RUN is a run folder of spmd.train (its metrics.jsonl is read, spmd.training.run_folder) or
+a metrics JSONL file, a local path or a URL (spmd.paths). Draws loss, throughput (tokens/s) and
+step time against step from the train records of each (spmd.observe.metrics), one line per
+run, labelled with its mesh and ZeRO stage, so layouts can be compared at a glance. The picture
+goes to --out, by default the run folder's report.png when one run folder is given, else
+./report.png. Needs matplotlib (the optional extra `report`).
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from spmd import config
+from spmd import config, paths
 from spmd.config import flat_values
 from spmd.errors import UsageError, run_command
+from spmd.training.run_folder import METRICS_FILE, REPORT_FILE
 
 PANELS = (  # (train record field, axis label, scale applied to the values)
     ("loss", "loss (nats/token)", 1.0),
@@ -27,9 +31,9 @@ def load_run(path: str | Path) -> tuple[str, list[dict]]:
     """(label, train records) of one metrics JSONL; the label says the mesh (and the ZeRO
     stage where an fsdp axis makes it matter)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = paths.read_text(str(path)).splitlines()
     except OSError as e:
-        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
+        raise UsageError(f"{path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise UsageError(
             f"{path} is not UTF-8 text (byte {e.start}); expected a metrics JSONL"
@@ -66,6 +70,14 @@ def _fields_ok(record: dict) -> bool:
         sizes_ok = isinstance(mesh, dict) and all(isinstance(v, int) for v in mesh.values())
         return sizes_ok and isinstance(tables, dict)
     return True
+
+
+def run_folder_of(path: str) -> str:
+    """`path` when it is a run folder (a folder holding metrics.jsonl), else ""."""
+    local = paths.local(path)
+    if paths.is_url(local):
+        return path if paths.exists(f"{local.rstrip('/')}/{METRICS_FILE}") else ""
+    return local if (Path(local) / METRICS_FILE).is_file() else ""
 
 
 def check_out(out: str) -> None:
@@ -116,7 +128,7 @@ def draw(runs: list[tuple[str, list[dict]]], out: str | Path) -> None:
 class ReportConfig:
     """Where the picture goes."""
 
-    out: str = "report.png"  # image to write
+    out: str = ""  # image to write (empty: RUN/report.png for one run folder, else report.png)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    files = config.Positional("metrics", "+", "metrics JSONL files of spmd.train runs")
+    files = config.Positional(
+        "metrics", "+", "run folders or metrics JSONL files of spmd.train runs"
+    )
     resolved = config.resolve(
         argv,
         {"report": ReportConfig},
@@ -132,13 +146,24 @@ def run(argv: list[str] | None) -> int:
         description=__doc__,
         positional=files,
     )
-    paths, out = resolved["metrics"], resolved["report"].out
+    given, out = resolved["metrics"], resolved["report"].out
+    folders = [run_folder_of(path) for path in given]
+    files = [
+        f"{folder.rstrip('/')}/{METRICS_FILE}" if folder else p
+        for p, folder in zip(given, folders, strict=True)
+    ]
+    if not out:
+        out = (
+            f"{folders[0].rstrip('/')}/{REPORT_FILE}"
+            if len(given) == 1 and folders[0]
+            else REPORT_FILE
+        )
     check_out(out)
-    runs = [load_run(path) for path in paths]
+    runs = [load_run(path) for path in files]
     labels = [label for label, _ in runs]
     runs = [  # two runs of one layout: tell them apart by file name
         (f"{label} ({Path(path).stem})" if labels.count(label) > 1 else label, records)
-        for path, (label, records) in zip(paths, runs, strict=True)
+        for path, (label, records) in zip(given, runs, strict=True)
     ]
     draw(runs, out)
     print(f"wrote {out}: {len(runs)} run(s): {', '.join(label for label, _ in runs)}")

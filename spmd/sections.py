@@ -36,6 +36,13 @@ class RunConfig:
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
     num_processes: int = 0  # processes in the job (0: from spmd.launch or a cluster JAX detects)
     process_id: int = -1  # this process's rank (-1: detect)
+    # the run's folder: config.toml, metrics.jsonl, logs/, tensorboard/, checkpoints/, profile/
+    # (empty: $SPMD_RUNS_DIR, else runs/, then --run-name; "none": no folder, only what the
+    # path flags name); a path or a gs:// s3:// file:// URL
+    run_dir: str = ""
+    # the run folder's name (empty: <model>-<mesh>-<UTC time>, or -job<SLURM_JOB_ID> under
+    # SLURM, so a requeued job finds its folder); give it to continue a run elsewhere
+    run_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +147,7 @@ class PrecisionConfig:
 class CheckpointConfig:
     """Where and how often the state is saved, how many steps are kept, whether to resume."""
 
-    checkpoint_dir: str = ""  # folder of the run's checkpoints (empty: no checkpoints)
+    checkpoint_dir: str = ""  # folder or URL of checkpoints (empty: the run folder's checkpoints/)
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
     # auto: continue from the newest complete checkpoint in checkpoint_dir when there is one,
@@ -169,10 +176,16 @@ class ObserveConfig:
     """What the run reports: progress lines, the metrics JSONL, TensorBoard, profiles, MFU."""
 
     log_every: int = 10  # steps between progress lines and JSONL train records
-    metrics: str = ""  # path of the metrics JSONL (empty: none)
-    tensorboard: str = ""  # directory for TensorBoard scalars of the same records (empty: none)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # console and rank files
+    # experiment trackers fed the JSONL's numbers, comma-separated: tensorboard (into the run
+    # folder), wandb, mlflow; "none": the JSONL only. A tracker that cannot start is one warning
+    tracker: str = "tensorboard"
+    metrics: str = ""  # path or URL of the metrics JSONL (empty: the run folder's metrics.jsonl)
+    tensorboard: str = ""  # directory of TensorBoard scalars (empty: the run folder's tensorboard/)
     profile: str = ""  # START:STOP: trace those steps, print compute vs collectives per device
-    profile_dir: str = ""  # where the trace goes (empty: the --tensorboard dir, else ./profile)
+    # where the trace goes (empty: the --tensorboard dir, else the run folder's profile/, else
+    # ./profile)
+    profile_dir: str = ""
     comm_warn: float = 0.3  # warn when exposed communication exceeds this share of the step
     peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
     straggler_threshold: float = 0.2  # name a process this fraction slower than the median

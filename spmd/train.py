@@ -9,7 +9,6 @@ line naming the bad value.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -23,6 +22,7 @@ from spmd.checks import (
     batch_arithmetic,
     check_choices,
     check_dcn_sync_mesh,
+    check_paths,
     checkpoint_resumes,
     format_batch_arithmetic,
     step_memory_error,
@@ -31,8 +31,9 @@ from spmd.config import Config
 from spmd.engine import precision
 from spmd.errors import UsageError, run_command
 from spmd.io import hub, run_data
-from spmd.log import say, warn
+from spmd.log import close_rank_file, say, set_level, warn
 from spmd.observe.metrics import MetricsLog
+from spmd.training import run_folder
 from spmd.training.resume import open_checkpoints
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
@@ -92,14 +93,19 @@ def run(argv: list[str] | None) -> int:
     if sections["print_config"]:  # the config as resolved, before any check or device work
         print(config.format_config(cfg.sections()))
         return 0
-    check_choices(cfg)
     from spmd.training.preemption import StopSignals
 
+    check_choices(run_folder.with_paths(cfg, run_folder.planned_folder(cfg, "stamp")))
     # From here to the last save a first SIGTERM / SIGINT is noted, never fatal: during start-up
     # and compile it ends the run before its first step (nothing trained, nothing lost); later
     # every process stops after one agreed step and saves it (spmd.training.job).
     with StopSignals() as signals:
-        return start_and_train(cfg, signals)
+        set_level(cfg.observe.log_level)
+        try:
+            return start_and_train(cfg, signals)
+        finally:  # the process may go on (a notebook, the tests): as it was before the run
+            close_rank_file()
+            set_level("info")
 
 
 def start_and_train(cfg: Config, signals: Any) -> int:
@@ -110,8 +116,11 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     p = cfg.parallel
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
-    say(config.format_config(cfg.sections()))
+    config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
+    cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
+    say(config_text)
     say(xla_flags.describe(flags))
+    check_paths(cfg)  # the run folder's paths, now that its name is agreed
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
@@ -149,7 +158,9 @@ def start_and_train(cfg: Config, signals: Any) -> int:
             manager.close()
         return 0
     log = MetricsLog(
-        cfg.observe.metrics, append=restored is not None, tensorboard=cfg.observe.tensorboard
+        cfg.observe.metrics,
+        append=restored is not None,
+        trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)
     from spmd.parallel import distributed
@@ -268,23 +279,12 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
 
         folder = hf_llama.open_checkpoint(sections["run"].init_from_hf, sections["model"].remat)
         # The architecture is the folder's; the router's training knobs given win.
-        given = given_router_knobs(sys.argv[1:] if argv is None else argv)
+        given = config.given_model_fields(sys.argv[1:] if argv is None else argv, ROUTER_KNOBS)
         knobs = {
             name: getattr(sections["model"], name) for name in given if hasattr(folder.config, name)
         }
         sections["model"] = dataclasses.replace(folder.config, **knobs)
     return sections
-
-
-def given_router_knobs(argv: list[str]) -> list[str]:
-    """The ROUTER_KNOBS that `argv` sets itself, as flags or in the [model] table of its
-    --config file (as --print-config writes them), rather than through the preset."""
-    flags = {a.split("=")[0] for a in argv}
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--config")
-    path = peek.parse_known_args(argv)[0].config
-    in_file = config.load_toml(path).get("model", {}) if path else {}
-    return [name for name in ROUTER_KNOBS if config.flag_name(name) in flags or name in in_file]
 
 
 def compile_step(cfg: Config, program: Any) -> tuple:

@@ -17,6 +17,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # instead of seconds. A fresh folder per session: nothing carries over between runs.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-test-jax-cache-")
 atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# A run without --run-dir writes a run folder under $SPMD_RUNS_DIR (runs/ in the working
+# directory without it), checkpoint included. "none": the tests' runs write only what their
+# flags name, as before run folders, and never into the repo; a run folder's final checkpoint
+# would cost seconds per run (39 s on the 64-device test). tests/test_run_folder.py and
+# tests/test_trackers.py set it to folders of their own.
+os.environ["SPMD_RUNS_DIR"] = "none"
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

@@ -40,13 +40,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from spmd import paths
 from spmd.errors import UsageError
 from spmd.io import manifest
 from spmd.io.stray_reads import quiet_stray_reads
@@ -71,17 +71,20 @@ class Restored:
 
 
 def complete_steps(directory: str) -> list[int]:
-    """The steps of `directory` whose checkpoints were completely written, ascending."""
-    if not Path(directory).is_dir():
+    """The steps of `directory` (a path or URL) whose checkpoints were completely written,
+    ascending."""
+    folder = paths.epath(directory)
+    if not folder.is_dir():
         return []
-    return sorted(ocp.utils.checkpoint_steps(directory))
+    return sorted(ocp.utils.checkpoint_steps(folder))
 
 
 def check_directory(directory: str, resume: str) -> bool:
     """Whether a run with `--resume resume` continues from the checkpoints of `directory`:
     "auto" when it holds a complete one, "required" always (UsageError when it holds none),
     "fresh" never (UsageError when it holds one: a fresh run would mix with or delete it)."""
-    if Path(directory).exists() and not Path(directory).is_dir():
+    folder = paths.epath(directory)
+    if folder.exists() and not folder.is_dir():
         raise UsageError(f"--checkpoint-dir {directory} is a file; give a folder")
     steps = complete_steps(directory)
     if resume == "required" and not steps:
@@ -103,9 +106,10 @@ def check_directory(directory: str, resume: str) -> bool:
 def interrupted_saves(directory: str) -> list[str]:
     """The names of the steps in `directory` whose saves never completed (a crash or kill in the
     middle of one); orbax replaces such a folder when it saves that step again."""
-    if not Path(directory).is_dir():
+    folder = paths.epath(directory)
+    if not folder.is_dir():
         return []
-    return sorted(p.name for p in Path(directory).glob(f"*{PARTIAL_SUFFIX}"))
+    return sorted(p.name for p in folder.glob(f"*{PARTIAL_SUFFIX}"))
 
 
 class Manager(ocp.CheckpointManager):
@@ -144,14 +148,14 @@ class Manager(ocp.CheckpointManager):
         except Exception:  # the save failed: orbax tells the training thread when it waits
             return
         try:
-            manifest.write(Path(self.directory) / str(step))
+            manifest.write(paths.epath(str(self.directory)) / str(step))
         except OSError as e:
             warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
 
 
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
-    """An async CheckpointManager over `directory` that keeps the newest max(keep, MIN_KEEP)
-    steps."""
+    """An async CheckpointManager over `directory` (a local path, or a gs:// s3:// file:// URL:
+    orbax takes an etils.epath.Path) that keeps the newest max(keep, MIN_KEEP) steps."""
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, MIN_KEEP)),
@@ -161,7 +165,7 @@ def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
         DATA: ocp.JsonCheckpointHandler(),
         CONFIG: ocp.JsonCheckpointHandler(),
     }
-    return Manager(Path(directory).absolute(), options=options, item_handlers=handlers)
+    return Manager(paths.epath(directory), options=options, item_handlers=handlers)
 
 
 def save(
@@ -203,7 +207,7 @@ def restore_newest(
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
     for step in steps:
-        verdict = agreed_verdict(Path(directory) / str(step))
+        verdict = agreed_verdict(paths.epath(str(directory)) / str(step))
         if verdict.status == "damaged":
             problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
             continue
@@ -241,7 +245,7 @@ def restore_newest(
     )
 
 
-def agreed_verdict(step_dir: Path) -> manifest.Verdict:
+def agreed_verdict(step_dir: Any) -> manifest.Verdict:
     """The manifest's verdict on a step folder, the same on every process: process 0 reads the
     files and tells the others, so all set the step aside or all read it (and the folder is read
     once, not once per process)."""
@@ -349,10 +353,10 @@ def _set_aside(
     return f"step {step}: {what}"
 
 
-def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Path:
+def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Any:
     """Rename complete step `step` to <step><suffix> (or <step><suffix>2, ...): kept for
     inspection, but no longer a step that a restore or --resume reads. Returns the new path."""
-    source = Path(manager.directory) / str(step)
+    source = paths.epath(str(manager.directory)) / str(step)
     target = source.with_name(f"{step}{suffix}")
     n = 1
     while target.exists():

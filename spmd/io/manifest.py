@@ -17,6 +17,9 @@ manifest (saved before spmd wrote them, or by a process killed between orbax's c
 manifest) is "unverified": it is read as before, never counted as damage. Files the manifest
 does not list are not judged.
 
+Step folders are pathlib or etils.epath paths alike (a checkpoint folder may be a gs:// or s3://
+URL, spmd.paths): only their common methods are used.
+
 Why CRC-32 (zlib's): the damage this guards against is accidental (bit rot, a truncated or
 half-copied folder, a bad disk or transfer), not an attacker, who could rewrite the manifest as
 easily as the data. CRC-32 detects every burst of up to 32 flipped bits and any other change
@@ -31,9 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zlib
-from pathlib import Path
+from typing import Any
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -60,7 +62,13 @@ class Verdict:
 STATUSES = ("ok", "unverified", "damaged")
 
 
-def checksum(path: Path) -> str:
+def file_size(path: Any) -> int:
+    """A file's size in bytes (pathlib's stat or etils.epath's)."""
+    found = path.stat()
+    return found.st_size if hasattr(found, "st_size") else found.length
+
+
+def checksum(path: Any) -> str:
     """The CRC-32 of a file's bytes, as 8 hex digits."""
     crc = 0
     with path.open("rb") as f:
@@ -69,16 +77,25 @@ def checksum(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def step_files(step_dir: Path) -> list[str]:
+def step_files(step_dir: Any) -> list[str]:
     """The files of a step folder (relative, '/'-separated, sorted), the manifest aside."""
-    names = (p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
-    return sorted(name for name in names if name not in (MANIFEST, _PARTIAL))
+    return sorted(name for name in _walk(step_dir) if name not in (MANIFEST, _PARTIAL))
 
 
-def write(step_dir: Path) -> Path:
+def _walk(folder: Any, prefix: str = "") -> list[str]:
+    """The files under `folder`, relative; by listing each folder (etils.epath refuses a
+    recursive glob, which on a bucket would be a request per prefix anyway)."""
+    found = []
+    for entry in folder.iterdir():
+        name = f"{prefix}{entry.name}"
+        found += _walk(entry, f"{name}/") if entry.is_dir() else [name]
+    return found
+
+
+def write(step_dir: Any) -> Any:
     """Write the manifest of a complete step folder; returns its path."""
     files = {
-        name: {"size": (step_dir / name).stat().st_size, ALGORITHM: checksum(step_dir / name)}
+        name: {"size": file_size(step_dir / name), ALGORITHM: checksum(step_dir / name)}
         for name in step_files(step_dir)
     }
     header = json.dumps({"format": FORMAT, "algorithm": ALGORITHM})[:-1]
@@ -87,11 +104,11 @@ def write(step_dir: Path) -> Path:
     partial = step_dir / _PARTIAL
     partial.write_text(text)
     # A half-written manifest would read as damage; a rename leaves it whole or absent.
-    os.replace(partial, step_dir / MANIFEST)
+    partial.replace(step_dir / MANIFEST)
     return step_dir / MANIFEST
 
 
-def verify(step_dir: Path) -> Verdict:
+def verify(step_dir: Any) -> Verdict:
     """Check a step folder against its manifest: sizes first, then checksums."""
     path = step_dir / MANIFEST
     if not path.exists():
@@ -107,7 +124,7 @@ def verify(step_dir: Path) -> Verdict:
         return Verdict("unverified", why=f"its {MANIFEST} uses a checksum this spmd cannot check")
     for name, (size, _) in files.items():
         try:
-            found = (step_dir / name).stat().st_size
+            found = file_size(step_dir / name)
         except FileNotFoundError:
             return Verdict("damaged", name, "is missing")
         if found != size:
@@ -122,7 +139,7 @@ def verify(step_dir: Path) -> Verdict:
     return Verdict("ok", why=f"{len(files)} files, {total / 2**20:.1f} MiB")
 
 
-def _listed_files(path: Path) -> dict[str, tuple[int, str]] | None:
+def _listed_files(path: Any) -> dict[str, tuple[int, str]] | None:
     """{file: (size, checksum)} of a manifest, sorted by file; None when it uses another
     algorithm. ValueError when it is not a manifest."""
     manifest = json.loads(path.read_text())

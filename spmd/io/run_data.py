@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.io import corpora, data, mixture, shards, tokens
+from spmd.io import corpora, data, fetch, mixture, shards, tokens
 from spmd.log import say
 from spmd.sections import DataConfig, choices
 
@@ -39,7 +39,10 @@ def fields_of(data_cfg: DataConfig) -> corpora.Fields:
 
 def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> tokens.TokenFile:
     """The token file of one source (`path`: text, token .bin or record shards); `flag`
-    names the flag that gave it, for messages."""
+    names the flag that gave it, for messages. A URL is read from its local copy
+    (spmd.io.fetch)."""
+    cache = Path(data_cfg.data_cache) if data_cfg.data_cache else tokens.default_cache_dir()
+    path = fetch.local_copy(path, cache, flag) if path else path
     if corpora.is_record_corpus(path):
         return shards.open_records(
             path,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import IO, Any
 
-from spmd.log import is_primary
+from spmd import paths
+from spmd.log import is_primary, warn
 
 
 def strict_json(value: Any) -> Any:
@@ -28,37 +28,46 @@ def strict_json(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Append-only JSONL writer (no file when `path` is empty); flushed after every record so
-    a crashed run still leaves its history. `append` continues an existing file (a resumed run)
-    instead of starting it afresh. With `tensorboard` (a directory) the numbers of every
-    stepped record also become TensorBoard scalars (spmd.observe.tensorboard)."""
+    """Append-only JSONL writer (no file when `path` is empty; a local path or a URL,
+    spmd.paths), flushed after every record so a crashed run still leaves its history.
+    `append` continues an existing file (a resumed run) instead of starting it afresh. Every
+    record also goes to each of `trackers` (spmd.observe.trackers); a tracker that raises is
+    dropped with one warning line, and the run and the other trackers go on."""
 
-    def __init__(self, path: str = "", append: bool = False, tensorboard: str = "") -> None:
+    def __init__(self, path: str = "", append: bool = False, trackers: list[Any] = ()) -> None:
         self._file: IO[str] | None = None
         if path and is_primary():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("a" if append else "w")
-        self._scalars = None
-        if tensorboard and is_primary():
-            from spmd.observe.tensorboard import ScalarWriter
-
-            self._scalars = ScalarWriter(tensorboard)
+            self._file = paths.open_file(path, "a" if append else "w")
+        self._trackers = list(trackers) if is_primary() else []
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
             record = strict_json({"kind": kind, **fields})
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
-        if self._scalars is not None:
-            self._scalars.write(kind, fields)
+        for tracker in list(self._trackers):
+            self._guarded(tracker, "write", kind, fields)
+
+    def _guarded(self, tracker: Any, method: str, *args: Any) -> None:
+        """Call a tracker's `method`; one that fails is dropped with one line (never fatal)."""
+        try:
+            getattr(tracker, method)(*args)
+        except Exception as e:
+            if tracker in self._trackers:
+                self._trackers.remove(tracker)
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            warn(
+                f"warning: tracker {tracker.name} failed ({type(e).__name__}: {first}); "
+                f"going on without it"
+            )
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._scalars is not None:
-            self._scalars.close()
-            self._scalars = None
+        for tracker in list(self._trackers):
+            self._guarded(tracker, "close")
+        self._trackers = []
 
 
 def device_memory(devices: Any) -> dict[str, int | None]:

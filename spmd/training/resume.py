@@ -30,6 +30,13 @@ BOOKKEEPING_FIELDS = (
     "max_rollbacks",
     "rollback_lr_factor",
     "metrics",
+    "tensorboard",
+    "profile",
+    "profile_dir",
+    "run_dir",
+    "run_name",
+    "tracker",
+    "log_level",
     "log_every",
     "data_cache",
 )
