@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 *("--seq-len", "32", "--batch", "8", "--steps", str(args.steps)),
                 *("--lr", "1e-2", "--warmup", "5", "--log-every", "1", "--eval-every", "0"),
                 *("--mesh", "dp=2", "--devices", "2", "--metrics", str(metrics)),
+                *("--run-dir", str(folder / "run")),  # the run's folder goes with the temp data
             ]
         )
         if code:

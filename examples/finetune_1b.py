@@ -156,7 +156,7 @@ def fine_tune(args: argparse.Namespace, folder: Path) -> list[str]:
         *("--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10))),
         *("--lr", str(args.lr), "--log-every", str(max(1, args.steps // 5))),
         *("--eval-at-start", "--eval-every", "0", "--eval-batches", "2"),
-        *("--metrics", str(metrics)),
+        *("--metrics", str(metrics), "--run-dir", str(folder / "run"), "--checkpoint-dir", "none"),
     ]
     print("   python -m spmd.train " + " ".join(argv))
     if code := train.main(argv):

@@ -147,7 +147,8 @@ class PrecisionConfig:
 class CheckpointConfig:
     """Where and how often the state is saved, how many steps are kept, whether to resume."""
 
-    checkpoint_dir: str = ""  # folder or URL of checkpoints (empty: the run folder's checkpoints/)
+    # folder or URL of checkpoints (empty: the run folder's checkpoints/; none: no checkpoints)
+    checkpoint_dir: str = ""
     checkpoint_every: int = 100  # steps between checkpoints (0: only at the end or when stopped)
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
     # auto: continue from the newest complete checkpoint in checkpoint_dir when there is one,

@@ -173,3 +173,12 @@ def test_two_processes_agree_on_one_run_folder_and_each_writes_its_log(corpus, t
             f"rank {rank} INFO step 2/2" in (folder / "logs" / f"rank-0000{rank}.log").read_text()
         )
     assert sorted(train_losses(folder / "metrics.jsonl")) == [1, 2]  # written once, by rank 0
+
+
+def test_checkpoint_dir_none_keeps_the_folder_but_saves_no_checkpoints():
+    given = ["--model", "tiny", "--run-dir", "r", "--checkpoint-dir", "none"]
+    cfg = train.Config.of(train.resolve_sections(given))
+    placed = run_folder.with_paths(cfg, "r")
+    assert placed.checkpoint.checkpoint_dir == "" and placed.observe.metrics == "r/metrics.jsonl"
+    without = train.Config.of(train.resolve_sections([*given[:2], "--checkpoint-dir", "none"]))
+    assert run_folder.with_paths(without, None).checkpoint.checkpoint_dir == ""

@@ -77,16 +77,22 @@ def trackers(cfg: Config) -> list[str]:
 
 
 def with_paths(cfg: Config, folder: str | None) -> Config:
-    """`cfg` with each empty path field set to its place in `folder` (None: unchanged)."""
+    """`cfg` with each empty path field set to its place in `folder` (None: no folder), and
+    `--checkpoint-dir none` (a run folder without checkpoints) as no checkpoint folder."""
+    given = cfg.checkpoint.checkpoint_dir
+    if given == NO_FOLDER:
+        checkpoint_dir = ""
+    else:
+        checkpoint_dir = given or (join(folder, CHECKPOINTS) if folder is not None else "")
+    cfg = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, checkpoint_dir=checkpoint_dir)
+    )
     if folder is None:
         return cfg
-    observe, checkpoint = cfg.observe, cfg.checkpoint
+    observe = cfg.observe
     tensorboard = TENSORBOARD in trackers(cfg) and not observe.tensorboard
     return dataclasses.replace(
         cfg,
-        checkpoint=dataclasses.replace(
-            checkpoint, checkpoint_dir=checkpoint.checkpoint_dir or join(folder, CHECKPOINTS)
-        ),
         observe=dataclasses.replace(
             observe,
             metrics=observe.metrics or join(folder, METRICS_FILE),
