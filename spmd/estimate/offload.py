@@ -90,8 +90,8 @@ def lines(host: dict) -> list[str]:
     moved = host["transfer_bytes_per_step"]
     return [
         "",
-        f"host memory per device: {', '.join(kept)}; per node of {host['devices_per_node']} "
-        f"devices {si(host['bytes_per_node'])} of {si(host['memory_bytes_per_node'])}: "
+        f"host memory per device: {', '.join(kept)}; per node ({host['devices_per_node']} "
+        f"of its devices) {si(host['bytes_per_node'])} of {si(host['memory_bytes_per_node'])}: "
         f"{verdict}",
         f"  host link {host['bandwidth_gb_s']:g} GB/s each way per device: state "
         f"{si(moved['state'])} in and out per step, activations {si(moved['activations'])}; "
