@@ -256,7 +256,7 @@ def test_recommend_fits_first_and_keeps_tp_in_a_node(capsys):
     assert all(c.setup.mesh["tensor"] <= 4 for c in every)
     assert {c.setup.remat for c in every} == set(cost.SEARCHED_REMATS) - {"offload"}
     # host memory (--remat offload, --offload optimizer) only in the search's last pass
-    assert not any(cost.uses_host(c.setup) for c in every)
+    assert not any(offload_model.uses_host(c.setup) for c in every)
     fitting = [c for c in every if c.memory["fits"]]
     # ... up to the search's ties (equal to 3 significant digits go to the simpler layout)
     assert out["step_time_s"] == pytest.approx(min(c.step_s for c in fitting), rel=5e-3)

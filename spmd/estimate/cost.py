@@ -38,15 +38,7 @@ OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
 REMATS = ("none", "dots_saveable", "full", "offload")
 # --offload: the state kept in host memory between steps (spmd.engine.offload)
 OFFLOADS = engine_offload.OFFLOADS
-# what the search tries (spmd.estimate.search): every remat; of --offload, optimizer (params
-# offload frees no device memory at the step's peak, spmd.estimate.memory.OFF_DEVICE_IN_STEP)
-SEARCHED_REMATS = REMATS
-SEARCHED_OFFLOADS = ("none", "optimizer")
-
-
-def uses_host(s: Setup) -> bool:
-    """Whether run `s` keeps anything in host memory (--offload or --remat offload)."""
-    return s.offload != "none" or s.remat == "offload"
+SEARCHED_REMATS = REMATS  # --remat offload in the search's host pass (spmd.estimate.search)
 
 
 @dataclasses.dataclass(frozen=True)

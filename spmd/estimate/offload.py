@@ -24,6 +24,14 @@ from spmd.estimate import cost, memory
 from spmd.estimate.units import ms, si
 
 FORWARD_SHARE = 1 / 3  # of a step's compute: the backward pass does twice the forward's FLOPs
+# --offload values the search tries: params offload frees no device memory at the step's peak
+# (spmd.estimate.memory.OFF_DEVICE_IN_STEP)
+SEARCHED_OFFLOADS = ("none", "optimizer")
+
+
+def uses_host(s: cost.Setup) -> bool:
+    """Whether run `s` keeps anything in host memory (--offload or --remat offload)."""
+    return s.offload != "none" or s.remat == "offload"
 
 
 def split(state: dict[str, float], offload: str) -> dict[str, float]:

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.estimate import cost, memory, timing
+from spmd.estimate import cost, memory, offload, timing
 from spmd.parallel.mesh import format_mesh
 
 VIRTUAL = (2, 4)  # chunks per stage tried for the interleaved schedule
@@ -243,7 +243,7 @@ def candidates(
     """Every valid candidate with its memory; time only for those that fit. Within one
     (mesh, stage, SP, offload, remat, schedule), a micro-batch larger than one that does not
     fit is skipped (activations never shrink as the micro-batch grows). `host`: only the
-    candidates that keep something in host memory (cost.uses_host), else only those that do
+    candidates that keep something in host memory (offload.uses_host), else only those that do
     not. `--offload params` (when given) runs under ZeRO-3 only; at fsdp = 1 as ZeRO-3 of one
     device (the engine keeps params on the host only under --zero 3)."""
     devices, per_node = base.devices, cluster.net.devices_per_node
@@ -259,11 +259,11 @@ def candidates(
             batch = batch_for(space, base.seq_len, data_parallel)
             if batch % data_parallel:
                 continue
-            offloads = (space.offload,) if space.offload else cost.SEARCHED_OFFLOADS
+            offloads = (space.offload,) if space.offload else offload.SEARCHED_OFFLOADS
             remats = (space.remat,) if space.remat else cost.SEARCHED_REMATS
-            for offload, remat in itertools.product(offloads, remats):
-                stage = 3 if offload == "params" and fsdp == 1 else zero
-                if offload == "params" and stage != 3:
+            for where, remat in itertools.product(offloads, remats):
+                stage = 3 if where == "params" and fsdp == 1 else zero
+                if where == "params" and stage != 3:
                     continue
                 setup = dataclasses.replace(
                     base,
@@ -272,9 +272,9 @@ def candidates(
                     batch=batch,
                     remat=remat,
                     sequence_parallel=sp,
-                    offload=offload,
+                    offload=where,
                 )
-                if cost.uses_host(setup) == host:
+                if offload.uses_host(setup) == host:
                     yield from _cut_candidates(setup, space, cluster)
 
 
@@ -328,7 +328,7 @@ def context_sizes(base: cost.Setup, space: Space, per_node: int) -> list[tuple]:
 def search_passes(base: cost.Setup, space: Space, per_node: int) -> list[tuple]:
     """(host, cp sizes) to search in turn until something fits: everything on the devices
     first (without cp, then with it), then the layouts that keep something in host memory
-    (--offload optimizer, --remat offload; cost.uses_host)."""
+    (--offload optimizer, --remat offload; offload.uses_host)."""
     contexts = context_sizes(base, space, per_node)
     return [(host, c) for host in (False, True) for c in contexts]
 
