@@ -57,6 +57,8 @@ class PlanConfig:
     latency: float = 5e-6  # seconds per ring step
     devices_per_node: int = 8
     tflops: float = search.GPUS["h100"].tflops  # sustained TFLOP/s per device
+    host_bandwidth: float = search.GPUS["h100"].host_bandwidth  # GB/s device <-> host, each way
+    host_memory: float = search.GPUS["h100"].host_memory  # GB of host memory per node
     overlap: float = 0.0  # share of data-parallel communication hidden behind compute
     recommend: bool = False  # search mesh, ZeRO stage, micro-batch, accum, remat, schedule
     measure: bool = False  # compile the real step on simulated CPU devices and compare
@@ -86,7 +88,7 @@ SECTIONS = {"model": moe.MoEConfig, **RUN_SECTIONS, "plan": PLAN_SECTION}
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
-TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel")
+TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
@@ -100,8 +102,9 @@ HELP = {
     "tokens_per_step": "without --batch, the global batch is about this many tokens: "
     "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
     "optimizer": "adamw (8 B/param of moments), momentum (4) or sgd (0)",
-    "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth and "
-    "--inter-bandwidth to that GPU's (flags given beside it win); default: an H100 node",
+    "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth, --inter-bandwidth, "
+    "--host-bandwidth and --host-memory to that GPU's node's (flags given beside it win); "
+    "default: an H100 node",
     "hbm": "memory per device, GB (1e9 bytes)",
     "overhead": "GB per device reserved for the runtime, communication buffers, fragmentation",
     "bandwidth": "GB/s per device between devices of one node",
@@ -109,6 +112,11 @@ HELP = {
     "latency": "seconds per ring step (5e-6 = 5 microseconds)",
     "devices_per_node": "devices per node: tp stays within one; wider groups use --inter-bandwidth",
     "tflops": "sustained TFLOP/s per device, for the compute time",
+    "host_bandwidth": "GB/s each way between a device and host memory (PCIe), for --offload "
+    "and --remat offload",
+    "host_memory": "GB of host memory per node, for what --offload and --remat offload keep there",
+    "offload": "none, optimizer (master weights and moments in host memory) or params (the "
+    "params too, --zero 3); --recommend tries optimizer and params when nothing fits without",
     "overlap": "share (0-1) of the data-parallel collectives (gradient reductions, ZeRO "
     "gathers) that runs behind compute; tensor and pipeline traffic never hides",
     "recommend": "search mesh (dp, fsdp, tp, pp; cp when nothing fits without), ZeRO stage, "
@@ -134,7 +142,8 @@ HELP = {
     "lr": "peak learning rate before the scaling rule",
     "lr_scaling": "none, or linear: lr x batch / ref-batch",
     "ref_batch": "the global batch at which --lr was tuned",
-    "remat": "none, dots_saveable or full: what the backward pass keeps",
+    "remat": "none, dots_saveable, full or offload (dots_saveable's set in host memory): what "
+    "the backward pass keeps",
 }
 
 
@@ -197,7 +206,7 @@ def check_values(cfg: Config, plan: Any) -> None:
     "about --tokens-per-step")."""
     from spmd.checks import check_choices
 
-    for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops"):
+    for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops", "host_bandwidth", "host_memory"):
         if not 0 < getattr(plan, name) < math.inf:
             raise UsageError(
                 f"{config.flag_name(name)} {getattr(plan, name)} must be positive and finite"
@@ -237,7 +246,7 @@ def run(argv: list[str]) -> int:
         argv, SECTIONS, "python -m spmd.plan", expand=lambda v: _expand(v, given)
     )
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
-    plan = _with_gpu(plan, argv)
+    plan = search.with_gpu(plan, {a.split("=")[0][2:].replace("-", "_") for a in argv})
     check_values(cfg, plan)
     planned, n_params, name, model_args = model_shape(argv, model_cfg, cfg, plan)
     shape = family.of(planned).shape(planned)
@@ -245,7 +254,7 @@ def run(argv: list[str]) -> int:
     devices = cfg.parallel.devices or (
         plan.devices_per_node if -1 in sizes.values() else math.prod(sizes.values())
     )
-    cluster = _cluster(plan)
+    cluster = search.cluster_of(plan)
     space = search.Space(
         batch=cfg.run.batch,
         tokens=plan.tokens_per_step,
@@ -272,16 +281,6 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _cluster(plan: Any) -> search.Cluster:
-    """The hardware of the plan section in bytes, seconds and FLOP/s."""
-    net = cost.Network(
-        plan.bandwidth * 1e9, plan.inter_bandwidth * 1e9, plan.latency, plan.devices_per_node
-    )
-    return search.Cluster(
-        net, plan.tflops * 1e12, plan.hbm * 1e9, plan.overhead * 1e9, plan.overlap
-    )
-
-
 def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -> Any:
     """The run on one device, before a mesh and batch are chosen for it."""
     return cost.Setup(
@@ -301,18 +300,8 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -
         virtual=cfg.parallel.pp_virtual,
         sync_every=cfg.parallel.sync_every if cfg.parallel.dcn_sync == "diloco" else 0,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        offload=cfg.parallel.offload,
     )
-
-
-def _with_gpu(plan: Any, argv: list[str]) -> Any:
-    """`plan` with --gpu's figures for the hardware flags not given on the command line."""
-    if not plan.gpu:
-        return plan
-    if plan.gpu not in search.GPUS:
-        raise UsageError(f"--gpu {plan.gpu!r} is not one of {', '.join(search.GPUS)}")
-    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
-    figures = dataclasses.asdict(search.GPUS[plan.gpu])
-    return dataclasses.replace(plan, **{k: v for k, v in figures.items() if k not in given})
 
 
 def _as_given(base: cost.Setup, space: search.Space, sizes: dict, cfg: Config) -> Any:
@@ -361,6 +350,7 @@ def _recommend(
         schedule=base.schedule if "pp_schedule" in given else None,
         virtual=base.virtual if "pp_virtual" in given else None,
         sequence_parallel=base.sequence_parallel if "sequence_parallel" in given else None,
+        offload=base.offload if "offload" in given else None,
     )
     base = dataclasses.replace(base, mesh={**base.mesh, "data": devices})
     return recommend.recommend(base, space, cluster)
@@ -395,6 +385,7 @@ def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | N
         microbatches=s.microbatches,
         pp_virtual=s.virtual,
         dcn_sync="every-step",
+        offload=s.offload,
     )
     run_cfg = dataclasses.replace(cfg.run, batch=s.batch, seq_len=s.seq_len, accum=s.accum)
     precision = dataclasses.replace(cfg.precision, precision=s.precision)

@@ -6,6 +6,7 @@ settings bitwise, and the combinations the engine cannot run refused (exit 2).
 On XLA:CPU every memory is host RAM and a device_put inside the jit lowers to nothing, so these
 tests check placement and numerics, not transfer speed (docs/strategies/offload.md)."""
 
+import dataclasses
 import math
 
 import jax
@@ -17,6 +18,7 @@ from models import llama
 from spmd import builder, config, train
 from spmd.config import flat
 from spmd.engine import offload
+from spmd.engine.step import TrainState
 from spmd.errors import UsageError
 from spmd.parallel.mesh import build_mesh, parse_mesh
 from tests.tiny_run import BATCH, SEQ_LEN, batch_at, text_windows
@@ -58,66 +60,115 @@ def n_params(prog) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(prog.abstract_params))
 
 
+@dataclasses.dataclass
+class Run:
+    """One layout's program, its train step compiled once (AOT) and STEPS steps run with that
+    executable: the tests read the compiled program and the live arrays of the same run."""
+
+    prog: object  # the Program, its train_step the jitted step
+    compiled: object
+    losses: list[float]
+    state: object  # after STEPS steps
+
+
+def initial_state(prog, initial: dict) -> TrainState:
+    """`prog`'s initial state: its own init the first time, then that state placed as `prog`
+    lays it out (its mesh, and the memories --offload keeps it in). The values do not depend
+    on the mesh (JAX's partitionable threefry; the resume test starts from an init of its own
+    and compares with these runs), and each init costs a compile."""
+    if not initial:
+        state = prog.init()
+        initial["state"] = jax.device_get(state)
+        return state
+    abstract = TrainState(prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale)
+    return jax.device_put(initial["state"], jax.tree.map(lambda a: a.sharding, abstract))
+
+
 @pytest.fixture(scope="module")
-def baselines() -> dict:
-    """Losses of the runs without offload, by (mesh, zero)."""
-    return {}
+def runs():
+    """run(mesh, zero, offload, remat, collectives): the Run of that layout, built on first
+    use and shared by the tests of this module (compiling is most of their time)."""
+    cache, initial = {}, {}
+
+    def run(mesh, zero, offload="none", remat="none", collectives="auto") -> Run:
+        key = (mesh, zero, offload, remat, collectives)
+        if key not in cache:
+            prog = program(mesh, zero, offload, remat, collectives=collectives)
+            compiled = prog.compile_train_step(BATCH, SEQ_LEN)
+            stepping = dataclasses.replace(prog, train_step=compiled)
+            losses, state = train_from(stepping, initial_state(prog, initial), 0, STEPS)
+            cache[key] = Run(prog, compiled, losses, state)
+        return cache[key]
+
+    return run
 
 
-# (mesh, zero, --offload, --remat): 1 device, ZeRO-1 and ZeRO-3 over fsdp=4
+# (mesh, zero, --offload, --remat, executor), each against the same layout without offload:
+# 1 device, ZeRO-1 and ZeRO-3 over fsdp=4, both executors. `params` keeps the optimizer state
+# on the host too, so it covers `optimizer` there; `--remat offload` rides along where the
+# same program can carry it (one compile less per case), not on the ZeRO-3 pair, which the
+# resume test needs bitwise equal.
 CASES = [
-    ("fsdp=1", 3, "optimizer", "none"),
-    ("fsdp=1", 3, "params", "none"),
-    ("fsdp=1", 3, "none", "offload"),
-    ("fsdp=4", 1, "optimizer", "none"),
-    ("fsdp=4", 3, "optimizer", "none"),
-    ("fsdp=4", 3, "params", "offload"),
+    ("fsdp=1", 3, "params", "offload", "auto"),
+    ("fsdp=4", 1, "optimizer", "offload", "auto"),
+    ("fsdp=4", 3, "params", "none", "explicit"),
 ]
 
 
-@pytest.mark.parametrize("mesh,zero,where,remat", CASES)
-def test_offloaded_runs_equal_the_run_without_offload(baselines, mesh, zero, where, remat):
-    if (mesh, zero) not in baselines:
-        plain = program(mesh, zero)
-        baselines[mesh, zero] = train_from(plain, plain.init(), 0, STEPS)[0]
-    prog = program(mesh, zero, where, remat)
-    losses, state = train_from(prog, prog.init(), 0, STEPS)
-    np.testing.assert_allclose(losses, baselines[mesh, zero], rtol=1e-6)
+@pytest.mark.parametrize("mesh,zero,where,remat,executor", CASES)
+def test_offloaded_runs_equal_the_run_without_offload(runs, mesh, zero, where, remat, executor):
+    plain, run = runs(mesh, zero, collectives=executor), runs(mesh, zero, where, remat, executor)
+    np.testing.assert_allclose(run.losses, plain.losses, rtol=1e-6)
     host = set(offload.HOST_ROLES[where])
+    state = run.state
     assert memory_kinds(state.opt_state) == {"pinned_host" if "opt_state" in host else "device"}
     assert memory_kinds(state.params) == {"pinned_host" if "params" in host else "device"}
     if remat == "offload":  # the saved matmul outputs go to host memory in the traced step
-        traced = jax.make_jaxpr(prog.train_step)(*state, batch_at(prog, text_windows(), 0))
+        traced = jax.make_jaxpr(run.prog.train_step)(*state, batch_at(run.prog, text_windows(), 0))
         assert "MemorySpace.Host" in str(traced)
 
 
-@pytest.mark.parametrize("where", ["optimizer", "params"])
-def test_compiled_step_takes_the_offloaded_state_in_host_memory(where):
-    plain, prog = program("fsdp=4", 3), program("fsdp=4", 3, where, collectives="explicit")
-    before = offload.state_bytes_by_memory(plain.compile_train_step(BATCH, SEQ_LEN), plain)
-    compiled = prog.compile_train_step(BATCH, SEQ_LEN)
-    after = offload.state_bytes_by_memory(compiled, prog)
-    # fp32 ZeRO-3 over 4: Adam's m and v (8 B/param) and the params (4 B/param) split 4 ways
-    p, fsdp = n_params(prog), 4
+# --offload optimizer under ZeRO-1, params under ZeRO-3 (explicit executor): the runs above
+@pytest.mark.parametrize(
+    "zero,where,remat,executor",
+    [(1, "optimizer", "offload", "auto"), (3, "params", "none", "explicit")],
+)
+def test_compiled_step_takes_the_offloaded_state_in_host_memory(runs, zero, where, remat, executor):
+    plain, run = (
+        runs("fsdp=4", zero, collectives=executor),
+        runs("fsdp=4", zero, where, remat, executor),
+    )
+    before = offload.state_bytes_by_memory(plain.compiled, plain.prog)
+    after = offload.state_bytes_by_memory(run.compiled, run.prog)
+    # fp32 over fsdp=4: Adam's m and v (8 B/param) split 4 ways from ZeRO-1, the params
+    # (4 B/param) from ZeRO-3
+    p, fsdp = n_params(run.prog), 4
     assert after["opt_state"]["device"] <= 0.05 * before["opt_state"]["device"]
     assert after["opt_state"]["host"] == pytest.approx(8 * p / fsdp, rel=0.01)
     want_params_host = 4 * p / fsdp if where == "params" else 0
     assert after["params"]["host"] == pytest.approx(want_params_host, rel=0.01)
     # the compiled program's own entry layout marks host-memory arguments: memory space 5
     entry = next(
-        line for line in compiled.as_text().splitlines() if "entry_computation_layout" in line
+        line for line in run.compiled.as_text().splitlines() if "entry_computation_layout" in line
     )
     host_arguments = entry.split("->")[0].count("S(5)")
-    leaves = jax.tree.leaves(prog.abstract_opt_state)
+    leaves = jax.tree.leaves(run.prog.abstract_opt_state)
     if where == "params":
-        leaves += jax.tree.leaves(prog.abstract_params)
+        leaves += jax.tree.leaves(run.prog.abstract_params)
     assert host_arguments == len(leaves)
 
 
-def test_resume_offloaded_to_not_offloaded_and_back_is_bitwise(tmp_path):
-    plain = program("fsdp=4", 3, precision="bf16")
-    offloaded = program("fsdp=4", 3, "params", precision="bf16")
-    straight = train_from(plain, plain.init(), 0, 6)[0]
+def test_resume_offloaded_to_not_offloaded_and_back_is_bitwise(runs, tmp_path):
+    """ZeRO-3 over fsdp=4, fp32: 2 steps with --offload params, 2 without, 2 with again, each
+    resumed from the last one's checkpoint, against the first 6 of the uninterrupted run's
+    losses (the compiled steps of the runs above: no compile here)."""
+    plain_run, offloaded_run = (
+        runs("fsdp=4", 3, collectives="explicit"),
+        runs("fsdp=4", 3, "params", collectives="explicit"),
+    )
+    plain, offloaded = (
+        dataclasses.replace(r.prog, train_step=r.compiled) for r in (plain_run, offloaded_run)
+    )
     first, state = train_from(offloaded, offloaded.init(), 0, 2)
     manager = spmd.checkpoints(str(tmp_path))
     spmd.save(manager, 2, state, {}, program=offloaded)
@@ -131,7 +182,7 @@ def test_resume_offloaded_to_not_offloaded_and_back_is_bitwise(tmp_path):
     assert memory_kinds((state.params, state.opt_state)) == {"pinned_host"}
     third = train_from(offloaded, state, 4, 6)[0]
     manager.close()
-    assert first + second + third == straight
+    assert first + second + third == plain_run.losses[:6]
 
 
 @pytest.mark.parametrize(
@@ -147,10 +198,14 @@ def test_combinations_the_engine_cannot_run_are_refused(mesh, more, named):
         program(mesh, **more)
 
 
-def test_dry_run_shows_device_and_host_bytes_beside_the_formula(capsys):
-    args = ["--model", "tiny", "--mesh", "fsdp=4", "--batch", "8", "--seq-len", "32"]
+def test_dry_run_shows_device_and_host_bytes_beside_the_formula(runs, capsys):
+    """The ZeRO-1 run's layout as a command line: the same program, so its compile is the
+    persistent cache's (tests/conftest.py) once the run above has compiled it."""
+    runs("fsdp=4", 1, "optimizer", "offload")
+    args = ["--model", "tiny", "--mesh", "fsdp=4", "--zero", "1", "--batch", str(BATCH)]
+    args += ["--seq-len", str(SEQ_LEN), "--warmup", "5", "--remat", "offload"]
     assert train.main([*args, "--offload", "optimizer", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--offload optimizer: in host memory optimizer state 0.53 MiB" in out
-    split = "--offload optimizer, params + master + optimizer per device: device memory 0.27 MiB"
-    assert f"{split} compiled vs 0.27 MiB formula; host memory 0.53 MiB compiled vs 0.53" in out
+    split = "--offload optimizer, params + master + optimizer per device: device memory 1.06 MiB"
+    assert f"{split} compiled vs 1.06 MiB formula; host memory 0.53 MiB compiled vs 0.53" in out

@@ -29,6 +29,7 @@ from spmd.estimate import (
     theory,
     timing,
 )
+from spmd.estimate import offload as offload_model
 from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
 from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
@@ -253,7 +254,9 @@ def test_recommend_fits_first_and_keeps_tp_in_a_node(capsys):
     cluster = search.Cluster(cost.Network(400e9, 50e9, 5e-6, 4), 400e12, 16e9, 3e9)
     every = list(search.candidates(base, search.Space(batch=16), cluster))
     assert all(c.setup.mesh["tensor"] <= 4 for c in every)
-    assert {c.setup.remat for c in every} == set(cost.SEARCHED_REMATS)
+    assert {c.setup.remat for c in every} == set(cost.SEARCHED_REMATS) - {"offload"}
+    # host memory (--remat offload, --offload optimizer) only in the search's last pass
+    assert not any(offload_model.uses_host(c.setup) for c in every)
     fitting = [c for c in every if c.memory["fits"]]
     # ... up to the search's ties (equal to 3 significant digits go to the simpler layout)
     assert out["step_time_s"] == pytest.approx(min(c.step_s for c in fitting), rel=5e-3)
@@ -674,7 +677,8 @@ def test_measure_agrees_for_context_and_sequence_parallel():
 def test_recommend_picks_context_parallelism_where_nothing_fits_without_it():
     args = ("--params", "1e9", "--devices", "8", "--seq-len", "131072", "--recommend")
     without = planned(*args, "--mesh", "cp=1")
-    assert not without["fits"]
+    # at cp=1 nothing fits on the devices: only the search's last pass, host memory, does
+    assert without["remat"] == "offload" or without["offload"] != "none"
     out = planned(*args)
     assert out["fits"] and out["mesh"]["context"] > 1
     assert out["long_sequence"]["tokens_per_device"] == 131072 // out["mesh"]["context"]
@@ -682,3 +686,70 @@ def test_recommend_picks_context_parallelism_where_nothing_fits_without_it():
     assert f"cp={out['mesh']['context']}" in command.split("--mesh ")[1].split()[0]
     assert any(line.startswith(f"cp={out['mesh']['context']}:") for line in
                out["recommendation"]["reasons"])  # fmt: skip
+
+
+def test_a_state_that_fits_only_in_host_memory_is_recommended_with_offload_and_measured():
+    """The tiny model over fsdp=8 (ZeRO-3, remat none held) in 1.6 MB of device memory: its
+    1.77 MB do not fit, so the search's last pass keeps the optimizer state on the host
+    (1.49 MB on the device), and the compiled step takes its state in those memories."""
+    args = ("--model", "tiny", "--mesh", "fsdp=8", "--zero", "3", "--remat", "none",
+            "--batch", "8", "--seq-len", "32", "--precision", "fp32", "--overhead", "0",
+            "--hbm", "0.0016", "--recommend")  # fmt: skip
+    assert not planned(*args, "--offload", "none")["fits"]
+    out = planned(*args, "--measure")
+    assert out["fits"] and out["offload"] == "optimizer"
+    assert "--offload optimizer" in out["recommendation"]["train_command"]
+    assert any(line.startswith("--offload optimizer:") for line in out["recommendation"]["reasons"])
+    host = out["host"]
+    assert host["state_bytes_per_device"] == out["optimizer_bytes_per_device"]
+    assert out["total_bytes_per_device"] == round(
+        out["model_state_bytes_per_device"] - host["state_bytes_per_device"]
+        + out["activation_bytes_per_device"]
+    )  # fmt: skip
+    rows = out["measured"]["rows"]
+    for row in ("state in device memory", "state in host memory"):
+        assert rows[row]["ratio"] == pytest.approx(1.0, rel=0.05), row
+    assert rows["state in host memory"]["analytic"] == host["state_bytes_per_device"]
+
+
+def test_offload_costs_its_transfers_and_needs_the_hosts_memory():
+    """7B (bf16) on one device: --offload optimizer takes its 12 B/param off the device, adds
+    one direction's bytes over the host link to the step (PCIe runs both ways at once), and
+    fits only where the node's host memory holds it; --remat offload's copies are hidden
+    behind compute until they outlast it."""
+    s = setup_2b(mesh={"data": 1, "pipeline": 1, "fsdp": 1, "tensor": 1}, zero=0, batch=8)
+    s = dataclasses.replace(s, precision="bf16", n_params=7e9, remat="full")
+    net = cost.Network(400e9, 50e9, 0.0, 8, host_bandwidth=25e9)
+    offloaded = dataclasses.replace(s, offload="optimizer")
+    plain_t, offloaded_t = (timing.step_time(x, net, 400e12) for x in (s, offloaded))
+    assert offloaded_t["host"] == pytest.approx(12 * 7e9 / 25e9)
+    assert offloaded_t["step"] == pytest.approx(plain_t["step"] + offloaded_t["host"])
+    plain_m, offloaded_m = (memory.memory(x, 3e9, 80e9, 1000e9, 8) for x in (s, offloaded))
+    assert plain_m["total"] - offloaded_m["total"] == pytest.approx(12 * 7e9)
+    assert offloaded_m["host"] == pytest.approx(84e9) and offloaded_m["host_fits"]
+    assert not memory.memory(offloaded, 3e9, 1e12, 80e9, 8)["fits"]  # 84 GB of host in 80
+    # params offload frees the params between steps only: the step's peak holds them
+    params = dataclasses.replace(offloaded, zero=3, offload="params")
+    assert memory.memory(params, 3e9, 80e9)["total"] == offloaded_m["total"]
+    assert memory.memory(params, 3e9, 80e9)["host"] == pytest.approx(98e9)
+    # --remat offload: each pass's copies behind its compute (forward 1/3, backward 2/3)
+    act = dataclasses.replace(s, remat="offload")
+    each_way = memory.offloaded_activation_bytes(act) * act.micro_steps
+    compute = timing.step_time(act, net, 400e12)["compute"]
+    for bandwidth in (1e15, each_way / compute, each_way / (2 * compute)):
+        exposed = offload_model.host_time(act, bandwidth, compute)["exposed"]
+        wanted = max(0, each_way / bandwidth - compute / 3) + max(
+            0, each_way / bandwidth - compute * 2 / 3
+        )
+        assert exposed == pytest.approx(wanted)
+    assert offload_model.host_time(act, 1e15, compute)["exposed"] == 0
+
+
+def test_plan_refuses_what_the_engine_does_not_offload(capsys):
+    for flags, named in (
+        (["--zero", "1", "--offload", "params"], "--zero 3"),
+        (["--mesh", "pp=2,fsdp=4", "--offload", "optimizer"], "pp > 1"),
+        (["--host-bandwidth", "0", "--offload", "optimizer"], "--host-bandwidth"),
+    ):
+        assert plan.main(["--params", "7e9", "--devices", "8", *flags]) == 2
+        assert named in capsys.readouterr().err

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 
+from spmd.engine import offload as engine_offload
 from spmd.engine import precision
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence, volumes
@@ -32,10 +33,12 @@ from spmd.parallel import schedules
 # 2 + 2 + 12 = 16 bytes per param); fp32 keeps one copy.
 # Optimizer state bytes per parameter besides any master copy (fp32 moments).
 OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
-# cheapest compute first; offload (dots_saveable's outputs in host memory) last: its transfers
-# are not in the step time yet, so the search leaves it out (SEARCHED_REMATS)
+# cheapest compute first; offload (dots_saveable's outputs in host memory, their transfers
+# in the step time: spmd.estimate.offload) last
 REMATS = ("none", "dots_saveable", "full", "offload")
-SEARCHED_REMATS = REMATS[:3]
+# --offload: the state kept in host memory between steps (spmd.engine.offload)
+OFFLOADS = engine_offload.OFFLOADS
+SEARCHED_REMATS = REMATS  # --remat offload in the search's host pass (spmd.estimate.search)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Setup:
     virtual: int = 1  # chunks per stage (interleaved)
     sync_every: int = 0  # --dcn-sync diloco: steps per round (0: gradients reduced every step)
     sequence_parallel: bool = False  # Megatron-SP: the residual stream split over tensor too
+    offload: str = "none"  # --offload: none, optimizer or params kept in host memory
 
     @property
     def devices(self) -> int:
@@ -119,12 +123,13 @@ class Setup:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """Links between devices: bytes/s per device inside a node and across nodes, seconds of
-    latency per ring step, devices per node."""
+    latency per ring step, devices per node; and each device's link to its host's memory."""
 
     intra_bandwidth: float
     inter_bandwidth: float
     latency: float
     devices_per_node: int
+    host_bandwidth: float = 50e9  # bytes/s per device, one direction, host <-> device (PCIe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +152,7 @@ class Comm:
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
     choices = {"precision": precision.POLICIES, "optimizer": OPTIMIZERS, "remat": REMATS}
+    choices["offload"] = OFFLOADS
     for name, valid in choices.items():
         if getattr(s, name) not in valid:
             flag = f"--{name} {getattr(s, name)!r}"
@@ -160,6 +166,8 @@ def check_setup(s: Setup) -> None:
         )
     if s.zero not in (0, 1, 2, 3):
         raise UsageError(f"--zero {s.zero} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3")
+    # what the engine refuses to offload (params below ZeRO-3, pipelines, DiLoCo)
+    engine_offload.check(s.offload, s.zero, s.pipelined, vmapped=bool(s.sync_every))
     split = long_sequence.split_error(s.seq_len, s.context, s.mesh["tensor"], s.sequence_parallel)
     if split:
         raise UsageError(split)

@@ -81,6 +81,7 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
     import jax
 
+    from spmd.engine import offload as engine_offload
     from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
@@ -95,12 +96,20 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
         "params": (state["params"], held["params"]),
         "master + optimizer state": (state["optimizer"], held["opt_state"]),
     }
+    # --offload: where the step takes its state in, by the memory kinds of its input shardings
+    placed = offload_model.split(state, s.offload)
+    by_memory = engine_offload.state_bytes_by_memory(compiled, program)
+    compiled_split = {w: sum(r[w] for r in by_memory.values()) for w in ("device", "host")}
+    if s.offload != "none":
+        rows["state in device memory"] = (placed["device"], compiled_split["device"])
+        rows["state in host memory"] = (placed["host"], compiled_split["host"])
     compiled_memory = hlo.memory(compiled)
     if "temp" in compiled_memory:  # what activations and the step's buffers take
         rows["activations vs compiled temp"] = (memory.activation_bytes(s), compiled_memory["temp"])
-    if "peak_estimate" in compiled_memory:
-        analytic_peak = state["model_state"] + memory.activation_bytes(s)
-        rows["model state + activations"] = (analytic_peak, compiled_memory["peak_estimate"])
+    device_peak = engine_offload.device_peak(compiled_memory, compiled_split["host"])
+    if device_peak is not None:  # the state kept in host memory left out of both
+        analytic_peak = state["model_state"] - placed["host"] + memory.activation_bytes(s)
+        rows["model state + activations"] = (analytic_peak, device_peak)
     cpu_auto = executor == "auto" and devices[0].platform == "cpu"
     predicted = predicted_collectives(s, reduce_scatter_as_all_reduce=cpu_auto)
     compiled_comm = hlo.collective_summary(hlo.collectives(compiled, mesh))

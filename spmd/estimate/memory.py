@@ -14,12 +14,21 @@ Units: bytes per device; GB = 1e9 bytes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from spmd.estimate import cost, experts, long_sequence, pipeline_figures
 
 ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
 SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
+# The roles each --offload keeps in host memory between steps (spmd.engine.offload.HOST_ROLES
+# in these role names); the gradients always stay on the device.
+HOST_ROLES = {"none": (), "optimizer": ("optimizer",), "params": ("optimizer", "params")}
+# Of those, what the device does not hold at the step's peak either: the master weights and
+# moments, assumed streamed through the update leaf by leaf after the backward pass. The
+# engine moves the params in whole at the step's start (spmd.engine.offload), and the forward
+# and backward compute with them, so --offload params frees device memory between steps only.
+OFF_DEVICE_IN_STEP = ("optimizer",)
 
 
 def bytes_per_param(s: cost.Setup) -> dict[str, int]:
@@ -116,27 +125,59 @@ def activation_bytes(s: cost.Setup) -> float:
     return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + gathered
 
 
-def memory(s: cost.Setup, overhead: float, hbm: float) -> dict[str, Any]:
-    """Per-device bytes: params, grads, optimizer (master + moments), model_state (their sum),
-    activations, overhead, total, hbm, headroom (hbm - total) and fits (total <= hbm)."""
+def offloaded_activation_bytes(s: cost.Setup) -> float:
+    """Bytes one device keeps in host memory for the backward pass under --remat offload:
+    dots_saveable's set (the weight matmuls' outputs) of the layers that run at once, for one
+    micro-batch, in the compute dtype; 0 under any other remat."""
+    if s.remat != "offload":
+        return 0.0
+    live_layers = s.shape.n_layers // (s.mesh["pipeline"] * s.virtual)
+    return live_layers * _layer_elements(s)["dots_saveable"] * s.bytes_of("compute")
+
+
+def memory(
+    s: cost.Setup, overhead: float, hbm: float, host_memory: float = math.inf, per_node: int = 1
+) -> dict[str, Any]:
+    """Per-device bytes: params, grads, optimizer (master + moments), model_state (their
+    sum, wherever it lives), activations, overhead, total (what device memory holds at the
+    step's peak: the model state less the optimizer state --offload keeps on the host; the
+    params stay in, OFF_DEVICE_IN_STEP), hbm, headroom (hbm - total); host_state (what
+    --offload keeps on the host between steps), host_activations (--remat offload's), host
+    (their sum), host_per_node (host x the devices of a node, of `per_node`), host_memory
+    (bytes per node), host_fits; fits (total <= hbm and host_fits)."""
     out: dict[str, Any] = model_state_bytes(s)
     out["activations"] = activation_bytes(s)
     out["overhead"] = overhead
-    out["total"] = out["model_state"] + out["activations"] + overhead
-    out.update(hbm=hbm, headroom=hbm - out["total"], fits=out["total"] <= hbm)
+    out["host_state"] = sum(out[role] for role in HOST_ROLES[s.offload])
+    out["host_activations"] = offloaded_activation_bytes(s)
+    out["host"] = out["host_state"] + out["host_activations"]
+    out["host_per_node"] = out["host"] * min(s.devices, per_node)
+    off_device = sum(out[r] for r in HOST_ROLES[s.offload] if r in OFF_DEVICE_IN_STEP)
+    out["total"] = out["model_state"] - off_device + out["activations"] + overhead
+    out.update(hbm=hbm, headroom=hbm - out["total"], host_memory=host_memory)
+    out["host_fits"] = out["host_per_node"] <= host_memory
+    out["fits"] = out["total"] <= hbm and out["host_fits"]
     return out
 
 
 def zero_stages(s: cost.Setup) -> list[cost.Setup]:
     """ZeRO 0, 1, 2 and 3 over all of s's devices (DDP on data, then fsdp), each running one
-    micro-batch of s's size with s's remat: the ZeRO paper's comparison for this run."""
+    micro-batch of s's size with s's remat and its state on the devices: the ZeRO paper's
+    comparison for this run."""
     out = []
     for zero in range(4):
         mesh = {**dict.fromkeys(s.mesh, 1), "data" if zero == 0 else "fsdp": s.devices}
         batch = s.micro_batch * s.devices
         out.append(
             dataclasses.replace(
-                s, mesh=mesh, zero=zero, batch=batch, accum=1, microbatches=1, virtual=1
+                s,
+                mesh=mesh,
+                zero=zero,
+                batch=batch,
+                accum=1,
+                microbatches=1,
+                virtual=1,
+                offload="none",
             )
         )
     return out

@@ -37,6 +37,7 @@ def exposed_parts(s: cost.Setup, cluster: search.Cluster) -> dict[str, float]:
         seconds = cost.comm_time(s, c, cluster.net) * (kept if c.hideable else 1.0)
         parts[key] = parts.get(key, 0.0) + seconds
     parts["bubble"] = t["bubble"]
+    parts["host transfers (--offload, --remat offload)"] = t["host"]
     return {k: v for k, v in parts.items() if v > 0}
 
 
@@ -68,13 +69,17 @@ def draw(s: cost.Setup, cluster: search.Cluster, chosen: Any | None, out: str | 
 def _memory_panel(ax: Any, s: cost.Setup, cluster: search.Cluster) -> None:
     stages = [(f"ZeRO-{v.zero}\n{format_mesh(v.mesh)}", v) for v in memory.zero_stages(s)]
     bars = stages + [(f"planned\n{format_mesh(s.mesh)}\nZeRO-{s.zero}", s)]
-    mems = [memory.memory(setup, cluster.overhead, cluster.hbm) for _, setup in bars]
+    mems = [cluster.memory(setup) for _, setup in bars]
     hbm = cluster.hbm / 1e9
     top = max(2.2 * hbm, 1.1 * min(max(m["total"] for m in mems) / 1e9, 3 * hbm))
     x = range(len(bars))
     bottom = [0.0] * len(bars)
     for role, label, color in zip(ROLES, ROLE_LABELS, ROLE_COLORS, strict=True):
-        heights = [m[role] / 1e9 for m in mems]
+        # what --offload keeps in host memory is not in the device's bar
+        heights = [
+            0.0 if role in memory.HOST_ROLES[setup.offload] else m[role] / 1e9
+            for m, (_, setup) in zip(mems, bars, strict=True)
+        ]
         ax.bar(x, heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.axhline(hbm, color="black", linestyle="--", linewidth=1)

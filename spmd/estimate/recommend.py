@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from spmd.estimate import cost, memory, pipeline_figures, search
+from spmd.estimate.units import ms
 from spmd.parallel.mesh import format_mesh
 
 RUNNER_UPS = 4
@@ -67,11 +68,6 @@ def recommend(base: cost.Setup, space: search.Space, cluster: search.Cluster) ->
     return Recommendation(best, lines, result.considered, len(result.ranked), others)
 
 
-def ms(seconds: float) -> str:
-    """A duration with three significant digits, in ms below a second, else in s."""
-    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
@@ -95,6 +91,14 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
         f"memory: {_gb(mem['total'])} of {_gb(mem['hbm'])} per device {verdict}, headroom "
         f"{_gb(mem['headroom'])}"
     )
+    if s.offload != "none":
+        on_devices = dataclasses.replace(s, offload="none")
+        lines.append(
+            f"--offload {s.offload}: nothing fits with the state on the devices (this layout "
+            f"would need {_gb(cluster.memory(on_devices)['total'])}); {_gb(mem['host_state'])} "
+            f"per device in host memory, {_gb(mem['host_per_node'])} of the node's "
+            f"{_gb(mem['host_memory'])}"
+        )
     if not mem["fits"]:
         lines.append(
             f"none of the {result.considered} candidates (mesh x ZeRO x micro-batch x remat x "
@@ -102,9 +106,10 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
         )
         return lines
     t = best.time
+    host = f" + host transfers {ms(t['host'])}" if t["host"] else ""
     lines.append(
         f"step {ms(t['step'])} = compute {ms(t['compute'])} + exposed communication "
-        f"{ms(t['exposed'])} + bubble {ms(t['bubble'])} ({best.overhead_ratio:.0%} over "
+        f"{ms(t['exposed'])} + bubble {ms(t['bubble'])}{host} ({best.overhead_ratio:.0%} over "
         f"compute): the fastest of {len(result.ranked)} fitting candidates"
     )
     return lines
@@ -161,17 +166,17 @@ def _cut_line(best: search.Scored, cluster: search.Cluster) -> str:
     needs = []
     for remat in cost.REMATS[: cost.REMATS.index(s.remat)]:
         cheaper = dataclasses.replace(s, remat=remat)
-        needs.append(
-            f"{remat} would need {_gb(memory.memory(cheaper, cluster.overhead, 0)['total'])}"
-        )
+        needs.append(f"{remat} would need {_gb(cluster.memory(cheaper)['total'])}")
     return line + (f" ({', '.join(needs)})" if needs else "")
 
 
 def train_flags(s: cost.Setup) -> list[str]:
     """The `python -m spmd.train` flags (besides the model's) that run layout `s`."""
     flags = ["--mesh", format_mesh(s.mesh)]
-    if s.mesh["fsdp"] > 1:
+    if s.mesh["fsdp"] > 1 or s.offload == "params":
         flags += ["--zero", str(s.zero)]
+    if s.offload != "none":
+        flags += ["--offload", s.offload]
     if s.sequence_parallel:
         flags += ["--sequence-parallel"]
     flags += ["--batch", str(s.batch), "--seq-len", str(s.seq_len)]

@@ -2,22 +2,30 @@
 
 The knobs: the mesh (dp, fsdp, tp, pp; cp when nothing fits without it), the ZeRO stage,
 --sequence-parallel at tp > 1, the per-device micro-batch (hence --accum, or the pipeline's
---microbatches), --remat, and with pp > 1 the schedule (1f1b, or interleaved with 2 or 4
-chunks per stage). The order of concerns is an engineer's:
+--microbatches), --remat, with pp > 1 the schedule (1f1b, or interleaved with 2 or 4 chunks
+per stage), and --offload optimizer and --remat offload when nothing fits without host
+memory. The order of concerns is an engineer's:
 
 1. constraints: tp inside a node and dividing the heads, mlp and vocabulary; pp dividing the
-   layers; the batch splitting evenly; the step fitting in the HBM with the overhead reserved;
+   layers; the batch splitting evenly; the step fitting in the HBM with the overhead reserved,
+   and what it keeps in host memory in the node's;
 2. the least estimated time per sequence (spmd.estimate.timing: compute at the sustained
-   FLOP rate + exposed communication + pipeline bubble), which is the step time when every
-   candidate runs the same batch;
+   FLOP rate + exposed communication + pipeline bubble + exposed host transfers), which is
+   the step time when every candidate runs the same batch;
 3. ties (equal to 3 significant digits) to the simpler layout: no pipeline, then no tp, no
-   cp, the lower ZeRO stage, no SP, fewer chunks, less recomputation, fewer mesh axes, the
-   larger micro-batch, the least memory.
+   cp, the lower ZeRO stage, optimizer offload before params offload, no SP, fewer chunks,
+   less recomputation, fewer mesh axes, the larger micro-batch, the least memory.
 
 Context parallelism (cp, inside a node beside tp) is searched only when no layout without it
 fits: its ring sends sit on the critical path, and the model does not see what splitting a
 sequence costs the kernels, so it is the tool for sequences whose activations do not fit.
 Sequence parallelism is tried at every tp > 1: it moves the same bytes and keeps less.
+Host memory (--offload optimizer, --remat offload) last, only when nothing fits on the
+devices (with or without cp): its transfers add to the step, and its time model rests on
+assumptions no GPU has checked here (spmd.estimate.offload: the activations' copies hidden
+behind compute); the memory it frees could buy a larger micro-batch or less recomputation,
+which this order does not weigh. Params offload is not searched: the step holds the params
+on the device anyway (spmd.estimate.memory.OFF_DEVICE_IN_STEP).
 
 Without --batch every mesh gets the batch nearest --tokens-per-step / --seq-len that its
 data-parallel size divides. gpipe is not searched: 1f1b has its bubble with a stash of at
@@ -28,10 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
+from typing import Any
 
 from spmd.errors import UsageError
-from spmd.estimate import cost, memory, timing
+from spmd.estimate import cost, memory, offload, timing
 from spmd.parallel.mesh import format_mesh
 
 VIRTUAL = (2, 4)  # chunks per stage tried for the interleaved schedule
@@ -42,32 +52,72 @@ class Gpu:
     """Per-device figures of a GPU in a node of 8 with one network port per GPU: HBM in GB,
     sustained dense bf16 TFLOP/s (40-45% of the peaks in spmd.estimate.flops, what large
     training runs report), and GB/s of collective bandwidth per device inside the node
-    (NVLink, as NCCL's all-reduce bus bandwidth) and between nodes (InfiniBand)."""
+    (NVLink, as NCCL's all-reduce bus bandwidth) and between nodes (InfiniBand); for host
+    offload, GB/s each way between a device and host memory (about 80% of its PCIe x16 link:
+    Gen4 32 GB/s on A100, Gen5 64 GB/s on H100 / H200) and GB of host memory per node (the
+    DGX systems' system memory: DGX A100 320GB 1 TB, 640GB 2 TB; DGX H100 and H200 2 TB)."""
 
     hbm: float
     tflops: float
     bandwidth: float
     inter_bandwidth: float
+    host_bandwidth: float
+    host_memory: float
 
 
 GPUS = {
-    "a100-40gb": Gpu(hbm=40.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),  # HDR 200
-    "a100-80gb": Gpu(hbm=80.0, tflops=140.0, bandwidth=240.0, inter_bandwidth=25.0),
-    "h100": Gpu(hbm=80.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),  # NDR 400
-    "h200": Gpu(hbm=141.0, tflops=400.0, bandwidth=400.0, inter_bandwidth=50.0),
+    "a100-40gb": Gpu(40.0, 140.0, 240.0, 25.0, host_bandwidth=25.0, host_memory=1000.0),  # HDR
+    "a100-80gb": Gpu(80.0, 140.0, 240.0, 25.0, host_bandwidth=25.0, host_memory=2000.0),
+    "h100": Gpu(80.0, 400.0, 400.0, 50.0, host_bandwidth=50.0, host_memory=2000.0),  # NDR 400
+    "h200": Gpu(141.0, 400.0, 400.0, 50.0, host_bandwidth=50.0, host_memory=2000.0),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """What a device offers: the network, sustained FLOP/s, HBM and the bytes reserved for
-    the runtime, and the share of data-parallel communication that hides behind compute."""
+    the runtime, and the share of data-parallel communication that hides behind compute;
+    the host memory of a node (bytes) for what --offload and --remat offload keep there."""
 
     net: cost.Network
     flops: float
     hbm: float
     overhead: float
     overlap: float = 0.0
+    host_memory: float = math.inf
+
+    def memory(self, s: cost.Setup) -> dict:
+        """spmd.estimate.memory.memory of `s` on this cluster's devices and hosts."""
+        return memory.memory(
+            s, self.overhead, self.hbm, self.host_memory, self.net.devices_per_node
+        )
+
+
+def with_gpu(plan: Any, given: set[str]) -> Any:
+    """`plan` (spmd.plan's PlanConfig) with its --gpu preset's figures for the hardware
+    fields not in `given` (the flags on the command line, as field names)."""
+    if not plan.gpu:
+        return plan
+    if plan.gpu not in GPUS:
+        raise UsageError(f"--gpu {plan.gpu!r} is not one of {', '.join(GPUS)}")
+    figures = dataclasses.asdict(GPUS[plan.gpu])
+    return dataclasses.replace(plan, **{k: v for k, v in figures.items() if k not in given})
+
+
+def cluster_of(plan: Any) -> Cluster:
+    """The hardware of spmd.plan's PlanConfig `plan` (GB, GB/s, TFLOP/s) in bytes, bytes/s,
+    seconds and FLOP/s."""
+    net = cost.Network(
+        plan.bandwidth * 1e9,
+        plan.inter_bandwidth * 1e9,
+        plan.latency,
+        plan.devices_per_node,
+        plan.host_bandwidth * 1e9,
+    )
+    return Cluster(
+        net, plan.tflops * 1e12, plan.hbm * 1e9, plan.overhead * 1e9, plan.overlap,
+        plan.host_memory * 1e9,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +134,7 @@ class Space:
     virtual: int | None = None
     interleave: bool = True  # False: the executor runs no interleaved schedule (explicit)
     sequence_parallel: bool | None = None
+    offload: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +152,15 @@ class Scored:
 
     @property
     def overhead_ratio(self) -> float:
-        """(exposed communication + bubble) / compute."""
-        return (self.time["exposed"] + self.time["bubble"]) / self.time["compute"]
+        """(exposed communication + bubble + exposed host transfers) / compute."""
+        t = self.time
+        return (t["exposed"] + t["bubble"] + t["host"]) / t["compute"]
 
     def layout(self) -> str:
-        """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1" (+ " SP")."""
+        """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1" (+ " SP", " offload optimizer")."""
         sp = " SP" if self.setup.sequence_parallel else ""
-        return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}{sp}"
+        host = f" offload {self.setup.offload}" if self.setup.offload != "none" else ""
+        return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}{sp}{host}"
 
     def label(self) -> str:
         """The layout and how its step is cut."""
@@ -185,11 +238,14 @@ def _cuts(s: cost.Setup, space: Space, per_replica: int) -> Iterator[dict]:
 
 
 def candidates(
-    base: cost.Setup, space: Space, cluster: Cluster, contexts: tuple = (1,)
+    base: cost.Setup, space: Space, cluster: Cluster, contexts: tuple = (1,), host: bool = False
 ) -> Iterator[Scored]:
     """Every valid candidate with its memory; time only for those that fit. Within one
-    (mesh, stage, SP, remat, schedule), a micro-batch larger than one that does not fit is
-    skipped (activations never shrink as the micro-batch grows)."""
+    (mesh, stage, SP, offload, remat, schedule), a micro-batch larger than one that does not
+    fit is skipped (activations never shrink as the micro-batch grows). `host`: only the
+    candidates that keep something in host memory (offload.uses_host), else only those that do
+    not. `--offload params` (when given) runs under ZeRO-3 only; at fsdp = 1 as ZeRO-3 of one
+    device (the engine keeps params on the host only under --zero 3)."""
     devices, per_node = base.devices, cluster.net.devices_per_node
     for mesh in meshes(base, devices, per_node, space.mesh, contexts):
         fsdp = mesh["fsdp"]
@@ -203,11 +259,23 @@ def candidates(
             batch = batch_for(space, base.seq_len, data_parallel)
             if batch % data_parallel:
                 continue
-            for remat in (space.remat,) if space.remat else cost.SEARCHED_REMATS:
+            offloads = (space.offload,) if space.offload else offload.SEARCHED_OFFLOADS
+            remats = (space.remat,) if space.remat else cost.SEARCHED_REMATS
+            for where, remat in itertools.product(offloads, remats):
+                stage = 3 if where == "params" and fsdp == 1 else zero
+                if where == "params" and stage != 3:
+                    continue
                 setup = dataclasses.replace(
-                    base, mesh=mesh, zero=zero, batch=batch, remat=remat, sequence_parallel=sp
+                    base,
+                    mesh=mesh,
+                    zero=stage,
+                    batch=batch,
+                    remat=remat,
+                    sequence_parallel=sp,
+                    offload=where,
                 )
-                yield from _cut_candidates(setup, space, cluster)
+                if offload.uses_host(setup) == host:
+                    yield from _cut_candidates(setup, space, cluster)
 
 
 def _cut_candidates(s: cost.Setup, space: Space, cluster: Cluster) -> Iterator[Scored]:
@@ -221,7 +289,7 @@ def _cut_candidates(s: cost.Setup, space: Space, cluster: Cluster) -> Iterator[S
             cost.check_setup(setup)
         except UsageError:
             continue
-        mem = memory.memory(setup, cluster.overhead, cluster.hbm)
+        mem = cluster.memory(setup)
         if not mem["fits"]:
             too_big.add(key)
             yield Scored(setup, mem, {})
@@ -238,6 +306,7 @@ def simplicity(c: Scored) -> tuple:
         s.mesh["tensor"],
         s.context,
         s.zero,
+        cost.OFFLOADS.index(s.offload),
         s.sequence_parallel,
         s.virtual,
         cost.REMATS.index(s.remat),
@@ -256,12 +325,20 @@ def context_sizes(base: cost.Setup, space: Space, per_node: int) -> list[tuple]:
     return [(1,), longer] if longer else [(1,)]
 
 
+def search_passes(base: cost.Setup, space: Space, per_node: int) -> list[tuple]:
+    """(host, cp sizes) to search in turn until something fits: everything on the devices
+    first (without cp, then with it), then the layouts that keep something in host memory
+    (--offload optimizer, --remat offload; offload.uses_host)."""
+    contexts = context_sizes(base, space, per_node)
+    return [(host, c) for host in (False, True) for c in contexts]
+
+
 def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
     """Rank every fitting candidate of base.devices devices for base's model. UsageError when
     no candidate is valid at all (e.g. a --batch that no data-parallel size divides)."""
     fitting, considered, smallest = [], 0, None
-    for contexts in context_sizes(base, space, cluster.net.devices_per_node):
-        for c in candidates(base, space, cluster, contexts):
+    for host, contexts in search_passes(base, space, cluster.net.devices_per_node):
+        for c in candidates(base, space, cluster, contexts, host):
             considered += 1
             if c.memory["fits"]:
                 fitting.append(c)
@@ -282,11 +359,11 @@ def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
 
 def distinct_layouts(ranked: list[Scored], count: int) -> list[Scored]:
     """The best candidate of each of the first `count` distinct structures: tp, pp and cp
-    sizes and ZeRO stage (how dp and fsdp split the rest is a detail of each)."""
+    sizes, ZeRO stage and --offload (how dp and fsdp split the rest is a detail of each)."""
     seen, out = set(), []
     for c in ranked:
         s = c.setup
-        key = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero)
+        key = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero, s.offload)
         if key not in seen:
             seen.add(key)
             out.append(c)

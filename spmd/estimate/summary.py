@@ -10,9 +10,9 @@ import dataclasses
 from typing import Any
 
 from spmd.engine.optim import peak_lr
-from spmd.estimate import cost, experts, memory, pipeline_figures, search, timing, volumes
-from spmd.estimate.recommend import ms
+from spmd.estimate import cost, experts, memory, offload, pipeline_figures, search, timing, volumes
 from spmd.estimate.shape import shape_params
+from spmd.estimate.units import ms, si
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import OptimizerConfig
 
@@ -131,7 +131,7 @@ def _expert_lines(r: dict) -> list[str]:
 
 def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
     """The plan of layout `s` on `cluster` as plain JSON values (bytes, seconds)."""
-    mem = memory.memory(s, cluster.overhead, cluster.hbm)
+    mem = cluster.memory(s)
     rows = collective_rows(s, cluster.net)
     t = timing.step_time(s, cluster.net, cluster.flops, cluster.overlap)
 
@@ -159,7 +159,8 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
     for role in (*MEMORY_ROLES, "model_state", "total", "hbm"):
         key = "activation" if role == "activations" else role
         out[f"{key}_bytes_per_device"] = round(mem[role])
-    out.update(headroom_bytes=round(mem["headroom"]), fits=mem["fits"])
+    out.update(headroom_bytes=round(mem["headroom"]), fits=mem["fits"], offload=s.offload)
+    out["host"] = offload.figures(s, mem, t, cluster.net)
     out.update(
         comm_bytes_per_step=per_kind("bytes"),
         comm_wire_bytes_per_step=per_kind("wire_bytes"),
@@ -175,7 +176,8 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         exposed_comm_time_s=t["exposed"],
         step_time_s=t["step"],
         comm_compute_ratio=t["comm"] / t["compute"],
-        overhead_ratio=(t["exposed"] + t["bubble"]) / t["compute"],
+        host_time_s=t["host"],
+        overhead_ratio=(t["exposed"] + t["bubble"] + t["host"]) / t["compute"],
         tokens_per_s=s.batch * s.seq_len / t["step"],
         batch=batch_figures(s),
     )
@@ -246,14 +248,6 @@ def batch_figures(s: cost.Setup) -> dict[str, Any]:
     }
 
 
-def si(n: float, unit: str = "B") -> str:
-    """A decimal-prefixed quantity: 1 kB = 1e3 B, 1 GB = 1e9 B."""
-    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}"
-
-
 def _header(r: dict) -> list[str]:
     batch, mesh, fsdp = r["batch"], r["mesh_text"], r["mesh"]["fsdp"]
     zero = f"ZeRO-{r['zero']} over fsdp={fsdp}" if r["zero"] and fsdp > 1 else "no ZeRO sharding"
@@ -290,12 +284,18 @@ def _memory_lines(r: dict) -> list[str]:
     labels = {k: v for k, v in MEMORY_ROLES.items() if k != "activations"}
     labels |= {"activation": f"activations (remat {r['remat']})", "total": "total"}
     labels = dict(sorted(labels.items(), key=lambda kv: kv[0] in ("overhead", "total")))
+    on_host = memory.HOST_ROLES[r["offload"]]
     for key, label in labels.items():
-        lines.append(f"  {label:<32}{si(r[f'{key}_bytes_per_device']):>12}")
+        where = "  in host memory (--offload)" if key in on_host else ""
+        if key in on_host and key not in memory.OFF_DEVICE_IN_STEP:
+            where = "  in host memory between steps, on the device in the step"
+        lines.append(f"  {label:<32}{si(r[f'{key}_bytes_per_device']):>12}{where}")
     verdict = "fits" if r["fits"] else "does NOT fit"
     lines.append(
         f"  of {si(r['hbm_bytes_per_device'])} HBM: {verdict}, headroom {si(r['headroom_bytes'])}"
+        + (" (the total is device memory's)" if on_host else "")
     )
+    lines += offload.lines(r["host"])
     if not r["fits"] and "recommendation" not in r:
         lines.append(
             f"  --recommend --mesh {r['mesh_text']} --zero {r['zero']} searches the micro-batch, "
@@ -339,11 +339,12 @@ def _time_lines(r: dict) -> list[str]:
             f"bubble {p['bubble_share']:.1%} of the step"
         )
     hidden = f", {r['overlap']:.0%} of data-parallel traffic hidden" if r["overlap"] else ""
+    host = f" + host transfers {ms(r['host_time_s'])}" if r["host_time_s"] else ""
     lines.append(
         f"time per step: {ms(r['step_time_s'])} = compute {ms(r['compute_time_s'])} at "
         f"{r['tflops']:g} TFLOP/s per device + exposed communication "
-        f"{ms(r['exposed_comm_time_s'])}{hidden} + bubble {ms(r['bubble_time_s'])}: "
-        f"(comm + bubble) / compute {r['overhead_ratio']:.3g}, "
+        f"{ms(r['exposed_comm_time_s'])}{hidden} + bubble {ms(r['bubble_time_s'])}{host}: "
+        f"(comm + bubble{' + host' if host else ''}) / compute {r['overhead_ratio']:.3g}, "
         f"{si(r['tokens_per_s'], '')} tokens/s"
     )
     return lines

@@ -12,7 +12,7 @@ an MoE's fixed-shape routing runs every capacity slot. Units: FLOPs, seconds, FL
 
 from __future__ import annotations
 
-from spmd.estimate import cost, experts, pipeline_figures
+from spmd.estimate import cost, experts, offload, pipeline_figures
 from spmd.estimate.shape import shape_params
 
 
@@ -56,7 +56,9 @@ def step_time(
     "compute" (executed FLOPs at `flops_per_device`), "bubble" (the pipeline's idle time,
     compute x f / (1 - f) for the bubble share f), "comm" (every collective, run alone),
     "hidden" (the share `overlap` of the data-parallel collectives, at most the compute, that
-    runs behind compute), "exposed" (comm - hidden) and "step" (compute + bubble + exposed)."""
+    runs behind compute), "exposed" (comm - hidden), "host" (the host transfers of --offload
+    and --remat offload that compute does not hide, spmd.estimate.offload, at the network's
+    host_bandwidth) and "step" (compute + bubble + exposed + host)."""
     compute = executed_flops(s) / s.devices / flops_per_device
     share = pipeline_figures.bubble_share(s)
     bubble = compute * share / (1 - share)
@@ -64,11 +66,13 @@ def step_time(
     comm = sum(t for _, t in times)
     hidden = min(overlap * sum(t for c, t in times if c.hideable), compute)
     exposed = comm - hidden
+    host = offload.host_time(s, net.host_bandwidth, compute)["exposed"]
     return {
         "compute": compute,
         "bubble": bubble,
         "comm": comm,
         "hidden": hidden,
         "exposed": exposed,
-        "step": compute + bubble + exposed,
+        "host": host,
+        "step": compute + bubble + exposed + host,
     }
