@@ -68,23 +68,24 @@ def run(argv: list[str] | None) -> int:
 def verify(folder: str, only: int = 0) -> list[str]:
     """Print each step's verdict; returns the damaged steps' folders."""
     from spmd.io import checkpoint, manifest
+    from spmd.training.run_folder import CHECKPOINTS, join
 
-    in_run = f"{folder.rstrip('/')}/checkpoints"  # a run folder (spmd.training.run_folder)
-    if not checkpoint.complete_steps(folder) and checkpoint.complete_steps(in_run):
-        folder = in_run
+    steps = checkpoint.complete_steps(folder)
+    in_run = join(folder, CHECKPOINTS)  # a run folder's checkpoints
+    if not steps and (steps_in_run := checkpoint.complete_steps(in_run)):
+        folder, steps = in_run, steps_in_run
     if not paths.epath(folder).is_dir():
         raise UsageError(
             f"{folder} is not a folder; give the --checkpoint-dir of a training run or the --to "
             f"folder of spmd.convert"
         )
-    steps = checkpoint.complete_steps(folder)
     if not steps:
         raise UsageError(f"{folder} holds no complete checkpoint step")
     if only and only not in steps:
         raise UsageError(f"--step {only} is not in {folder}; it holds steps {steps}")
     damaged = []
     for step in [only] if only else steps:
-        step_dir = f"{folder.rstrip('/')}/{step}"
+        step_dir = join(folder, str(step))
         verdict = manifest.verify(paths.epath(folder) / str(step))
         print(f"{step_dir}: {verdict}", flush=True)
         if verdict.status == "damaged":

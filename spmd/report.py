@@ -18,7 +18,7 @@ from pathlib import Path
 from spmd import config, paths
 from spmd.config import flat_values
 from spmd.errors import UsageError, run_command
-from spmd.training.run_folder import METRICS_FILE, REPORT_FILE
+from spmd.training.run_folder import METRICS_FILE, REPORT_FILE, join
 
 PANELS = (  # (train record field, axis label, scale applied to the values)
     ("loss", "loss (nats/token)", 1.0),
@@ -76,7 +76,7 @@ def run_folder_of(path: str) -> str:
     """`path` when it is a run folder (a folder holding metrics.jsonl), else ""."""
     local = paths.local(path)
     if paths.is_url(local):
-        return path if paths.exists(f"{local.rstrip('/')}/{METRICS_FILE}") else ""
+        return path if paths.exists(join(local, METRICS_FILE)) else ""
     return local if (Path(local) / METRICS_FILE).is_file() else ""
 
 
@@ -149,15 +149,11 @@ def run(argv: list[str] | None) -> int:
     given, out = resolved["metrics"], resolved["report"].out
     folders = [run_folder_of(path) for path in given]
     files = [
-        f"{folder.rstrip('/')}/{METRICS_FILE}" if folder else p
+        join(folder, METRICS_FILE) if folder else p
         for p, folder in zip(given, folders, strict=True)
     ]
     if not out:
-        out = (
-            f"{folders[0].rstrip('/')}/{REPORT_FILE}"
-            if len(given) == 1 and folders[0]
-            else REPORT_FILE
-        )
+        out = join(folders[0], REPORT_FILE) if len(given) == 1 and folders[0] else REPORT_FILE
     check_out(out)
     runs = [load_run(path) for path in files]
     labels = [label for label, _ in runs]

@@ -13,6 +13,7 @@ from typing import IO, Any
 
 from spmd import paths
 from spmd.log import is_primary, warn
+from spmd.observe.trackers import one_line
 
 
 def strict_json(value: Any) -> Any:
@@ -38,7 +39,7 @@ class MetricsLog:
         self._file: IO[str] | None = None
         if path and is_primary():
             self._file = paths.open_file(path, "a" if append else "w")
-        self._trackers = list(trackers) if is_primary() else []
+        self._trackers = list(trackers)  # open_trackers opens them on process 0 only
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
@@ -55,11 +56,7 @@ class MetricsLog:
         except Exception as e:
             if tracker in self._trackers:
                 self._trackers.remove(tracker)
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            warn(
-                f"warning: tracker {tracker.name} failed ({type(e).__name__}: {first}); "
-                f"going on without it"
-            )
+            warn(f"warning: tracker {tracker.name} failed ({one_line(e)}); going on without it")
 
     def close(self) -> None:
         if self._file is not None:

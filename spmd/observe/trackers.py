@@ -23,12 +23,13 @@ behind MLFLOW_ALLOW_FILE_STORE, which spmd sets unless it is set already).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.log import warn
+from spmd.log import is_primary, warn
 
 KNOWN = ("tensorboard", "wandb", "mlflow")
 PROJECT = "spmd"  # the W&B project and MLflow experiment when their environment names none
@@ -235,21 +236,25 @@ def open_trackers(
     run_name: str,
     require_tensorboard: bool = False,
 ) -> list[Any]:
-    """The trackers of `names` that start (TensorBoard when `tensorboard` names its folder);
-    each one that cannot start is one warning. `require_tensorboard` (--tensorboard given):
-    a missing tensorboardX is a UsageError instead, as the flag asked for it by name."""
+    """The trackers of `names` that start (TensorBoard when `tensorboard` names its folder), on
+    process 0 only (the others: none); each one that cannot start is one warning.
+    `require_tensorboard` (--tensorboard given): a missing tensorboardX is a UsageError
+    instead, as the flag asked for it by name."""
+    hint = "install it with pip install -e '.[tensorboard]'"
+    # every process refuses alike, before process 0 alone opens the trackers
+    if tensorboard and require_tensorboard and not _installed("tensorboardX"):
+        raise UsageError(
+            f"--tensorboard {tensorboard} needs the tensorboardX package; {hint} or drop "
+            f"--tensorboard"
+        )
+    if not is_primary():  # only process 0 reports
+        return []
     opened: list[Any] = []
     wanted = [n for n in names if n != "tensorboard"]
     if tensorboard:
         try:
             opened.append(TensorBoard(tensorboard))
         except ImportError:
-            hint = "install it with pip install -e '.[tensorboard]'"
-            if require_tensorboard:
-                raise UsageError(
-                    f"--tensorboard {tensorboard} needs the tensorboardX package; {hint} or "
-                    f"drop --tensorboard"
-                ) from None
             warn(f"warning: tracker tensorboard: no tensorboardX package ({hint}); skipping it")
     for name in wanted:
         tracker = {"wandb": WandB, "mlflow": MLflow}[name]
@@ -261,10 +266,18 @@ def open_trackers(
                 f"skipping it"
             )
         except Exception as e:  # a login, a server or a store that cannot be reached
-            warn(f"warning: tracker {name} did not start ({_one_line(e)}); skipping it")
+            warn(f"warning: tracker {name} did not start ({one_line(e)}); skipping it")
     return opened
 
 
-def _one_line(error: BaseException) -> str:
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules holds None for it: imports of it fail
+        return False
+
+
+def one_line(error: BaseException) -> str:
+    """ "Type: first line of the message" (at most 200 characters of it)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     return f"{type(error).__name__}: {lines[0][:200]}"

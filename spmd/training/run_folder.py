@@ -209,10 +209,8 @@ def open_folder(cfg: Config, config_text: str) -> tuple[Config, str | None]:
 
 def trackers_of(cfg: Config, folder: str | None, require_tensorboard: bool) -> list[Any]:
     """The experiment trackers of --tracker that start (spmd.observe.trackers), named after the
-    run folder; none under --dry-run (nothing is trained)."""
+    run folder."""
     from spmd.observe.trackers import open_trackers
 
-    if cfg.run.dry_run:
-        return []
     name = cfg.run.run_name or (Path(folder).name if folder else model_label(cfg))
     return open_trackers(trackers(cfg), cfg.observe.tensorboard, folder, name, require_tensorboard)
