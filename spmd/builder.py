@@ -25,7 +25,7 @@ import optax
 from models import family
 from spmd.checks import check_sequence_split
 from spmd.config import Config
-from spmd.engine import offload, precision
+from spmd.engine import precision
 from spmd.engine.optim import make_optimizer
 from spmd.engine.step import Program, build_program, check_batch
 from spmd.parallel.layout import Layout
@@ -114,11 +114,11 @@ def program(
     if cfg.parallel.dcn_sync == "diloco":
         from spmd.engine import diloco
 
-        offload.check(offload_state, layout.zero_stage, pipelined=False, vmapped=True)
-
         p, o = cfg.parallel, cfg.optimizer
         sync = diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
-        return diloco.build(make_model, fam.loss, tx, layout, sync, **common)
+        return diloco.build(
+            make_model, fam.loss, tx, layout, sync, offload_state=offload_state, **common
+        )
     return build_program(
         make_model,
         fam.loss,

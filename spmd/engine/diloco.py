@@ -216,9 +216,10 @@ def build(
     policy: precision.Policy = precision.POLICIES["fp32"],
     executor: str = "auto",
     batch_fields: tuple[str, ...] = ("inputs", "targets"),
+    offload_state: str = "none",
 ) -> DilocoProgram:
     """The DiLoCo program of a model (arguments as spmd.engine.step.build_program's) whose
-    replicas are the ways of the layout's data axis."""
+    replicas are the ways of the layout's data axis (offload refused: build_program says why)."""
     check(sync, layout, executor, policy, layout.mesh.shape["pipeline"])
     inner = build_program(
         make_model,
@@ -231,6 +232,7 @@ def build(
         executor,
         exclude_axes=(AXIS,),
         batch_fields=batch_fields,
+        offload_state=offload_state,
     )
     outer_tx = outer_optimizer(sync)
     abstract = _abstract_state(inner, outer_tx, layout)

@@ -20,15 +20,13 @@ results as host memory (memory space S(5) in its entry layout) and the arrays ca
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from spmd.engine.state_layout import with_sharding
+from spmd.engine.state_layout import sharded_bytes, state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.sections import ParallelConfig, choices
 
@@ -123,23 +121,16 @@ def streamed_eval_step(eval_step: Callable, param_shardings: Any) -> Callable:
 def bytes_by_memory(abstract: Any) -> dict[str, int]:
     """{"device": bytes, "host": bytes} one device holds of a pytree of sharded
     ShapeDtypeStructs (or arrays), split by the memory kind of each leaf's sharding."""
-    out = {DEVICE: 0, "host": 0}
-    for leaf in jax.tree.leaves(abstract):
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        size = math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-        out["host" if leaf.sharding.memory_kind in (HOST, "unpinned_host") else DEVICE] += size
-    return out
+    leaves = jax.tree.leaves(abstract)
+    host = sharded_bytes([x for x in leaves if x.sharding.memory_kind in (HOST, "unpinned_host")])
+    return {DEVICE: sharded_bytes(leaves) - host, "host": host}
 
 
 def state_bytes_by_memory(compiled: Any, program: Any) -> dict[str, dict[str, int]]:
     """{"params" | "opt_state": {"device": bytes, "host": bytes}} one device holds, read from
     the shardings (and their memory kinds) the compiled train step takes its state in.
     `program` is a spmd.engine.step.Program."""
-    (param_sh, opt_sh, *_), _ = compiled.input_shardings
-    return {
-        "params": bytes_by_memory(with_sharding(program.abstract_params, param_sh)),
-        "opt_state": bytes_by_memory(with_sharding(program.abstract_opt_state, opt_sh)),
-    }
+    return state_bytes_per_device(compiled, program, bytes_by_memory)
 
 
 def host_state_bytes(by_memory: dict[str, dict[str, int]]) -> int:

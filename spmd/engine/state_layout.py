@@ -6,6 +6,7 @@ module)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -89,13 +90,15 @@ def sharded_bytes(abstract: Any) -> int:
     return total
 
 
-def state_bytes_per_device(compiled: Any, program: Any) -> dict[str, int]:
+def state_bytes_per_device(
+    compiled: Any, program: Any, measure: Callable[[Any], Any] = sharded_bytes
+) -> dict[str, Any]:
     """Bytes of params and of optimizer state one device holds, read from the shardings the
-    compiled train step takes them in."""
+    compiled train step takes them in; `measure` sizes each (sharded_bytes: an int)."""
     (param_sh, opt_sh, *_), _ = compiled.input_shardings
     return {
-        "params": sharded_bytes(with_sharding(program.abstract_params, param_sh)),
-        "opt_state": sharded_bytes(with_sharding(program.abstract_opt_state, opt_sh)),
+        "params": measure(with_sharding(program.abstract_params, param_sh)),
+        "opt_state": measure(with_sharding(program.abstract_opt_state, opt_sh)),
     }
 
 

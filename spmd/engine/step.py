@@ -71,7 +71,6 @@ class Program:
     # --prefetch asked of the explicit executor: its ZeRO-3 layer scan gathers one layer ahead
     # when the layers are rematerialised (hooks.scan_layers; theory.prefetching)
     prefetch: bool = False
-    offload: str = "none"  # --offload: the state kept in host memory (spmd.engine.offload)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -231,7 +230,6 @@ def build_program(
         train_fn=train_step,
         prefetch=prefetch and executor == "explicit",
         batch_fields=batch_fields,
-        offload=offload_state,
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )

@@ -55,6 +55,8 @@ def host_time(s: cost.Setup, bandwidth: float, compute: float) -> dict[str, floa
     """Seconds of host transfers per optimizer step at `bandwidth` bytes/s each way, beside
     `compute` seconds of compute: "state" (exposed), "activations" (what each pass's compute
     does not hide) and "exposed" (their sum, what the step pays)."""
+    if not uses_host(s):  # most of the search's candidates: nothing crosses the host link
+        return {"state": 0.0, "activations": 0.0, "exposed": 0.0}
     moved = transfer_bytes(s)
     each_way = moved["activations"] / bandwidth
     forward = compute * FORWARD_SHARE
