@@ -163,12 +163,19 @@ def grouped_causal_attention(
     v: jax.Array,
     segments: jax.Array | None = None,
     window: int = 0,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype."""
+    """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype.
+    `positions` [batch, t]: where the queries sit among k's positions (decoding over a key /
+    value cache); None: q and k are the same positions 0..t-1. Query head h reads kv head
+    h // (heads / kv_heads), as in jax.nn.dot_product_attention."""
     b, t, h, d = q.shape
     groups = q.reshape(b, t, k.shape[2], h // k.shape[2], d)
     logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
-    causal = visible(jnp.arange(t), jnp.arange(k.shape[1]), window)
+    if positions is None:
+        causal = visible(jnp.arange(t), jnp.arange(k.shape[1]), window)
+    else:
+        causal = visible(positions, jnp.arange(k.shape[1]), window)[:, None, None]
     if segments is not None:
         causal = causal & same_document(segments)[:, None, None]
     logits = jnp.where(causal, logits * d**-0.5, jnp.finfo(jnp.float32).min)

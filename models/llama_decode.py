@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import moe
-from models.attention import Attention, visible
+from models.attention import Attention, grouped_causal_attention
 from models.llama import Block, Llama, LlamaConfig
 from spmd.parallel.hooks import constrain
 
@@ -50,19 +50,9 @@ def _attend(
     rows = jnp.arange(x.shape[0])[:, None]
     keys = constrain(keys.at[rows, positions].set(k.astype(keys.dtype)), CACHE_NAMES)
     values = constrain(values.at[rows, positions].set(v.astype(values.dtype)), CACHE_NAMES)
-    batch, length, heads, head_dim = q.shape
-    kv_heads = keys.shape[2]
-    # Query head h reads kv head h // (heads / kv_heads), as in jax.nn.dot_product_attention.
-    grouped = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum(
-        "btkgd,bskd->bkgts", grouped, keys.astype(dtype), preferred_element_type=jnp.float32
+    out = grouped_causal_attention(
+        q, keys.astype(dtype), values.astype(dtype), window=attn.window, positions=positions
     )
-    scores = scores * head_dim**-0.5
-    seen = visible(positions, jnp.arange(keys.shape[1]), attn.window)  # [b, t, s]
-    scores = jnp.where(seen[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
-    out = out.reshape(batch, length, heads, head_dim)
     return jnp.einsum("bthd,hde->bte", out, attn.wo[...].astype(dtype)), keys, values
 
 
