@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.sections import flag_name
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -87,7 +88,7 @@ def resolve_section(section: Any) -> Any:
     replaced by the local path it resolves to (downloading where needed)."""
     changes = {}
     for field in dataclasses.fields(section):
-        value, flag = getattr(section, field.name), "--" + field.name.replace("_", "-")
+        value, flag = getattr(section, field.name), flag_name(field.name)
         if field.name in FOLDER_FIELDS and value:
             changes[field.name] = model_folder(value, flag)
         elif field.name in TOKENIZER_FIELDS and value:
