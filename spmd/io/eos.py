@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spmd.io import tokens
+from spmd.io import chat, tokens
 
 KEY = "eos_token_ids"  # where a converted checkpoint's config keeps them
 
@@ -44,13 +44,11 @@ def of_tokenizer(path: str, encoder: Any) -> list[int]:
     """The eos id of tokenizer `encoder` (a tokenizers.Tokenizer read from `path`): its
     tokenizer_config.json's eos_token, else its end-of-text token; [] if it has neither."""
     try:
-        config = json.loads((Path(path).parent / "tokenizer_config.json").read_text())
+        config = json.loads(chat.config_path(path).read_text())
     except (OSError, ValueError):
         config = {}
     token = config.get("eos_token") if isinstance(config, dict) else None
     token = token.get("content") if isinstance(token, dict) else token
-    for name in ([token] if isinstance(token, str) else []) + list(tokens.END_OF_TEXT_NAMES):
-        found = encoder.token_to_id(name)
-        if found is not None:
-            return [found]
-    return []
+    found = encoder.token_to_id(token) if isinstance(token, str) else None
+    found = tokens.end_of_text_id(encoder) if found is None else found
+    return [] if found is None else [found]

@@ -206,10 +206,7 @@ def _then_none(iterator):
 
 
 def _separator(encoder) -> int | None:
-    if encoder is None:
-        return 0
-    ids = [encoder.token_to_id(name) for name in tokens.END_OF_TEXT_NAMES]
-    return next((i for i in ids if i is not None), None)
+    return 0 if encoder is None else tokens.end_of_text_id(encoder)
 
 
 def _encode(records: list[tuple], encoder, separator: int | None, sft: bool, dtype: str):

@@ -26,6 +26,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,13 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".json", ".csv", ".html",
 TEXT_CHUNK_BYTES = 1 << 20  # tokenize this much text at a time (bounded memory)
 SNIFF_BYTES = 1 << 16  # the start of each given text file that must read as UTF-8 text
 END_OF_TEXT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+def end_of_text_id(encoder: Any) -> int | None:
+    """The id of `encoder`'s (a tokenizers.Tokenizer) first token of END_OF_TEXT_NAMES, or None
+    when it has none of them."""
+    ids = [encoder.token_to_id(name) for name in END_OF_TEXT_NAMES]
+    return next((i for i in ids if i is not None), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +198,7 @@ def _load_tokenizer(path: str):
 
 def _token_chunks(files: list[Path], encoder, dtype: str) -> Iterator[np.ndarray]:
     """Token ids of every file in order, each file followed by the separator token."""
-    separator = 0
-    if encoder is not None:
-        ids = [encoder.token_to_id(name) for name in END_OF_TEXT_NAMES]
-        separator = next((i for i in ids if i is not None), None)
+    separator = 0 if encoder is None else end_of_text_id(encoder)
     for path in files:
         if encoder is None:
             with path.open("rb") as f:
