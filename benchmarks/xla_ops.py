@@ -16,21 +16,18 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\(")
 KIND = re.compile(r"kind=(k\w+)")
 OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
 def labels(hlo_text: str) -> dict[str, str]:
     """{instruction name: "opcode(kind):primitive"} over every computation of the module."""
+    from spmd.estimate import hlo
+
     out = {}
-    for line in hlo_text.splitlines():
-        m = INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, opcode = m.groups()
-        kind = KIND.search(line)
-        op_name = OP_NAME.search(line)
+    for _, name, _, opcode, attrs, _ in hlo.instructions(hlo_text):
+        kind = KIND.search(attrs)
+        op_name = OP_NAME.search(attrs)
         primitive = op_name.group(1).rsplit("/", 1)[-1] if op_name else ""
         out[name] = f"{opcode}({kind.group(1)})" if kind else opcode
         out[name] += f":{primitive}" if primitive else ""
