@@ -241,7 +241,7 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
     # what the device holds: the state in host memory (--offload) is not counted
     parts = {"params": placed["params"]["device"], "optimizer state": placed["opt_state"]["device"]}
     parts["temp"] = memory.get("temp", 0)
-    need = offload.device_peak(memory, offload.host_state_bytes(placed)) or sum(parts.values())
+    need = offload.device_peak(memory, offload.totals(placed)["host"]) or sum(parts.values())
     if capacity is None or need <= capacity.bytes:
         return None
     shrink = ["--remat full"] if cfg.model.remat != "full" else []

@@ -133,9 +133,10 @@ def state_bytes_by_memory(compiled: Any, program: Any) -> dict[str, dict[str, in
     return state_bytes_per_device(compiled, program, bytes_by_memory)
 
 
-def host_state_bytes(by_memory: dict[str, dict[str, int]]) -> int:
-    """The bytes of state one device keeps in host memory (of `state_bytes_by_memory`)."""
-    return sum(parts["host"] for parts in by_memory.values())
+def totals(by_memory: dict[str, dict[str, int]]) -> dict[str, int]:
+    """{"device": bytes, "host": bytes} of all the state one device keeps (of
+    `state_bytes_by_memory`: its roles summed)."""
+    return {where: sum(roles[where] for roles in by_memory.values()) for where in (DEVICE, "host")}
 
 
 def device_peak(memory: dict[str, int], host_bytes: int) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from spmd.engine import offload as engine_offload
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
 from spmd.estimate import offload as offload_model
@@ -81,7 +82,6 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
     import jax
 
-    from spmd.engine import offload as engine_offload
     from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
@@ -99,7 +99,7 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
     # --offload: where the step takes its state in, by the memory kinds of its input shardings
     placed = offload_model.split(state, s.offload)
     by_memory = engine_offload.state_bytes_by_memory(compiled, program)
-    compiled_split = {w: sum(r[w] for r in by_memory.values()) for w in ("device", "host")}
+    compiled_split = engine_offload.totals(by_memory)
     if s.offload != "none":
         rows["state in device memory"] = (placed["device"], compiled_split["device"])
         rows["state in host memory"] = (placed["host"], compiled_split["host"])
@@ -188,9 +188,7 @@ def state_against_formula(
     if offload == "none" or by_memory is None:
         return line
     formula = offload_model.split(state, offload)
-    compiled = {
-        where: sum(roles[where] for roles in by_memory.values()) for where in ("device", "host")
-    }
+    compiled = engine_offload.totals(by_memory)
     split = "; ".join(
         f"{where} memory {compiled[where] / 2**20:.2f} MiB compiled vs "
         f"{formula[where] / 2**20:.2f} MiB formula"
