@@ -259,8 +259,5 @@ def literal_choices(kind: Any) -> tuple[Any, ...]:
     return typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
 
 
-RESUME_MODES = choices(CheckpointConfig, "resume")
-
-
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")

@@ -152,7 +152,6 @@ class Comm:
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
     choices = {"precision": precision.POLICIES, "optimizer": OPTIMIZERS, "remat": REMATS}
-    choices["offload"] = OFFLOADS
     for name, valid in choices.items():
         if getattr(s, name) not in valid:
             flag = f"--{name} {getattr(s, name)!r}"
