@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Literal
 
 LOGGER = logging.getLogger("spmd")
 LEVELS: dict[str, int] = {
@@ -25,7 +24,7 @@ LEVELS: dict[str, int] = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
-LevelName = Literal["debug", "info", "warning", "error"]
+
 FILE_FORMAT = "%(asctime)s rank {rank} %(levelname)s %(message)s"
 
 # Only one process of a multi-process job talks to the person and writes the metrics file.

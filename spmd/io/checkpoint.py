@@ -148,7 +148,7 @@ class Manager(ocp.CheckpointManager):
         except Exception:  # the save failed: orbax tells the training thread when it waits
             return
         try:
-            manifest.write(paths.epath(str(self.directory)) / str(step))
+            manifest.write(self.directory / str(step))  # orbax keeps an epath.Path
         except OSError as e:
             warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
 
@@ -207,7 +207,7 @@ def restore_newest(
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
     for step in steps:
-        verdict = agreed_verdict(paths.epath(str(directory)) / str(step))
+        verdict = agreed_verdict(directory / str(step))
         if verdict.status == "damaged":
             problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
             continue
@@ -356,7 +356,7 @@ def _set_aside(
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Any:
     """Rename complete step `step` to <step><suffix> (or <step><suffix>2, ...): kept for
     inspection, but no longer a step that a restore or --resume reads. Returns the new path."""
-    source = paths.epath(str(manager.directory)) / str(step)
+    source = manager.directory / str(step)  # an epath.Path
     target = source.with_name(f"{step}{suffix}")
     n = 1
     while target.exists():
