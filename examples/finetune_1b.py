@@ -143,7 +143,7 @@ def fine_tune(args: argparse.Namespace, folder: Path) -> list[str]:
     data, char_tokenizer = write_sft(folder)
     hf = cached_hf(args.hf)
     source = ["--init-from-hf", hf] if hf else ["--model", args.model]
-    tokenizer = str(Path(hf) / "tokenizer.json") if hf else str(char_tokenizer)
+    tokenizer = hf or str(char_tokenizer)  # --tokenizer takes the model's folder too
     what = f"the weights of {args.hf}" if hf else f"a random {args.model} initialisation"
     print(f"\n3. SFT on fsdp=8 ZeRO-3 in bf16, from {what}")
     metrics = folder / "metrics.jsonl"
