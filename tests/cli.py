@@ -25,7 +25,7 @@ def run(
         "XDG_CACHE_HOME": CACHE_HOME,
         **(env or {}),
     }
-    env.pop("XLA_FLAGS", None)
+    # XLA_FLAGS (the fast-compile flags of conftest) carry over: compiling is most of a run
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,

@@ -40,7 +40,7 @@ def run(module: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(cli.ROOT)}
     env |= {"XDG_CACHE_HOME": cli.CACHE_HOME, "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
     env |= {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    env.pop("XLA_FLAGS", None)
+    # XLA_FLAGS (the fast-compile flags of conftest) carry over: these programs are tiny too
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cli.ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
