@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import RESIDUAL, WHOLE, RMSNorm, param, zeros
+from models.layers import RESIDUAL, WHOLE, RMSNorm, dense, param, zeros
 from models.rope import Rope
 from spmd.parallel.hooks import (
     attention,
@@ -67,9 +67,7 @@ class Attention(nnx.Module):
         dtype = x.dtype
         wq = gather(self.wq)
         wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
-        q = jnp.einsum("bte,ehd->bthd", x, wq.astype(dtype))
-        k = jnp.einsum("bte,ekd->btkd", x, wk.astype(dtype))
-        v = jnp.einsum("bte,ekd->btkd", x, wv.astype(dtype))
+        q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
         if hasattr(self, "bq"):
             bk, bv = self._kv_for_local_heads(wq, (gather(self.bk), gather(self.bv)), axis=0)
             q, k, v = (y + b.astype(dtype) for y, b in ((q, gather(self.bq)), (k, bk), (v, bv)))
@@ -87,7 +85,7 @@ class Attention(nnx.Module):
         # ring attention when length is split over `context` (refused with document masks and
         # with a sliding window: llama.check_layout)
         out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments, self.window))
-        out = jnp.einsum("bthd,hde->bte", out, gather(self.wo).astype(x.dtype))
+        out = dense(out, gather(self.wo), inputs=2)
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)
 

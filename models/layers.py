@@ -1,9 +1,12 @@
-"""The smallest pieces of the decoders: a param with its logical axis names, and RMSNorm.
+"""The smallest pieces of the decoders: a param with its logical axis names, RMSNorm, and the
+dense projection every matmul with a weight goes through.
 
 Params are created in fp32 (the master copy); callers cast them to the compute dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,3 +43,17 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * gather(self.scale)).astype(x.dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, inputs: int = 1) -> jax.Array:
+    """x [..., *in] times a weight w [*in, *out] (its first `inputs` dims contracted) ->
+    [..., *out] in x's dtype, computed as one 2-D matmul [rows, in] @ [in, out].
+
+    The same sum as `jnp.einsum("bte,ehd->bthd", ...)`, written so that the backward pass's
+    weight gradient contracts one merged rows dim: XLA:CPU lowers an einsum's gradient, which
+    contracts batch and length separately, to transposed copies around the matmul, and a
+    Llama MLP's forward + backward ran 1.9x slower that way (docs/speed.md)."""
+    lead, ins, outs = x.shape[: x.ndim - inputs], w.shape[:inputs], w.shape[inputs:]
+    rows = x.reshape(math.prod(lead), math.prod(ins))
+    y = rows @ w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))
+    return y.reshape(*lead, *outs)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention, segment_positions
-from models.layers import RESIDUAL, WHOLE, RMSNorm
+from models.layers import RESIDUAL, WHOLE, RMSNorm, dense
 from models.layers import param as _param
 from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
@@ -193,12 +193,10 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, 0.02 / (2 * cfg.n_layers) ** 0.5, (m, e), ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
         x = constrain(tp_enter(x, "mlp"), WHOLE)  # column-parallel gate, up: local columns
-        gate = jnp.einsum("bte,em->btm", x, gather(self.w_gate).astype(dtype))
-        up = jnp.einsum("bte,em->btm", x, gather(self.w_up).astype(dtype))
+        gate, up = dense(x, gather(self.w_gate)), dense(x, gather(self.w_up))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        out = jnp.einsum("btm,me->bte", hidden, gather(self.w_down).astype(dtype))
+        out = dense(hidden, gather(self.w_down))
         # row-parallel: sum the columns' partial outputs
         return constrain(tp_reduce(out, "mlp"), RESIDUAL)
 
@@ -277,7 +275,7 @@ class Llama(nnx.Module):
         else:
             head = gather(self.lm_head)
         x = constrain(tp_enter(x, "vocab"), WHOLE)  # column-parallel head: local vocab slice
-        logits = jnp.einsum("bte,ev->btv", x, head.astype(self.dtype))
+        logits = dense(x, head.astype(self.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

@@ -24,6 +24,7 @@ from flax import nnx
 
 from models import moe
 from models.attention import Attention, grouped_causal_attention
+from models.layers import dense
 from models.llama import Block, Llama, LlamaConfig
 from spmd.parallel.hooks import constrain
 
@@ -53,7 +54,7 @@ def _attend(
     out = grouped_causal_attention(
         q, keys.astype(dtype), values.astype(dtype), window=attn.window, positions=positions
     )
-    return jnp.einsum("bthd,hde->bte", out, attn.wo[...].astype(dtype)), keys, values
+    return dense(out, attn.wo[...], inputs=2), keys, values
 
 
 def _mlp(block: Block | moe.Block, x: jax.Array) -> jax.Array:
@@ -87,6 +88,6 @@ def forward(
     x, (keys, values) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"]))
     x = model.final_norm(x)
     head = model.embed[...].T if model.cfg.tie_embeddings else model.lm_head[...]
-    logits = jnp.einsum("bte,ev->btv", x, head.astype(model.dtype))
+    logits = dense(x, head.astype(model.dtype))
     logits = constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
     return logits, {"k": keys, "v": values}
