@@ -32,7 +32,9 @@ ARGS = {
     "finetune_1b.py": ("--model", "tiny", "--seq-len", "64", "--sft-seq-len", "32", "--steps", "8")
     + ("--lr", "3e-3"),
     "diloco.py": ("--steps", "50", "--every", "10"),
-    "async_checkpoint.py": ("--model", "tiny", "--mesh", "fsdp=2", "--saves", "2"),
+    "async_checkpoint.py": ("--model", "tiny", "--mesh", "fsdp=2", "--saves", "2")
+    + ("--seq-len", "32", "--quiet-steps", "3"),
+    "custom_loop.py": ("--steps", "10", "--seq-len", "32"),
 }
 
 
