@@ -75,6 +75,10 @@ class LlamaConfig:
     # layer's forward runs again); dots_saveable = the matmul outputs; offload = the matmul
     # outputs, kept in host memory
     remat: Remat = "none"
+    # true: the stacked layers run as one loop (compile time flat in depth); false: unrolled,
+    # one copy of the layer per layer in the program: no stacked residuals to write and read
+    # back (13% faster on the CPU benchmark of docs/speed.md), compile time grows with depth
+    scan_layers: bool = True
     family: str = "llama"  # the model family this config describes: llama or moe (models.family)
     # rotary frequency scaling of long-context checkpoints (models/rope.py): none, linear
     # (frequencies / rope_factor) or llama3 (Llama 3.1's banded rule)
@@ -264,7 +268,8 @@ class Llama(nnx.Module):
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
             return nnx.merge(block_def, state)(x, positions, segments), None
 
-        x, _ = scan_layers(layer, x, block_state, REMAT_POLICIES[self.cfg.remat])
+        policy = REMAT_POLICIES[self.cfg.remat]
+        x, _ = scan_layers(layer, x, block_state, policy, unrolled=not self.cfg.scan_layers)
         return x
 
     def head_logits(self, x: jax.Array) -> jax.Array:

@@ -257,7 +257,8 @@ class MoELlama(llama.Llama):
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
             return nnx.merge(block_def, state)(x, positions, segments)
 
-        return scan_layers(layer, x, block_state, REMAT_POLICIES[self.cfg.remat])
+        policy = REMAT_POLICIES[self.cfg.remat]
+        return scan_layers(layer, x, block_state, policy, unrolled=not self.cfg.scan_layers)
 
 
 def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:

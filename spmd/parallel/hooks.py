@@ -268,10 +268,12 @@ def scan_layers(
     carry: Any,
     stacked: Any,
     remat: Callable | None,
+    unrolled: bool = False,
 ) -> tuple[Any, Any]:
     """`lax.scan(layer, carry, stacked)` over a model's stacked layers: `layer(carry, state_i)
     -> (carry, y)` on the i-th slice of `stacked` (an nnx.State with a leading `layers` dim),
-    rematerialised by `remat` (a jax.checkpoint policy, None: none) minus gathered params.
+    rematerialised by `remat` (a jax.checkpoint policy, None: none) minus gathered params;
+    `unrolled`: the loops fully unrolled (the model's scan_layers false).
     Under explicit ZeRO-3 with prefetch, each layer's params are gathered while the layer
     before it computes (spmd.parallel.layer_scan.prefetched_scan) when the layers are
     rematerialised (`remat` given: with none, the prefetching scan would keep more residuals
@@ -285,10 +287,10 @@ def scan_layers(
     if not (asked and remat is not None and n_layers >= 2):
         if asked and n_layers > 1:  # said only where prefetch was asked for and could run
             note("layer_scan", "prefetch off: --remat none")
-        return layer_scan.plain_scan(layer, carry, stacked, policy)
+        return layer_scan.plain_scan(layer, carry, stacked, policy, unrolled)
     if layer_scan.closes_over_a_float(layer, carry, stacked):
         note("layer_scan", "prefetch off: the layer closes over a traced float")
-        return layer_scan.plain_scan(layer, carry, stacked, policy)
+        return layer_scan.plain_scan(layer, carry, stacked, policy, unrolled)
     note("layer_scan", "prefetch")
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
@@ -298,7 +300,7 @@ def scan_layers(
         return [_gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)]
 
     return layer_scan.prefetched_scan(
-        layer, carry, stacked, policy, gather_layer, traced.params_whole
+        layer, carry, stacked, policy, gather_layer, traced.params_whole, unrolled
     )
 
 

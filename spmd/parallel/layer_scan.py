@@ -84,12 +84,17 @@ def remat_policy(policy: Callable | None, gathering: bool) -> Callable | None:
 
 
 def plain_scan(
-    layer: Callable[[Any, Any], tuple[Any, Any]], carry: Any, stacked: Any, policy: Callable | None
+    layer: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+    stacked: Any,
+    policy: Callable | None,
+    unrolled: bool = False,
 ) -> tuple[Any, Any]:
-    """`lax.scan(layer, carry, stacked)`, each layer rematerialised by `policy` (when given)."""
+    """`lax.scan(layer, carry, stacked)`, each layer rematerialised by `policy` (when given);
+    `unrolled`: the loop fully unrolled."""
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-    return lax.scan(layer, carry, stacked)
+    return lax.scan(layer, carry, stacked, unroll=unrolled)
 
 
 def closes_over_a_float(
@@ -109,6 +114,7 @@ def prefetched_scan(
     policy: Callable,
     gather: Callable[[Arrays], Arrays],
     while_gathered: Callable[[], contextlib.AbstractContextManager],
+    unrolled: bool = False,
 ) -> tuple[Any, Any]:
     """`lax.scan(layer, carry, stacked)` with ZeRO-3 prefetch: (final carry, stacked ys).
 
@@ -116,14 +122,16 @@ def prefetched_scan(
     of arrays with a leading layers dim, at least 2 layers); `gather(shards)` turns one layer's
     param shards (the leaves of a slice, in `jax.tree.flatten` order) into whole params, and
     inside `while_gathered()` the layer's own gathers are no-ops. `policy` is the remat policy
-    of one layer (`remat_policy`'s: gathered params are never saved)."""
+    of one layer (`remat_policy`'s: gathered params are never saved); `unrolled`: both loops
+    fully unrolled."""
     treedef = jax.tree.structure(stacked)
 
     def run(carry: Any, whole: Arrays) -> tuple[Any, Any]:
         with while_gathered():
             return layer(carry, jax.tree.unflatten(treedef, whole))
 
-    plan = _Plan(gather, _Pullbacks(jax.checkpoint(run, policy=policy, prevent_cse=False)))
+    pullbacks = _Pullbacks(jax.checkpoint(run, policy=policy, prevent_cse=False))
+    plan = _Plan(gather, pullbacks, unrolled)
 
     @jax.custom_vjp
     def scan(carry: Any, stacked: Any) -> tuple[Any, Any]:
@@ -144,6 +152,7 @@ def prefetched_scan(
 class _Plan:
     gather: Callable[[Arrays], Arrays]  # one layer's shards -> its whole params
     pullbacks: _Pullbacks  # the layer's vjp, residuals kept without its gathered params
+    unrolled: bool  # both loops fully unrolled
 
 
 def _at(tree: Any, i: jax.Array | int) -> Any:
@@ -166,7 +175,9 @@ def _forward(plan: _Plan, carry: Any, shards: Arrays, with_residuals: bool) -> t
         return (carry, upcoming), (y, kept)
 
     start = (carry, plan.gather(_at(shards, 0)))
-    (carry, whole_last), (ys, kept) = lax.scan(step, start, jnp.arange(last + 1))
+    (carry, whole_last), (ys, kept) = lax.scan(
+        step, start, jnp.arange(last + 1), unroll=plan.unrolled
+    )
     return (carry, ys), (kept, whole_last, shards)
 
 
@@ -187,7 +198,9 @@ def _backward(plan: _Plan, residuals: tuple, cotangents: tuple) -> tuple[Any, Ar
         return (d_carry, upcoming), d_shards
 
     layers = jnp.arange(shards[0].shape[0])
-    (d_carry, _), d_shards = lax.scan(step, (d_carry, whole_last), layers, reverse=True)
+    (d_carry, _), d_shards = lax.scan(
+        step, (d_carry, whole_last), layers, reverse=True, unroll=plan.unrolled
+    )
     return d_carry, d_shards
 
 
