@@ -87,6 +87,14 @@ def close_rank_file() -> None:
         handler.close()
 
 
+def to_rank_file(message: str, level: int = logging.ERROR) -> None:
+    """Write a line to this process's rank file only, when one is open (what the console
+    already showed another way: a user error's one line, which the command prints itself)."""
+    handler = _FILE["handler"]
+    if handler is not None:
+        handler.handle(LOGGER.makeRecord(LOGGER.name, level, __file__, 0, message, None, None))
+
+
 def debug(message: str) -> None:
     """Detail for whoever debugs a run (shown with --log-level debug)."""
     LOGGER.debug(message)

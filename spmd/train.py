@@ -31,7 +31,7 @@ from spmd.config import Config
 from spmd.engine import precision
 from spmd.errors import UsageError, run_command
 from spmd.io import hub, run_data
-from spmd.log import close_rank_file, say, set_level, warn
+from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
 from spmd.training import run_folder
 from spmd.training.resume import open_checkpoints
@@ -103,6 +103,9 @@ def run(argv: list[str] | None) -> int:
         set_level(cfg.observe.log_level)
         try:
             return start_and_train(cfg, signals)
+        except UsageError as e:  # the run folder's log says why the run ended (exit 2)
+            to_rank_file(f"error: {e}")
+            raise
         finally:  # the process may go on (a notebook, the tests): as it was before the run
             close_rank_file()
             set_level("info")

@@ -121,6 +121,21 @@ def test_dry_run_and_run_dir_none_make_no_folder(tmp_path):
     assert not root.exists()
 
 
+def test_a_run_refused_after_its_folder_opened_says_why_in_its_log(corpus, tmp_path, capsys):
+    """The mesh is checked against the model after the folder opened: the exit-2 line goes to
+    stderr as always and ends the rank file, so the folder says why nothing trained."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(run_folder.RUNS_ENV, str(tmp_path))
+        # 3 kv heads do not split 2 ways (2 devices: as many as ARGS's dp=2 takes)
+        bad_mesh = [*ARGS, "--mesh", "tp=2", "--n-heads", "3", "--n-kv-heads", "3"]
+        assert train.main([*bad_mesh, *data_args(corpus)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "kv_heads" in error
+    (folder,) = tmp_path.iterdir()
+    last = (folder / "logs" / "rank-00000.log").read_text().splitlines()[-1]
+    assert last.endswith(f"ERROR {error}")
+
+
 def test_without_the_variable_run_folders_go_under_runs_and_none_turns_them_off(monkeypatch):
     cfg = train.Config.of(train.resolve_sections(["--model", "tiny", "--mesh", "fsdp=2"]))
     monkeypatch.delenv(run_folder.RUNS_ENV)
