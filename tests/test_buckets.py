@@ -47,10 +47,7 @@ def _program(mesh_text: str, zero: int, bucket_mb: float):
 
 
 def _lowered(program):
-    batch = program.abstract_batch(trainer.BATCH, trainer.SEQ_LEN)
-    return program.train_step.lower(
-        program.abstract_params, program.abstract_opt_state, program.abstract_loss_scale, batch
-    )
+    return program.lower_train_step(trainer.BATCH, trainer.SEQ_LEN)
 
 
 def _reductions(stage, program, kind: str, axes: tuple[str, ...]) -> list[int]:

@@ -39,12 +39,7 @@ def test_state_bytes_per_device_equal_the_zero_formula(stage, mesh, zero, execut
 
 def emitted(program, kind: str) -> int:
     """Bytes per device per step of one collective kind in the program spmd emits."""
-    lowered = program.train_step.lower(
-        program.abstract_params,
-        program.abstract_opt_state,
-        program.abstract_loss_scale,
-        program.abstract_batch(BATCH, SEQ_LEN),
-    )
+    lowered = program.lower_train_step(BATCH, SEQ_LEN)
     return hlo.collective_summary(hlo.collectives(lowered, program.layout.mesh))[kind]["bytes"]
 
 

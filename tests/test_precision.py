@@ -29,12 +29,7 @@ from tests.tiny_run import (
 
 def lowered_step(program: Program):
     """The train step as traced and lowered, before XLA optimizes it (no compile)."""
-    return program.train_step.lower(
-        program.abstract_params,
-        program.abstract_opt_state,
-        program.abstract_loss_scale,
-        program.abstract_batch(BATCH, SEQ_LEN),
-    )
+    return program.lower_train_step(BATCH, SEQ_LEN)
 
 
 def test_bf16_trains_bf16_working_params_on_fp32_master_weights():

@@ -20,10 +20,7 @@ def test_unrolled_layers_train_like_the_scan_and_compile_without_a_loop(mesh, ex
         program = trainer.program(
             trainer.layout(mesh), 1, executor, remat=remat, scan_layers=scanned
         )
-        batch = program.abstract_batch(trainer.BATCH, trainer.SEQ_LEN)
-        lowered = program.train_step.lower(
-            program.abstract_params, program.abstract_opt_state, program.abstract_loss_scale, batch
-        )
+        lowered = program.lower_train_step(trainer.BATCH, trainer.SEQ_LEN)
         loops, step = lowered.as_text().count("stablehlo.while"), lowered.compile()
         assert loops >= 2 if scanned else loops == 0, (scanned, loops)  # forward and backward
         losses[scanned] = trainer.train_losses(program, STEPS, trainer.initial_state(), step)[0]

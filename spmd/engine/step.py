@@ -107,12 +107,17 @@ class Program:
             for key in self.batch_fields
         }
 
-    def compile_train_step(self, global_batch: int, seq_len: int) -> Any:
-        """Lower and compile the train step for a batch shape (AOT; nothing runs)."""
+    def lower_train_step(self, global_batch: int, seq_len: int) -> Any:
+        """The train step for a batch shape, traced and lowered (jax.stages.Lowered: the program
+        JAX hands XLA, before XLA optimizes it; nothing compiles or runs)."""
         batch = self.abstract_batch(global_batch, seq_len)
         return self.train_step.lower(
             self.abstract_params, self.abstract_opt_state, self.abstract_loss_scale, batch
-        ).compile()
+        )
+
+    def compile_train_step(self, global_batch: int, seq_len: int) -> Any:
+        """Lower and compile the train step for a batch shape (AOT; nothing runs)."""
+        return self.lower_train_step(global_batch, seq_len).compile()
 
 
 def check_executor(executor: str) -> None:
