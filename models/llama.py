@@ -280,7 +280,7 @@ class Llama(nnx.Module):
         else:
             head = gather(self.lm_head)
         x = constrain(tp_enter(x, "vocab"), WHOLE)  # column-parallel head: local vocab slice
-        logits = dense(x, head.astype(self.dtype))
+        logits = dense(x, head)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

@@ -88,6 +88,6 @@ def forward(
     x, (keys, values) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"]))
     x = model.final_norm(x)
     head = model.embed[...].T if model.cfg.tie_embeddings else model.lm_head[...]
-    logits = dense(x, head.astype(model.dtype))
+    logits = dense(x, head)
     logits = constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
     return logits, {"k": keys, "v": values}
