@@ -13,6 +13,7 @@ A sliding window of w tokens lets query position i see key positions j with i - 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -105,7 +106,8 @@ def causal_attention(
     On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
     implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
     multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
-    else XLA's: `grouped_causal_attention`. The choice is recorded with `note("attention",
+    else XLA's: `grouped_causal_attention`, whose backward pass recomputes the probabilities
+    (`recomputed_attention`), as cuDNN's does. The choice is recorded with `note("attention",
     ...)` for the run's report."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
     band = (window - 1, 0) if window else None
@@ -122,6 +124,17 @@ def causal_attention(
             note("attention", f"xla (cudnn declined: {why})")
     else:
         note("attention", "xla")
+    return recomputed_attention(q, k, v, segments, window)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(4,))
+def recomputed_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, window: int
+) -> jax.Array:
+    """`grouped_causal_attention` whose backward pass recomputes the probabilities from q and
+    k, as flash attention does, instead of keeping batch x heads x length² of them per layer:
+    one more q k^T matmul per layer, and on a CPU a faster step, as the layer scan no longer
+    writes the probabilities into its stacked residuals and reads them back (docs/speed.md)."""
     return grouped_causal_attention(q, k, v, segments, window)
 
 

@@ -229,13 +229,13 @@ def test_the_table_is_large_and_covers_every_command():
 def test_a_step_too_large_for_a_device_exits_2_after_compiling_and_a_dry_run_warns(
     tmp_path, monkeypatch, capsys
 ):
-    """--seq-len 16384 on tiny (batch 32, no remat) needs about 2.8 TiB of temp per device:
+    """--seq-len 16384 on tiny (batch 32, no remat) needs about 790 GiB of temp per device:
     the compiled step is refused before anything is allocated for it, naming the flags that
     shrink it; a dry run prints its report and the same sentence as a warning, exit 0."""
     from spmd import train as train_command
     from spmd.observe.capacity import host_memory
 
-    if (host_memory() or 0) > 2**42:
+    if (host_memory() or 0) > 2**39:
         pytest.skip("this host holds the step")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
@@ -245,7 +245,7 @@ def test_a_step_too_large_for_a_device_exits_2_after_compiling_and_a_dry_run_war
     assert train_command.main([*argv, "--steps", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the compiled train step needs"), err
-    assert "TiB per device" in err[0] and "--remat full" in err[0] and "--seq-len" in err[0]
+    assert "GiB per device" in err[0] and "--remat full" in err[0] and "--seq-len" in err[0]
     assert train_command.main([*argv, "--dry-run"]) == 0
     out = capsys.readouterr()
     assert "temp" in out.out and out.err.startswith("warning: the compiled train step needs")

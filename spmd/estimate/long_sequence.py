@@ -5,8 +5,9 @@ Context parallelism (cp ways over `context`, spmd.parallel.ring_attention): ever
 holds 1/cp of each sequence's tokens; attention runs as a ring that sends this device's key and
 value blocks [rows, seq_len / cp, kv_heads / tp, head_dim] to the next device cp − 1 times per
 layer and pass. Causal work is load-balanced (device i holds chunks i and 2cp−1−i of 2cp), so
-the attention probabilities kept for the backward pass are its own 2c x 2c block (c = seq_len /
+the attention probabilities of one layer on one device are its own 2c x 2c block (c = seq_len /
 2cp) and cp − 1 visiting 2c x c blocks: 2c²(cp + 1) per head and sequence, seq_len² at cp = 1.
+The backward pass recomputes them block by block rather than keeping them.
 
 Sequence parallelism (Megatron-SP, `tensor` ways): the residual stream between the tensor-
 parallel matmuls (block input, the norms' inputs and outputs, the residual adds: 4 x embed per
@@ -22,6 +23,10 @@ spmd.estimate.volumes'. Pure arithmetic, no JAX. `model` is a spmd.model_shape.M
 from __future__ import annotations
 
 from spmd.model_shape import ModelShape
+
+# Buffers of [tokens, heads, head_dim] the ring keeps per visiting step: fitted to the compiled
+# temp memory of the tiny model at cp=4 (lengths 256 and 1024), which autodiff's merges keep.
+RING_STEP_BUFFERS = 6
 
 
 def split_error(seq_len: int, context: int, tensor: int, sequence_parallel: bool) -> str | None:
@@ -50,15 +55,17 @@ def residual_split(tensor: int, sequence_parallel: bool) -> int:
 
 
 def score_elements(heads: float, seq_len: int, context: int) -> float:
-    """Attention probabilities one device keeps per sequence and layer for the backward pass:
-    heads x 2c²(cp + 1), c = seq_len / 2cp (heads x seq_len² at cp = 1)."""
+    """Attention probabilities one device computes per sequence and layer (and recomputes in
+    its backward pass): heads x 2c²(cp + 1), c = seq_len / 2cp (heads x seq_len² at cp = 1)."""
     c = seq_len / (2 * context)
     return heads * 2 * c * c * (context + 1)
 
 
 def ring_elements(model: ModelShape, tokens: float, tensor: int, context: int) -> float:
     """What autodiff of the ring keeps per layer beyond the layer's own activations, for
-    `tokens` tokens held: each of the cp − 1 visiting key and value blocks and each ring step's
-    partial output [tokens, heads, head_dim] (0 at cp = 1)."""
+    `tokens` tokens held: each of the cp − 1 visiting key and value blocks, and per ring step
+    RING_STEP_BUFFERS buffers of [tokens, heads, head_dim] (the query slice, the blocks'
+    partial outputs, the merged output and its rescaled halves); 0 at cp = 1."""
     heads, kv_heads = model.n_heads / tensor, max(model.n_kv_heads // tensor, 1)
-    return (context - 1) * tokens * model.head_dim * (2 * kv_heads + heads)
+    per_step = 2 * kv_heads + RING_STEP_BUFFERS * heads
+    return (context - 1) * tokens * model.head_dim * per_step

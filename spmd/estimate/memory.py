@@ -29,6 +29,10 @@ HOST_ROLES = {"none": (), "optimizer": ("optimizer",), "params": ("optimizer", "
 # engine moves the params in whole at the step's start (spmd.engine.offload), and the forward
 # and backward compute with them, so --offload params frees device memory between steps only.
 OFF_DEVICE_IN_STEP = ("optimizer",)
+# fp32 buffers of one layer's attention probabilities live at once while its backward pass
+# recomputes them (the scores, their softmax and its gradient): fitted to the tiny model's
+# compiled temp memory at length 256 and 1024, whose length² part is 3.1 x one layer's scores.
+SCORE_COPIES = 3
 
 
 def bytes_per_param(s: cost.Setup) -> dict[str, int]:
@@ -62,11 +66,11 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     micro-batch of b sequences of length t, of which a device holds T = b*t/cp tokens (context
     parallelism; heads h, kv heads k, mlp width m divided by tensor; embed e and head_dim d
     whole; r = tp under sequence parallelism, else 1):
-      none: T*(4e/r + (h + 2k)*d + h*d + 4m) + b*h*t*t (block input, its two norms' inputs
-        and outputs; q, k, v; attention output; gate, up, silu(gate), their product; the
-        softmax probabilities of every head: under cp the ring's 2c²(cp + 1) per head and
-        sequence, plus its visiting key / value blocks and partial outputs,
-        spmd.estimate.long_sequence);
+      none: T*(4e/r + (h + 2k)*d + h*d + 4m) (block input, its two norms' inputs and
+        outputs; q, k, v; attention output; gate, up, silu(gate), their product; under cp
+        the ring's visiting key / value blocks and partial outputs,
+        spmd.estimate.long_sequence; not the attention probabilities, which the backward pass
+        recomputes: activation_bytes counts them once);
       dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
       full: T*e/r (the block input only);
       offload: as full on the device (dots_saveable's set waits in host memory).
@@ -85,8 +89,7 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         shared = 4 * width if shape.shared_expert else 0
         mlp_none = slots * (2 * e + 4 * width + 2) + shared
         mlp_dots = slots * (e + 2 * width) + shared / 2
-    attention = b * long_sequence.score_elements(h, t, cp)
-    attention += long_sequence.ring_elements(shape, tokens, tensor, cp)
+    attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
     return {
         "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none) + attention,
         "dots_saveable": tokens * (3 * e + (h + 2 * k) * d + mlp_dots),
@@ -105,7 +108,9 @@ def activation_bytes(s: cost.Setup) -> float:
     micro-batch's residual stream [b, t/cp/r, embed]: gpipe 2M, 1f1b at most 2p,
     spmd.estimate.pipeline_figures.stashed_inputs). With remat, one layer's no-remat set is
     live while it is replayed. Outside the blocks: the embedding output and final norm
-    (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes). Under
+    (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes). The
+    attention scores one layer's backward pass recomputes: SCORE_COPIES fp32 buffers of its
+    probabilities (spmd.estimate.long_sequence.score_elements per sequence). Under
     ZeRO-3 one layer's params gathered whole over fsdp (an MoE's experts stay split: the
     tokens travel to them). Activations are in the compute dtype.
     """
@@ -117,12 +122,16 @@ def activation_bytes(s: cost.Setup) -> float:
     replay = per_layer["none"] if s.remat != "none" else 0
     stash = pipeline_figures.stashed_inputs(s) * residual
     outside = 2 * residual * c + 2 * tokens * shape.vocab_size / s.mesh["tensor"] * 4
+    heads = shape.n_heads / s.mesh["tensor"]
+    scores = (
+        SCORE_COPIES * s.micro_batch * long_sequence.score_elements(heads, s.seq_len, s.context)
+    )
     gathered = 0.0
     if s.zero == 3 and s.sharded_fsdp > 1:
         stage_layers = shape.n_layers // s.mesh["pipeline"]
         blocks = cost.params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         gathered = blocks / stage_layers * s.bytes_of("weights")
-    return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + gathered
+    return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + scores * 4 + gathered
 
 
 def offloaded_activation_bytes(s: cost.Setup) -> float:

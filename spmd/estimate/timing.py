@@ -37,13 +37,16 @@ def model_flops(s: cost.Setup) -> float:
 
 
 def executed_flops(s: cost.Setup) -> float:
-    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards,
-    plus an MoE's routing padding (spmd.estimate.experts.padding_flops_per_token), forward and
-    backward."""
+    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards
+    and attention scores, plus an MoE's routing padding
+    (spmd.estimate.experts.padding_flops_per_token), forward and backward."""
     f = forward_flops_per_token(s)
     layer = f["blocks"] + f["attention"]
     replays = layer * (s.pipelined + (s.remat == "full"))
     replays += f["attention"] * (s.remat in ("dots_saveable", "offload"))
+    # without remat the attention kernel still recomputes its scores (q k^T) for the backward
+    # pass instead of keeping them (models.attention.recomputed_attention)
+    replays += f["attention"] / 2 * (s.remat == "none")
     forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len)
     replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     return model_flops(s) + s.batch * s.seq_len * replays

@@ -20,6 +20,8 @@ each device's local blocks [batch, 2c, heads, head_dim].
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,10 +42,13 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
     )
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3,))
 def _block(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of queries q [b, t, h, d] over keys/values [b, s, kv_heads, d]
     (grouped-query): (output [b, t, h, d] fp32, log-sum-exp [b, t, h] fp32). `causal` masks
-    key j > query j (q and k then cover the same positions, t == s)."""
+    key j > query j (q and k then cover the same positions, t == s). The backward pass
+    recomputes the block's probabilities from q and k, as the one-device kernel does
+    (models.attention.recomputed_attention), instead of keeping them."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     groups = q.reshape(b, t, kv_heads, h // kv_heads, d)
@@ -78,8 +83,8 @@ def _visiting_block(q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array
     start = jnp.where(earlier, 0, c)
     q_a = lax.dynamic_slice_in_dim(q, start, c, axis=1)
     k_a, v_a = (lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (k, v))
-    first = _block(q_a, k[:, :c], v[:, :c], causal=False)
-    second = _block(q[:, c:], k_a, v_a, causal=False)
+    first = _block(q_a, k[:, :c], v[:, :c], False)
+    second = _block(q[:, c:], k_a, v_a, False)
     empty = (jnp.zeros_like(first[0]), jnp.full_like(first[1], EMPTY))
     to_first = jax.tree.map(lambda a, b: jnp.where(earlier, a, b), first, empty)
     to_second = _combine(jax.tree.map(lambda a, b: jnp.where(earlier, a, b), empty, first), second)
@@ -94,7 +99,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ways: in
     rank = lax.axis_index(axis)
     # Own chunks: chunk i precedes chunk 2cp-1-i, so the lower triangle over their
     # concatenation is exactly the global causal mask between them.
-    acc = _block(q, k, v, causal=True)
+    acc = _block(q, k, v, True)
     shift = [(j, (j + 1) % ways) for j in range(ways)]
     for step in range(1, ways):
         k, v = lax.ppermute((k, v), axis, shift)
