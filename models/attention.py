@@ -22,6 +22,7 @@ from flax import nnx
 
 from models.layers import RESIDUAL, WHOLE, RMSNorm, dense, param, zeros
 from models.rope import Rope
+from spmd.model_shape import query_chunks
 from spmd.parallel.hooks import (
     attention,
     constrain,
@@ -124,18 +125,50 @@ def causal_attention(
             note("attention", f"xla (cudnn declined: {why})")
     else:
         note("attention", "xla")
-    return recomputed_attention(q, k, v, segments, window)
+    return chunked_causal_attention(q, k, v, segments, window)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,))
+def chunked_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
+    window: int = 0,
+) -> jax.Array:
+    """`grouped_causal_attention` with the queries split along length into n equal chunks
+    (spmd.model_shape.query_chunks: 4 or 2 of at least 32 positions), chunk i attending to
+    the first (i + 1) / n of the keys, the only ones it can see: (n + 1) / 2n of the length²
+    scores instead of all of them. Each chunk's backward pass recomputes its probabilities
+    from q and k (`recomputed_attention`), as flash attention does. Same shapes in and out
+    as `causal_attention`."""
+    t = q.shape[1]
+    chunk = t // query_chunks(t)
+    outs = []
+    for end in range(chunk, t + 1, chunk):
+        positions = jnp.arange(end - chunk, end)
+        seen = None if segments is None else segments[:, :end]
+        outs.append(
+            recomputed_attention(
+                q[:, end - chunk : end], k[:, :end], v[:, :end], seen, positions, window
+            )
+        )
+    return jnp.concatenate(outs, axis=1)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(5,))
 def recomputed_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, window: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None,
+    positions: jax.Array,
+    window: int,
 ) -> jax.Array:
     """`grouped_causal_attention` whose backward pass recomputes the probabilities from q and
-    k, as flash attention does, instead of keeping batch x heads x length² of them per layer:
-    one more q k^T matmul per layer, and on a CPU a faster step, as the layer scan no longer
-    writes the probabilities into its stacked residuals and reads them back (docs/speed.md)."""
-    return grouped_causal_attention(q, k, v, segments, window)
+    k instead of keeping batch x heads x length² of them per layer: one more q k^T matmul, and
+    on a CPU a faster step, as the layer scan no longer writes the probabilities into its
+    stacked residuals and reads them back (docs/speed.md)."""
+    return grouped_causal_attention(q, k, v, segments, window, positions)
 
 
 def same_document(segments: jax.Array) -> jax.Array:
@@ -171,9 +204,10 @@ def grouped_causal_attention(
     positions: jax.Array | None = None,
 ) -> jax.Array:
     """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype.
-    `positions` [batch, t]: where the queries sit among k's positions (decoding over a key /
-    value cache); None: q and k are the same positions 0..t-1. Query head h reads kv head
-    h // (heads / kv_heads), as in jax.nn.dot_product_attention.
+    `positions` [batch, t] or [t]: where the queries sit among k's positions (decoding over a
+    key / value cache, a chunk of the queries); None: q and k are the same positions 0..t-1.
+    `segments` [batch, s]: the keys' document ids (the queries' are read at `positions`).
+    Query head h reads kv head h // (heads / kv_heads), as in jax.nn.dot_product_attention.
 
     The matmuls run head-major, each kv head's g query heads stacked as g x t rows: batch and
     kv head lead and one dim is contracted, forward and backward. XLA:CPU runs that layout's
@@ -195,7 +229,8 @@ def grouped_causal_attention(
     queries = jnp.arange(t) if positions is None else positions
     seen = visible(jnp.tile(queries, groups), jnp.arange(k.shape[1]), window)  # row m: m % t
     if segments is not None:
-        seen = seen & jnp.tile(same_document(segments), (1, groups, 1))
+        mine = segments if positions is None else segments[jnp.arange(b)[:, None], positions]
+        seen = seen & jnp.tile(mine[:, :, None] == segments[:, None, :], (1, groups, 1))
     if seen.ndim == 3:  # per sequence: [b, rows, s]
         seen = seen[:, None]
     logits = jnp.where(seen, logits * d**-0.5, jnp.finfo(jnp.float32).min)

@@ -62,3 +62,26 @@ class ModelShape:
         matmul_params += e * self.vocab_size
         attention_scores = 12 * self.n_layers * seq_len * self.n_heads * d
         return 6.0 * matmul_params + attention_scores
+
+
+# XLA's causal attention splits the queries along length into 4 or 2 chunks of at least
+# QUERY_CHUNK_MIN positions (models.attention.chunked_causal_attention): chunk i of n sees only
+# the first (i + 1) / n of the keys, so the blocks above the diagonal are never computed. More
+# chunks measured no faster on a CPU and compile longer (docs/speed.md).
+QUERY_CHUNKS, QUERY_CHUNK_MIN = (4, 2), 32
+
+
+def query_chunks(seq_len: int) -> int:
+    """How many equal chunks XLA's causal attention splits `seq_len` queries into: the most of
+    QUERY_CHUNKS that divides it into chunks of at least QUERY_CHUNK_MIN positions, else 1."""
+    for n in QUERY_CHUNKS:
+        if seq_len % n == 0 and seq_len // n >= QUERY_CHUNK_MIN:
+            return n
+    return 1
+
+
+def causal_score_share(seq_len: int) -> float:
+    """The share of the length x length scores that chunked causal attention computes:
+    (n + 1) / 2n for n query chunks (1 unchunked)."""
+    n = query_chunks(seq_len)
+    return (n + 1) / (2 * n)

@@ -118,7 +118,9 @@ def test_activation_formula_for_tiny():
     b, t = 2, 64  # 16 sequences over 8 devices
     block = b * t * (4 * 64 + (8 + 2 * 4) * 8 + 8 * 8 + 4 * 256)
     outside = 2 * b * t * 64 * 4 + 2 * b * t * 256 * 4
-    scores = 3 * b * 8 * t * t * 4  # one layer's recomputed probabilities: 3 fp32 buffers
+    # one layer's recomputed probabilities, 3 fp32 buffers; 2 query chunks at length 64 compute
+    # 3/4 of the length x length scores
+    scores = 3 * b * 8 * t * t * 3 / 4 * 4
     layer = 64 * 8 * (2 * 8 + 2 * 4) + 3 * 64 * 256 + 2 * 64  # ZeRO-3 gathers one whole layer
     assert memory.activation_bytes(s) == 4 * (4 * block) + outside + scores + 4 * layer
     remat = dataclasses.replace(s, remat="full")
@@ -621,7 +623,7 @@ def test_context_parallel_splits_activations_and_sends_theorys_ring():
     compiled HLO): 2 (k, v) x (cp - 1) per layer, forward and backward, of [8, 256, 4, 8]."""
     one, cp4 = tiny_setup("dp=1"), tiny_setup("cp=4")
     ratio = memory.activation_bytes(cp4) / memory.activation_bytes(one)
-    assert 0.15 < ratio < 0.25  # 0.18 here; compiled temp 0.17 (test_context_parallel)
+    assert 0.25 < ratio < 0.35  # 0.31 here; compiled temp 0.31 at batch 1 (docs/planning.md)
     (ring,) = [c for c in cost.collectives(cp4) if c.kind == "collective-permute"]
     layers = cp4.shape.n_layers
     assert (ring.count, ring.bytes) == (2 * 2 * 3 * layers, 8 * 256 * 4 * 8 * 4)
@@ -678,13 +680,17 @@ def test_measure_agrees_for_context_and_sequence_parallel():
 
 
 def test_recommend_picks_context_parallelism_where_nothing_fits_without_it():
-    args = ("--params", "1e9", "--devices", "8", "--seq-len", "65536", "--recommend")
+    # a 1B-sized model with 8 heads of 256 on a node of 16: tp cannot split the heads more
+    # than 8 ways, so at 131072 tokens only cp shrinks the attention scores enough
+    args = ("--vocab-size", "32000", "--embed-dim", "2048", "--mlp-dim", "5376", "--n-layers",
+            "16", "--n-heads", "8", "--n-kv-heads", "8", "--head-dim", "256", "--devices", "16",
+            "--devices-per-node", "16", "--seq-len", "131072", "--recommend")  # fmt: skip
     without = planned(*args, "--mesh", "cp=1")
     # at cp=1 nothing fits on the devices: only the search's last pass, host memory, does
     assert without["remat"] == "offload" or without["offload"] != "none"
     out = planned(*args)
     assert out["fits"] and out["mesh"]["context"] > 1
-    assert out["long_sequence"]["tokens_per_device"] == 65536 // out["mesh"]["context"]
+    assert out["long_sequence"]["tokens_per_device"] == 131072 // out["mesh"]["context"]
     command = out["recommendation"]["train_command"]
     assert f"cp={out['mesh']['context']}" in command.split("--mesh ")[1].split()[0]
     assert any(line.startswith(f"cp={out['mesh']['context']}:") for line in

@@ -22,7 +22,7 @@ spmd.estimate.volumes'. Pure arithmetic, no JAX. `model` is a spmd.model_shape.M
 
 from __future__ import annotations
 
-from spmd.model_shape import ModelShape
+from spmd.model_shape import ModelShape, causal_score_share
 
 # Buffers of [tokens, heads, head_dim] the ring keeps per visiting step: fitted to the compiled
 # temp memory of the tiny model at cp=4 (lengths 256 and 1024), which autodiff's merges keep.
@@ -56,7 +56,10 @@ def residual_split(tensor: int, sequence_parallel: bool) -> int:
 
 def score_elements(heads: float, seq_len: int, context: int) -> float:
     """Attention probabilities one device computes per sequence and layer (and recomputes in
-    its backward pass): heads x 2c²(cp + 1), c = seq_len / 2cp (heads x seq_len² at cp = 1)."""
+    its backward pass): heads x 2c²(cp + 1), c = seq_len / 2cp; at cp = 1 the chunked causal
+    kernel's heads x seq_len² x (n + 1) / 2n (spmd.model_shape.causal_score_share)."""
+    if context == 1:
+        return heads * seq_len * seq_len * causal_score_share(seq_len)
     c = seq_len / (2 * context)
     return heads * 2 * c * c * (context + 1)
 

@@ -31,7 +31,8 @@ HOST_ROLES = {"none": (), "optimizer": ("optimizer",), "params": ("optimizer", "
 OFF_DEVICE_IN_STEP = ("optimizer",)
 # fp32 buffers of one layer's attention probabilities live at once while its backward pass
 # recomputes them (the scores, their softmax and its gradient): fitted to the tiny model's
-# compiled temp memory at length 256 and 1024, whose length² part is 3.1 x one layer's scores.
+# compiled temp memory at length 256 and 1024, whose length² part is 2.7 x one layer's scores
+# (3.1 before the kernel was chunked).
 SCORE_COPIES = 3
 
 
