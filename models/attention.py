@@ -146,10 +146,10 @@ def chunked_causal_attention(
     outs = []
     for end in range(chunk, t + 1, chunk):
         positions = jnp.arange(end - chunk, end)
-        seen = None if segments is None else segments[:, :end]
+        documents = None if segments is None else segments[:, :end]
         outs.append(
             recomputed_attention(
-                q[:, end - chunk : end], k[:, :end], v[:, :end], seen, positions, window
+                q[:, end - chunk : end], k[:, :end], v[:, :end], documents, positions, window
             )
         )
     return jnp.concatenate(outs, axis=1)

@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from models import attention, llama
 from spmd.io import data
+from spmd.model_shape import query_chunks
 from tests import trainer
 
 SEQ_LEN, BATCH = trainer.SEQ_LEN, trainer.BATCH
@@ -36,6 +38,29 @@ def test_two_documents_in_a_window_get_the_logits_they_have_alone():
         attention.causal_attention(q, k, v, jnp.asarray(segments)),
         atol=1e-5,
     )
+
+
+@pytest.mark.parametrize("length, window", [(128, 0), (128, 40), (64, 5)])
+def test_chunked_attention_equals_the_whole_square_with_documents(length, window):
+    """XLA's kernel in query chunks (4 at length 128, 2 at 64), each over the keys it can see
+    and recomputed in the backward pass, gives the whole-square kernel's outputs and
+    gradients, with documents and sliding windows."""
+    assert query_chunks(length) == (4 if length == 128 else 2)
+    rng = np.random.default_rng(length + window)
+    q, k, v, w = (
+        jnp.asarray(rng.normal(size=(2, length, h, 8)), jnp.float32) for h in (8, 4, 4, 8)
+    )
+    segments = jnp.asarray(np.sort(rng.integers(0, 4, (2, length)), axis=1))
+
+    def loss(kernel):
+        return jax.value_and_grad(
+            lambda q, k, v: jnp.sum(kernel(q, k, v, segments, window) * w), argnums=(0, 1, 2)
+        )(q, k, v)
+
+    chunked = loss(attention.chunked_causal_attention)
+    whole = loss(attention.grouped_causal_attention)
+    for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
 
 
 def test_the_moe_model_keeps_documents_apart_too():
