@@ -171,10 +171,12 @@ def recomputed_attention(
     return grouped_causal_attention(q, k, v, segments, window, positions)
 
 
-def same_document(segments: jax.Array) -> jax.Array:
-    """bool [batch, length, length]: whether query position t and key position s hold the
+def same_document(segments: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    """bool [batch, t, s]: whether query position t (document ids `segments` [batch, t]) and
+    key position s (ids `keys` [batch, s]; None: the same positions as the queries) hold the
     same document."""
-    return segments[:, :, None] == segments[:, None, :]
+    keys = segments if keys is None else keys
+    return segments[:, :, None] == keys[:, None, :]
 
 
 def segment_positions(segments: jax.Array) -> jax.Array:
@@ -230,7 +232,7 @@ def grouped_causal_attention(
     seen = visible(jnp.tile(queries, groups), jnp.arange(k.shape[1]), window)  # row m: m % t
     if segments is not None:
         mine = segments if positions is None else segments[jnp.arange(b)[:, None], positions]
-        seen = seen & jnp.tile(mine[:, :, None] == segments[:, None, :], (1, groups, 1))
+        seen = seen & jnp.tile(same_document(mine, segments), (1, groups, 1))
     if seen.ndim == 3:  # per sequence: [b, rows, s]
         seen = seen[:, None]
     logits = jnp.where(seen, logits * d**-0.5, jnp.finfo(jnp.float32).min)
