@@ -102,6 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--profile", type=int, default=0, help="also profile N steps of each")
     args, rest = parser.parse_known_args(argv)
+    from spmd.parallel import huge_pages, xla_flags
+
+    # As `python -m spmd.bench` would under --xla-preset throughput: restart once with XLA:CPU's
+    # per-step buffers on huge pages. The torch worker inherits the same allocator setting.
+    preset = "throughput"
+    for i, arg in enumerate(rest):
+        if arg.startswith("--xla-preset="):
+            preset = arg.partition("=")[2]
+        elif arg == "--xla-preset" and i + 1 < len(rest):
+            preset = rest[i + 1]
+    if huge_pages.wanted(xla_flags.platform(), preset) and not huge_pages.active():
+        huge_pages.restart()
 
     from spmd import bench
     from spmd.log import say

@@ -118,7 +118,9 @@ class ParallelConfig:
     # fp32 master weights) lives in host memory, streamed to the devices for each step; params
     # = the params too (needs --zero 3); none = everything in device memory
     offload: Literal["none", "optimizer", "params"] = "none"
-    xla_preset: Literal["throughput", "none"] = "throughput"  # XLA flags set on GPU (yours win)
+    # throughput: on a GPU the XLA flags of docs/speed.md (yours win), on a CPU XLA's per-step
+    # buffers on huge pages; none: neither
+    xla_preset: Literal["throughput", "none"] = "throughput"
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"  # pipeline schedule (pp > 1)
     microbatches: int = 0  # micro-batches per pipeline pass (per accum micro-step); 0: 2 x pp
     pp_virtual: int = 1  # chunks of layers per pipeline stage (interleaved: 2 or more)

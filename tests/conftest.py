@@ -25,6 +25,12 @@ atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_e
 os.environ["SPMD_RUNS_DIR"] = "none"
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# spmd's commands on a CPU restart themselves once with glibc's huge-page tunable
+# (spmd.parallel.huge_pages); the subprocesses the tests start get it from the start instead,
+# which saves a second interpreter start each. tests/test_huge_pages.py runs the restart.
+if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, ("glibc.malloc.hugetlb=1", given)))
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 

@@ -18,6 +18,9 @@ debug options are parsed by both).
         (jaxlib 0.10.2 rejects xla_cpu_*combine*); its cpu-all-reduce-combiner pass merges every
         independent all-reduce into one, which would undo the buckets, so that pass is disabled.
         Under auto on CPU --bucket-mb changes nothing (said at start).
+    CPU, --xla-preset throughput: not an XLA flag but the allocator under it: glibc's malloc
+        puts XLA's per-step buffers on transparent huge pages (spmd.parallel.huge_pages; a
+        command restarts itself once to set it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import shlex
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.parallel import huge_pages
 from spmd.sections import ParallelConfig, choices
 
 PRESETS = choices(ParallelConfig, "xla_preset")
@@ -106,19 +110,27 @@ def apply(preset: str, bucket_mb: float, executor: str) -> dict[str, Any]:
         note = (
             "XLA:CPU has no combine-threshold flags: --bucket-mb does not change auto's collectives"
         )
-    if added and xla_bridge.backends_are_initialized():
+    started = xla_bridge.backends_are_initialized()
+    if added and started:
         # In-process callers (tests, notebooks) that already started JAX: XLA would not read
         # the flags any more, so say so rather than leave them in the environment.
         note = "the JAX backend had already started: XLA flags not applied"
         added, text = {}, os.environ.get("XLA_FLAGS", "")
     elif added:
         os.environ["XLA_FLAGS"] = text
+    malloc = huge_pages.active()
+    if huge_pages.wanted(where, preset) and not malloc:
+        if huge_pages.is_command() and not started:
+            huge_pages.restart()  # returns only if the restart failed
+        hint = f"set GLIBC_TUNABLES={huge_pages.TUNABLE}=1 before Python starts: XLA:CPU's "
+        note = "; ".join(filter(None, (note, hint + "per-step buffers on huge pages")))
     return {
         "platform": where,
         "preset": preset,
         "set": added,
         "user_kept": kept,
         "xla_flags": text,
+        "malloc": f"{huge_pages.TUNABLE}={malloc}" if malloc else "",
         "note": note,
     }
 
@@ -127,6 +139,8 @@ def describe(record: dict[str, Any]) -> str:
     """One line for the start of a run."""
     parts = [f"xla flags ({record['platform']}, preset {record['preset']}):"]
     parts.append(" ".join(f"--{k}={v}" for k, v in record["set"].items()) or "none set")
+    if record["malloc"]:
+        parts.append(f"| malloc: {record['malloc']}")
     if record["user_kept"]:
         kept = " ".join(f"--{k}={v}" for k, v in record["user_kept"].items())
         parts.append(f"| yours kept: {kept}")

@@ -1,0 +1,86 @@
+"""Transparent huge pages for XLA:CPU's per-step buffers (`--xla-preset throughput` on a CPU).
+
+XLA:CPU allocates a step's temp buffer afresh at every execution (325 MB for the benchmark
+model of docs/speed.md), and glibc's malloc serves a block that large with a new mmap: the
+kernel then faults in and zeroes every 4 KiB page of it, at every step (79k page faults and
+about 150 ms of kernel time per step there). glibc's tunable `glibc.malloc.hugetlb=1` makes
+malloc ask for transparent huge pages on those blocks (madvise), so a step faults 2 MiB pages
+instead: the step ran 1.10x faster. glibc reads tunables only when a process starts, so a
+command restarts itself once with the tunable in its environment (`os.execv`: same process
+id, same arguments), before JAX starts its backend. Only spmd's own commands restart; an
+interpreter that imported spmd (a notebook, pytest) is told how to set it.
+
+It is wanted only where it changes something: a CPU run under the throughput preset, on Linux
+with glibc 2.35 or later (the first with the tunable), where the kernel's transparent huge
+pages are in `madvise` mode (`always` gives them without asking, `never` refuses them).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+TUNABLE = "glibc.malloc.hugetlb"
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (always, madvise, never), "" if unknown."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+def glibc_has_tunable() -> bool:
+    """Whether this interpreter runs on glibc 2.35 or later."""
+    name, version = platform.libc_ver()
+    parts = version.split(".")
+    return name == "glibc" and len(parts) >= 2 and (int(parts[0]), int(parts[1])) >= (2, 35)
+
+
+def wanted(where: str, preset: str) -> bool:
+    """Whether a run on platform `where` under `preset` would use the tunable."""
+    if where != "cpu" or preset != "throughput":
+        return False
+    return thp_mode() == "madvise" and glibc_has_tunable()
+
+
+def active() -> str:
+    """The tunable's value in the environment this process started with, the one glibc read
+    ("" if not set): a variable set later (os.environ) changes nothing in this process."""
+    try:
+        start = Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return ""
+    given = next((v[15:] for v in start if v.startswith("GLIBC_TUNABLES=")), "")
+    for item in given.split(":"):
+        name, _, value = item.partition("=")
+        if name == TUNABLE:
+            return value
+    return ""
+
+
+def is_command() -> bool:
+    """Whether this process is one of spmd's commands (`python -m spmd.train`, ...), which
+    may restart itself, rather than an interpreter that imported spmd."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name.split(".")[0] == "spmd"
+
+
+def restart() -> None:
+    """Run this process again from its start, with the tunable added to GLIBC_TUNABLES;
+    returns only if the restart failed."""
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    # first: glibc 2.36 leaves only the first tunable in the environment it shows the process
+    # (/proc/self/environ), which is where `active` looks
+    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (f"{TUNABLE}=1", given)))}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:
+        return

@@ -1,0 +1,65 @@
+"""--xla-preset throughput on a CPU: spmd's commands restart once with glibc's huge-page tunable,
+so that XLA:CPU's per-step buffers are not faulted in 4 KiB at a time (spmd.parallel.huge_pages,
+docs/speed.md)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spmd.parallel import huge_pages
+from tests import cli
+
+
+def test_wanted_only_on_a_cpu_under_throughput_where_the_kernel_waits_to_be_asked(monkeypatch):
+    monkeypatch.setattr(huge_pages, "glibc_has_tunable", lambda: True)
+    for mode, expected in (("madvise", True), ("always", False), ("never", False), ("", False)):
+        monkeypatch.setattr(huge_pages, "thp_mode", lambda mode=mode: mode)
+        assert huge_pages.wanted("cpu", "throughput") is expected, mode
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    assert not huge_pages.wanted("gpu", "throughput")
+    assert not huge_pages.wanted("cpu", "none")
+    monkeypatch.setattr(huge_pages, "glibc_has_tunable", lambda: False)
+    assert not huge_pages.wanted("cpu", "throughput")
+
+
+def test_only_the_environment_a_process_started_with_counts():
+    code = (
+        "import os; from spmd.parallel import huge_pages; "
+        "os.environ['GLIBC_TUNABLES'] = 'glibc.malloc.hugetlb=1'; print(repr(huge_pages.active()))"
+    )
+
+    def started_with(tunables: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "GLIBC_TUNABLES": tunables, "PYTHONPATH": str(cli.ROOT)}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    started_without = started_with("")
+    started_with = started_with("glibc.malloc.hugetlb=1:glibc.malloc.arena_max=4")
+    assert started_without.stdout.strip() == "''", started_without.stderr
+    assert started_with.stdout.strip() == "'1'", started_with.stderr
+
+
+@pytest.mark.skipif(
+    not huge_pages.wanted("cpu", "throughput"),
+    reason="this machine's kernel or glibc takes no huge-page tunable",
+)
+def test_a_cpu_run_restarts_once_with_the_tunable_and_none_leaves_it():
+    # A mesh that cannot be built: the run stops (exit 2) right after its "xla flags" line,
+    # which each process prints once, so a restart that repeated output would show here.
+    bad_mesh = ("--model", "tiny", "--mesh", "dp=3", "--devices", "2")
+    # the user's own tunables are kept
+    run = cli.run("spmd.train", *bad_mesh, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
+    assert run.returncode == 2, run.stderr
+    lines = (run.stdout + run.stderr).splitlines()
+    flags = [line for line in lines if line.startswith("xla flags")]
+    assert flags == [
+        "xla flags (cpu, preset throughput): none set | malloc: glibc.malloc.hugetlb=1"
+    ]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    off = cli.run("spmd.train", *bad_mesh, "--xla-preset", "none", env={"GLIBC_TUNABLES": ""})
+    assert [line for line in (off.stdout + off.stderr).splitlines() if "xla flags" in line] == [
+        "xla flags (cpu, preset none): none set"
+    ]
