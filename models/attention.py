@@ -141,34 +141,33 @@ def chunked_causal_attention(
     scores instead of all of them. Each chunk's backward pass recomputes its probabilities
     from q and k (`recomputed_attention`), as flash attention does. Same shapes in and out
     as `causal_attention`."""
-    t = q.shape[1]
-    chunk = t // query_chunks(t)
-    outs = []
-    for end in range(chunk, t + 1, chunk):
-        positions = jnp.arange(end - chunk, end)
-        documents = None if segments is None else segments[:, :end]
-        outs.append(
-            recomputed_attention(
-                q[:, end - chunk : end], k[:, :end], v[:, :end], documents, positions, window
-            )
-        )
+    chunks = query_chunks(q.shape[1])
+    outs = [recomputed_attention(q, k, v, segments, window, i, chunks) for i in range(chunks)]
     return jnp.concatenate(outs, axis=1)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(5,))
+@functools.partial(jax.checkpoint, static_argnums=(4, 5, 6))
 def recomputed_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None,
-    positions: jax.Array,
     window: int,
+    chunk: int,
+    chunks: int,
 ) -> jax.Array:
-    """`grouped_causal_attention` whose backward pass recomputes the probabilities from q and
-    k instead of keeping batch x heads x length² of them per layer: one more q k^T matmul, and
-    on a CPU a faster step, as the layer scan no longer writes the probabilities into its
-    stacked residuals and reads them back (docs/speed.md)."""
-    return grouped_causal_attention(q, k, v, segments, window, positions)
+    """`grouped_causal_attention` of query chunk `chunk` of `chunks` over the keys it can see,
+    whose backward pass recomputes the probabilities from q and k instead of keeping batch x
+    heads x length² of them per layer: one more q k^T matmul, and on a CPU a faster step, as
+    the layer scan no longer writes the probabilities into its stacked residuals and reads
+    them back (docs/speed.md). It takes the whole q, k and v and slices them itself, so that
+    what the backward pass keeps is q, k and v once, not a copy of each chunk's slices."""
+    size = q.shape[1] // chunks
+    start, end = chunk * size, (chunk + 1) * size
+    documents = None if segments is None else segments[:, :end]
+    return grouped_causal_attention(
+        q[:, start:end], k[:, :end], v[:, :end], documents, window, jnp.arange(start, end)
+    )
 
 
 def same_document(segments: jax.Array, keys: jax.Array | None = None) -> jax.Array:
