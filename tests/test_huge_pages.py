@@ -63,3 +63,15 @@ def test_a_cpu_run_restarts_once_with_the_tunable_and_none_leaves_it():
     assert [line for line in (off.stdout + off.stderr).splitlines() if "xla flags" in line] == [
         "xla flags (cpu, preset none): none set"
     ]
+
+
+def test_a_tunables_variable_that_names_it_already_is_never_restarted_over(monkeypatch):
+    # glibc shows a process only the first tunable of its start environment, so a later
+    # "glibc.malloc.hugetlb=0" of yours is not seen as active: restarting would loop, or
+    # override you.
+    def execve(*args):
+        raise AssertionError(f"restarted with {args}")
+
+    monkeypatch.setattr(huge_pages.os, "execve", execve)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=0")
+    huge_pages.restart()

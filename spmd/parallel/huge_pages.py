@@ -73,8 +73,11 @@ def is_command() -> bool:
 
 def restart() -> None:
     """Run this process again from its start, with the tunable added to GLIBC_TUNABLES;
-    returns only if the restart failed."""
+    returns at once if GLIBC_TUNABLES names it already (yours wins, and a restart could not
+    change it), and returns if the restart failed."""
     given = os.environ.get("GLIBC_TUNABLES", "")
+    if TUNABLE in given:
+        return
     # first: glibc 2.36 leaves only the first tunable in the environment it shows the process
     # (/proc/self/environ), which is where `active` looks
     env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (f"{TUNABLE}=1", given)))}
