@@ -102,23 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--profile", type=int, default=0, help="also profile N steps of each")
     args, rest = parser.parse_known_args(argv)
-    from spmd.parallel import huge_pages, xla_flags
-
-    # As `python -m spmd.bench` would under --xla-preset throughput: restart once with XLA:CPU's
-    # per-step buffers on huge pages. The torch worker inherits the same allocator setting.
-    preset = "throughput"
-    for i, arg in enumerate(rest):
-        if arg.startswith("--xla-preset="):
-            preset = arg.partition("=")[2]
-        elif arg == "--xla-preset" and i + 1 < len(rest):
-            preset = rest[i + 1]
-    if huge_pages.wanted(xla_flags.platform(), preset) and not huge_pages.active():
-        huge_pages.restart()
 
     from spmd import bench
     from spmd.log import say
 
-    cfg, rounds, steps, compile_s, program = bench.prepare(SHAPE + rest, "against_torch.py")
+    # may restart this script once, as `python -m spmd.bench` restarts itself on a CPU under
+    # --xla-preset throughput (huge pages for XLA's per-step buffers); the torch worker,
+    # started after, inherits the same allocator setting
+    cfg, rounds, steps, compile_s, program = bench.prepare(
+        SHAPE + rest, "against_torch.py", may_restart=True
+    )
     if cfg.precision.precision != "fp32":
         raise SystemExit("FAILED: the torch reference trains in fp32; run with --precision fp32")
     worker = TorchWorker(args.torch_python, torch_spec(cfg, args.threads))

@@ -87,9 +87,12 @@ def run(argv: list[str] | None) -> int:
     return 0
 
 
-def prepare(argv: list[str] | None, prog: str = "python -m spmd.bench") -> tuple:
+def prepare(
+    argv: list[str] | None, prog: str = "python -m spmd.bench", may_restart: bool | None = None
+) -> tuple:
     """(Config, rounds, {name: run n steps}, {name: compile seconds}, Program) of a bench
-    command line: the XLA flags applied, the mesh made, both steps compiled."""
+    command line: the XLA flags applied, the mesh made, both steps compiled. `may_restart`:
+    as spmd.parallel.xla_flags.apply's (a script that is itself a benchmark passes True)."""
     sections = config.resolve(
         argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
     )
@@ -104,7 +107,10 @@ def prepare(argv: list[str] | None, prog: str = "python -m spmd.bench") -> tuple
     say(
         xla_flags.describe(
             xla_flags.apply(
-                cfg.parallel.xla_preset, cfg.parallel.bucket_mb, cfg.parallel.collectives
+                cfg.parallel.xla_preset,
+                cfg.parallel.bucket_mb,
+                cfg.parallel.collectives,
+                may_restart,
             )
         )
     )

@@ -5,8 +5,8 @@ model of docs/speed.md), and glibc's malloc serves a block that large with a new
 kernel then faults in and zeroes every 4 KiB page of it, at every step (79k page faults and
 about 150 ms of kernel time per step there). glibc's tunable `glibc.malloc.hugetlb=1` makes
 malloc ask for transparent huge pages on those blocks (madvise), so a step faults 2 MiB pages
-instead: the step ran 1.10x faster. glibc reads tunables only when a process starts, so a
-command restarts itself once with the tunable in its environment (`os.execv`: same process
+instead: the benchmark step ran 1.19x faster. glibc reads tunables only when a process starts, so a
+command restarts itself once with the tunable in its environment (`os.execve`: same process
 id, same arguments), before JAX starts its backend. Only spmd's own commands restart; an
 interpreter that imported spmd (a notebook, pytest) is told how to set it.
 
@@ -56,7 +56,7 @@ def active() -> str:
         start = Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return ""
-    given = next((v[15:] for v in start if v.startswith("GLIBC_TUNABLES=")), "")
+    given = next((v.partition("=")[2] for v in start if v.startswith("GLIBC_TUNABLES=")), "")
     for item in given.split(":"):
         name, _, value = item.partition("=")
         if name == TUNABLE:

@@ -96,10 +96,14 @@ def merge(user_text: str, flags: dict[str, str]) -> tuple[str, dict[str, str], d
     return " ".join(part for part in (user_text.strip(), extra) if part), added, kept
 
 
-def apply(preset: str, bucket_mb: float, executor: str) -> dict[str, Any]:
+def apply(
+    preset: str, bucket_mb: float, executor: str, may_restart: bool | None = None
+) -> dict[str, Any]:
     """Set XLA_FLAGS for this run (before the backend starts) and return what was done, for the
     config record: {"platform", "preset", "set": {flag: value}, "user_kept": {...},
-    "xla_flags": the final XLA_FLAGS, "note": a sentence or ""}."""
+    "xla_flags": the final XLA_FLAGS, "malloc": the huge-page tunable in effect or "", "note":
+    a sentence or ""}. `may_restart`: whether this process may restart itself to get the CPU
+    preset's malloc tunable (spmd.parallel.huge_pages); None: if it is one of spmd's commands."""
     import jax._src.xla_bridge as xla_bridge
 
     where = platform()
@@ -120,7 +124,7 @@ def apply(preset: str, bucket_mb: float, executor: str) -> dict[str, Any]:
         os.environ["XLA_FLAGS"] = text
     malloc = huge_pages.active()
     if huge_pages.wanted(where, preset) and not malloc:
-        if huge_pages.is_command() and not started:
+        if (huge_pages.is_command() if may_restart is None else may_restart) and not started:
             huge_pages.restart()  # returns only if the restart failed
         hint = f"set GLIBC_TUNABLES={huge_pages.TUNABLE}=1 before Python starts: XLA:CPU's "
         note = "; ".join(filter(None, (note, hint + "per-step buffers on huge pages")))
