@@ -6,7 +6,8 @@ halves it. The optimized HLO (collectives, buffer assignment, memory figures) is
 only the generated machine code is slower. Each program is also emitted as one LLVM module
 instead of split for parallel compiling: the suite's two workers already keep both cores busy,
 and one module compiled as fast and ran the tiny model's 20 steps in 1.1-1.5 s against
-1.5-1.7 s split (the suite: 484 s against 551 s, 2026-11-25). Subprocesses the tests start inherit it."""
+1.5-1.7 s split (the suite: 484 s against 551 s, 2026-11-25). Subprocesses the tests start
+inherit it."""
 
 import atexit
 import os
@@ -43,3 +44,31 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# Modules that read the same session-cached programs and loss trajectories (tests/trainer.py):
+# xdist's loadscope gives each module to one worker, and a worker without these builds them
+# again (test_buckets alone took 17-25 s on another worker, 9 s beside test_parity). One scope
+# puts them on one worker; every other module is still its own scope.
+SHARED_PROGRAM_MODULES = (
+    "test_parity.py",
+    "test_explicit.py",
+    "test_layouts.py",
+    "test_buckets.py",
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Loadscope, with SHARED_PROGRAM_MODULES as one scope; None (xdist's own) for other modes."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedProgramScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module.rsplit("/", 1)[-1] in SHARED_PROGRAM_MODULES:
+                return "tests/shared-programs"
+            return super()._split_scope(nodeid)
+
+    return SharedProgramScheduling(config, log)
