@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tokenized corpora are cached; keep the tests' cache out of the user's home.
-CACHE_HOME = tempfile.mkdtemp(prefix="spmd-test-cache-")
+# Tokenized corpora are cached: in the session's folder (tests/conftest.py), not the user's home.
+CACHE_HOME = os.environ["XDG_CACHE_HOME"]
 
 
 def run(
