@@ -21,9 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # instead of seconds. A fresh folder per session: nothing carries over between runs.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-test-jax-cache-")
 atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-# Tokenized corpora (spmd.io.tokens), W&B's and matplotlib's caches: one folder for the session
-# and every process it starts, never the user's ~/.cache (the examples wrote the stdlib
-# corpus's tokens there).
+# Tokenized corpora (spmd.io.tokens), W&B's and matplotlib's caches: one folder per pytest
+# process (each xdist worker, shared with the processes it starts), never the user's ~/.cache
+# (the examples wrote the stdlib corpus's tokens there).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="spmd-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 # A run without --run-dir writes a run folder under $SPMD_RUNS_DIR (runs/ in the working
