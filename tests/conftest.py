@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+from spmd.parallel import huge_pages  # the standard library only: JAX has not started
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared by the subprocesses the tests start
 # (they inherit the environment): many tests compile the same step (the tiny preset on a few
@@ -37,9 +39,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # spmd's commands on a CPU restart themselves once with glibc's huge-page tunable
 # (spmd.parallel.huge_pages); the subprocesses the tests start get it from the start instead,
 # which saves a second interpreter start each. tests/test_huge_pages.py runs the restart.
-if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-    given = os.environ.get("GLIBC_TUNABLES", "")
-    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, ("glibc.malloc.hugetlb=1", given)))
+os.environ["GLIBC_TUNABLES"] = huge_pages.with_tunable(os.environ.get("GLIBC_TUNABLES", ""))
 FAST_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     " --xla_cpu_parallel_codegen_split_count=1"

@@ -11,5 +11,6 @@ prefetched in the explicit executor; `collectives` are the hand-written executor
 (psum / all_gather / psum_scatter), `buckets` its gradient buckets; `schedules`, `pipeline` and
 `pipeline_stage` run pipeline schedules (GPipe, 1F1B, interleaved) over the `pipeline` axis;
 `ring_attention` is context parallelism's causal ring over `context`; `xla_flags` sets the GPU
-preset before JAX starts. New strategies land here, each as its own module plus rule entries.
+preset before JAX starts, `huge_pages` the CPU preset's malloc tunable. New strategies land
+here, each as its own module plus rule entries.
 """

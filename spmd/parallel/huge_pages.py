@@ -71,6 +71,16 @@ def is_command() -> bool:
     return spec is not None and spec.name.split(".")[0] == "spmd"
 
 
+def with_tunable(given: str) -> str:
+    """A GLIBC_TUNABLES value: `given` with the tunable set to 1 in front, or `given` as it is
+    if it names the tunable already (yours wins)."""
+    if TUNABLE in given:
+        return given
+    # first: glibc 2.36 leaves only the first tunable in the environment it shows the process
+    # (/proc/self/environ), which is where `active` looks
+    return ":".join(filter(None, (f"{TUNABLE}=1", given)))
+
+
 def restart() -> None:
     """Run this process again from its start, with the tunable added to GLIBC_TUNABLES;
     returns at once if GLIBC_TUNABLES names it already (yours wins, and a restart could not
@@ -78,9 +88,7 @@ def restart() -> None:
     given = os.environ.get("GLIBC_TUNABLES", "")
     if TUNABLE in given:
         return
-    # first: glibc 2.36 leaves only the first tunable in the environment it shows the process
-    # (/proc/self/environ), which is where `active` looks
-    env = {**os.environ, "GLIBC_TUNABLES": ":".join(filter(None, (f"{TUNABLE}=1", given)))}
+    env = {**os.environ, "GLIBC_TUNABLES": with_tunable(given)}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
