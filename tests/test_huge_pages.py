@@ -36,10 +36,10 @@ def test_only_the_environment_a_process_started_with_counts():
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
         )
 
-    started_without = started_with("")
-    started_with = started_with("glibc.malloc.hugetlb=1:glibc.malloc.arena_max=4")
-    assert started_without.stdout.strip() == "''", started_without.stderr
-    assert started_with.stdout.strip() == "'1'", started_with.stderr
+    without = started_with("")
+    given = started_with("glibc.malloc.hugetlb=1:glibc.malloc.arena_max=4")
+    assert without.stdout.strip() == "''", without.stderr
+    assert given.stdout.strip() == "'1'", given.stderr
 
 
 @pytest.mark.skipif(
