@@ -1,4 +1,5 @@
-"""The command line end to end, in subprocesses: training, dry runs and every user error."""
+"""The command line end to end: training and dry runs in subprocesses, and every user error
+(in-process, and two through a real process)."""
 
 import contextlib
 import importlib
@@ -101,12 +102,33 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("args,message", ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
-def test_user_errors_exit_2_with_one_clear_line(args, message):
+def test_user_errors_exit_2_with_one_clear_line(args, message, capsys):
+    """In-process (`python -m spmd.train` calls this `main`), on the session's 8 devices: the
+    mesh checks run. The process boundary is the next test's."""
+    from spmd import train
+
+    capsys.readouterr()
+    try:
+        status = train.main(["--model", "tiny", "--dry-run", *args])
+    except SystemExit as exited:  # the argument parser's errors
+        status = exited.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # the error (and at most a notice)
+
+
+# one error the mesh finds, one the argument parser finds
+THROUGH_A_PROCESS = [ERRORS[0], (("--stepz", "3"), "did you mean --steps?")]
+
+
+@pytest.mark.parametrize("args,message", THROUGH_A_PROCESS, ids=["mesh", "parser"])
+def test_user_errors_end_the_process_with_status_2(args, message):
     result = run("spmd.train", "--model", "tiny", "--dry-run", *args)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 2  # the error (and at most a notice)
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2
 
 
 def test_the_spmd_command_dispatches_to_each_module(capsys):
