@@ -3,6 +3,8 @@ fp32 master weights and Adam moments in the optimizer state, sharded over fsdp f
 Per-device state bytes equal the formula, the 16-bit reduction moves half the bytes, every
 layout equals one device within 16-bit rounding, and a bf16 ZeRO-2 run resumes on another mesh."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -16,6 +18,14 @@ from tests.tiny_run import BATCH, EXECUTORS, SEQ_LEN, batch_at, text_windows, ti
 STAGES = [(0, "dp=8", 3), (1, "fsdp=8", 1), (2, "fsdp=8", 2), (3, "fsdp=8", 3)]
 
 
+@functools.cache
+def compiled_step(mesh: str, zero: int, policy: str, executor: str) -> tuple:
+    """(program, its AOT-compiled train step): the state-bytes test reads the compiled program,
+    and the parity test trains with the same one, traced and compiled once."""
+    program = tiny_program(mesh, policy=policy, zero=zero, executor=executor)
+    return program, program.compile_train_step(BATCH, SEQ_LEN)
+
+
 def n_params(program) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(program.abstract_params))
 
@@ -23,8 +33,7 @@ def n_params(program) -> int:
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("stage,mesh,zero", STAGES)
 def test_state_bytes_per_device_equal_the_zero_formula(stage, mesh, zero, executor):
-    program = tiny_program(mesh, policy="bf16", zero=zero, executor=executor)
-    compiled = program.compile_train_step(BATCH, SEQ_LEN)
+    program, compiled = compiled_step(mesh, zero, "bf16", executor)
     p, n = n_params(program), 8
     want_params = 2 * p / (n if stage == 3 else 1)  # bf16 working params
     want_opt = 12 * p / (n if stage >= 1 else 1)  # fp32 master + Adam m and v
@@ -72,10 +81,10 @@ PARITY = [
 STEPS = 10  # enough for 16-bit rounding to show against one device; the suite's time is tight
 
 
-def losses(program, steps: int = STEPS) -> np.ndarray:
+def losses(program, steps: int = STEPS, step_fn=None) -> np.ndarray:
     from tests.tiny_run import train_losses
 
-    return train_losses(program, steps)[0]
+    return train_losses(program, steps, step_fn)[0]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +95,8 @@ def one_device():
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("mesh,zero,policy", PARITY)
 def test_16bit_layouts_equal_one_device(one_device, mesh, zero, policy, executor):
-    got = losses(tiny_program(mesh, policy=policy, zero=zero, executor=executor))
+    program, compiled = compiled_step(mesh, zero, policy, executor)
+    got = losses(program, step_fn=compiled)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, one_device[policy], rtol=1e-2)
 
@@ -116,18 +126,20 @@ def test_bf16_pipeline_equals_one_device(one_device):
 def test_bf16_zero2_resumes_on_another_mesh(tmp_path):
     windows = text_windows()
 
-    def run(program, state, first: int, last: int) -> tuple[list[float], tuple]:
+    def run(built, state, first: int, last: int) -> tuple[list[float], tuple]:
+        program, train_step = built  # the parity test's programs, compiled once
         out = []
         for step in range(first, last):
-            *state, metrics = program.train_step(*state, batch_at(program, windows, step))
+            *state, metrics = train_step(*state, batch_at(program, windows, step))
             out.append(float(metrics["loss"]))
         return out, tuple(state)
 
     from tests.tiny_run import initial_state
 
-    zero2 = tiny_program("fsdp=8", policy="bf16", zero=2)
-    straight, _ = run(zero2, initial_state(zero2), 0, 10)
-    first_half, state = run(zero2, initial_state(zero2), 0, 5)
+    built = compiled_step("fsdp=8", 2, "bf16", "auto")
+    zero2 = built[0]
+    straight, _ = run(built, initial_state(zero2), 0, 10)
+    first_half, state = run(built, initial_state(zero2), 0, 5)
     manager = spmd.checkpoints(str(tmp_path))
     spmd.save(manager, 5, spmd.TrainState(*state), {}, program=zero2)
     manager.wait_until_finished()
@@ -135,9 +147,9 @@ def test_bf16_zero2_resumes_on_another_mesh(tmp_path):
     assert {leaf.dtype for leaf in jax.tree.leaves(zero2.checkpoint_view(state)["params"])} == {
         np.dtype(np.float32)
     }
-    same_mesh = run(zero2, tuple(spmd.restore(manager, zero2)[1]), 5, 10)[0]
+    same_mesh = run(built, tuple(spmd.restore(manager, zero2)[1]), 5, 10)[0]
     assert first_half + same_mesh == straight  # bitwise
-    other = tiny_program("dp=2,tp=4", policy="bf16")
-    moved = run(other, tuple(spmd.restore(manager, other)[1]), 5, 10)[0]
+    other = compiled_step("dp=2,tp=4", 3, "bf16", "auto")
+    moved = run(other, tuple(spmd.restore(manager, other[0])[1]), 5, 10)[0]
     np.testing.assert_allclose(moved, straight[5:], rtol=1e-2)
     manager.close()
