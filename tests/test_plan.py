@@ -664,13 +664,15 @@ def test_sequence_parallel_moves_the_all_reduces_bytes_and_keeps_less():
     assert saved == (4 * tp.shape.n_layers + 2) * 16 * 64 * tp.shape.embed_dim * 4 * 3 / 4
 
 
-def test_measure_agrees_for_context_and_sequence_parallel():
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_measure_agrees_for_context_and_sequence_parallel(remat):
     """The compiled explicit step of cp=2,tp=2 with SP moves exactly the planned bytes: the
     ring's collective-permutes, SP's all-gathers and reduce-scatters, the all-reduces (grads
-    over context, norm grads and the cross-entropy's sums over tensor)."""
+    over context, norm grads and the cross-entropy's sums over tensor). With remat the
+    backward's replay of each layer gathers two inputs but scatters one output."""
     out = planned("--model", "tiny", "--mesh", "cp=2,tp=2", "--sequence-parallel",
                   "--collectives", "explicit", "--batch", "8", "--seq-len", "64",
-                  "--precision", "fp32", "--measure")  # fmt: skip
+                  "--precision", "fp32", "--remat", remat, "--measure")  # fmt: skip
     rows = out["measured"]["rows"]
     kinds = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")
     assert {k.split()[0] for k in rows if k.endswith("bytes/step")} == set(kinds)
