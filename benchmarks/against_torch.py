@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 SHAPE = [
     *("--vocab-size", "256", "--embed-dim", "256", "--mlp-dim", "688", "--n-layers", "4"),
@@ -58,6 +59,10 @@ class TorchWorker:
 
     def steps(self, n: int) -> None:
         self.losses.append(self.ask(str(n))["loss"])
+
+    def part(self, name: str) -> Any:
+        """Run n calls of one part of the step alone there (benchmarks/step_parts.PARTS)."""
+        return lambda n: self.ask(f"{name} {n}")
 
     def profile(self, n: int) -> list:
         return self.ask(f"profile {n}")["ops"]
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-python", default=sys.executable, help="interpreter with torch")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--profile", type=int, default=0, help="also profile N steps of each")
+    parser.add_argument(
+        "--parts", action="store_true", help="also time forward, forward+backward and update"
+    )
     args, rest = parser.parse_known_args(argv)
 
     from spmd import bench
@@ -124,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"  {name:6}" + " ".join(f"{v * 1e3:8.1f}" for v in values) + " ms")
     medians = {name: statistics.median(t) for name, t in times.items()}
     say(f"torch / spmd step time: {medians['torch'] / medians['spmd']:.3f} (above 1: spmd faster)")
+    if args.parts:
+        time_parts(cfg, program, worker, rounds, per_round)
     if args.profile:
         from xla_ops import op_table
 
@@ -136,6 +146,25 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  {ms:9.2f} ms  {name}")
     worker.close()
     return 0
+
+
+def time_parts(cfg: Any, program: Any, worker: TorchWorker, rounds: int, per_round: int) -> None:
+    """Each part of the step alone on both sides, all taking turns in every round; medians."""
+    from step_parts import PARTS, spmd_parts
+
+    from spmd import bench
+    from spmd.log import say
+
+    runs = {f"spmd {name}": run for name, run in spmd_parts(cfg, program).items()}
+    runs |= {f"torch {name}": worker.part(name) for name in PARTS}
+    medians = {
+        name: statistics.median(t) * 1e3
+        for name, t in bench.time_alternating(runs, rounds, per_round).items()
+    }
+    say(f"each part alone, median of {rounds} rounds x {per_round} calls (ms):")
+    say(f"  {'part':18} {'spmd':>9} {'torch':>9}")
+    for name in PARTS:
+        say(f"  {name:18} {medians['spmd ' + name]:9.1f} {medians['torch ' + name]:9.1f}")
 
 
 if __name__ == "__main__":
