@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention, segment_positions
-from models.layers import RESIDUAL, WHOLE, RMSNorm, dense
+from models.layers import RESIDUAL, WHOLE, RMSNorm, dense, swiglu
 from models.layers import param as _param
 from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
@@ -199,7 +199,7 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(tp_enter(x, "mlp"), WHOLE)  # column-parallel gate, up: local columns
         gate, up = dense(x, gather(self.w_gate)), dense(x, gather(self.w_up))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
         out = dense(hidden, gather(self.w_down))
         # row-parallel: sum the columns' partial outputs
         return constrain(tp_reduce(out, "mlp"), RESIDUAL)

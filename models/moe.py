@@ -34,7 +34,7 @@ from flax import nnx
 
 from models import llama
 from models.attention import Attention
-from models.layers import RMSNorm
+from models.layers import RMSNorm, swiglu
 from models.layers import param as _param
 from models.llama import REMAT_POLICIES, LlamaConfig
 from spmd.errors import UsageError
@@ -201,7 +201,7 @@ class Experts(nnx.Module):
         buffer = tp_enter(buffer, "mlp")  # column-parallel gate and up inside each expert
         gate = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_gate).astype(dtype))
         up = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_up).astype(dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, ("expert", "batch", None, "mlp"))
+        hidden = constrain(swiglu(gate, up), ("expert", "batch", None, "mlp"))
         out = jnp.einsum("nbcm,nme->nbce", hidden, gather(self.w_down).astype(dtype))
         out = from_experts(tp_reduce(out, "mlp"))  # row-parallel sum, then back to the tokens
         y = jnp.einsum("btnc,nbce->bte", combine.astype(dtype), out)

@@ -6,7 +6,7 @@ per layout, shared by the tests here:
   sequence parallelism) under `explicit`, cp=4 under `auto` at length 256;
 - the explicit steps' collective-permutes are theory's: cp−1 key and value blocks per layer
   in the forward, as many gradients back; the gradient all-reduce spans `context`;
-- compiled temp memory per device at cp=4 ≤ 0.45 x cp=1 (the same length-256 programs), and
+- compiled temp memory per device at cp=4 ≤ 0.5 x cp=1 (the same length-256 programs), and
   the planner's activations shrink alike (±15%);
 - with a pipeline (pp=2): 20-step loss and final-params parity of cp=2 under both executors
   (auto 1F1B, explicit GPipe; the auto one's forward-only eval step too), and 5 steps of
@@ -172,12 +172,14 @@ def test_pipelined_ring_sends_match_theory(case):
     assert permutes["collective-permute"]["bytes"] == pytest.approx(want, rel=0.01)
 
 
-def test_temp_memory_at_cp4_is_at_most_045_of_one_device_as_the_planner_predicts():
+def test_temp_memory_at_cp4_is_at_most_half_of_one_device_as_the_planner_predicts():
     one, cp4 = (compiled(m, "auto", False, LONG_BATCH, LONG_SEQ)[1] for m in ("dp=1", "cp=4"))
     temps = [hlo.memory(c)["temp"] for c in (one, cp4)]
-    # 1/cp of the token-linear activations plus the ring's per-step buffers (0.41 measured);
-    # neither side keeps attention probabilities, which the backward pass recomputes
-    assert temps[1] <= 0.45 * temps[0], temps
+    # 1/cp of the token-linear activations plus the ring's per-step buffers: 12.05 -> 5.53 MB,
+    # 0.458 (15.20 -> 6.31 MB, 0.415, before the SwiGLU's silu was recomputed, which shrinks
+    # the activations but not the ring's buffers); neither side keeps attention probabilities,
+    # which the backward pass recomputes
+    assert temps[1] <= 0.5 * temps[0], temps
     # the planner's activations (spmd.estimate.memory) shrink as the compiled temp does
     cfg, axes = trainer.tiny_config(), dict.fromkeys(MESH_AXES, 1)
     planned = [

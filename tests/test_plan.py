@@ -116,7 +116,7 @@ def test_activation_formula_for_tiny():
     shape = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
     s = setup_2b(shape=shape.shape(), n_params=shape.n_params(), batch=16, seq_len=64)
     b, t = 2, 64  # 16 sequences over 8 devices
-    block = b * t * (4 * 64 + (8 + 2 * 4) * 8 + 8 * 8 + 4 * 256)
+    block = b * t * (4 * 64 + (8 + 2 * 4) * 8 + 8 * 8 + 3 * 256)  # gate, up, silu(gate) * up
     outside = 2 * b * t * 64 * 4 + 2 * b * t * 256 * 4
     # one layer's recomputed probabilities, 3 fp32 buffers; 2 query chunks at length 64 compute
     # 3/4 of the length x length scores

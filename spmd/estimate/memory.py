@@ -67,29 +67,30 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     micro-batch of b sequences of length t, of which a device holds T = b*t/cp tokens (context
     parallelism; heads h, kv heads k, mlp width m divided by tensor; embed e and head_dim d
     whole; r = tp under sequence parallelism, else 1):
-      none: T*(4e/r + (h + 2k)*d + h*d + 4m) (block input, its two norms' inputs and
-        outputs; q, k, v; attention output; gate, up, silu(gate), their product; under cp
+      none: T*(4e/r + (h + 2k)*d + h*d + 3m) (block input, its two norms' inputs and
+        outputs; q, k, v; attention output; gate, up and silu(gate) * up, whose backward
+        recomputes silu(gate): models.layers.swiglu; under cp
         the ring's visiting key / value blocks and partial outputs,
         spmd.estimate.long_sequence; not the attention probabilities, which the backward pass
         recomputes: activation_bytes counts them once);
       dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
       full: T*e/r (the block input only);
       offload: as full on the device (dots_saveable's set waits in host memory).
-    An MoE block replaces 4m (2m) by its buffers: per token E x capacity / t slots of the
-    dispatched input and expert output (2e), gate, up, silu, product (4m, m the expert width
-    / tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
+    An MoE block replaces 3m (2m) by its buffers: per token E x capacity / t slots of the
+    dispatched input and expert output (2e), gate, up, product (3m, m the expert width /
+    tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
     estimate: --measure compares the compiled temp memory, not each term."""
     shape, tensor, cp = s.shape, s.mesh["tensor"], s.context
     b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
     tokens, r = b * t / cp, long_sequence.residual_split(tensor, s.sequence_parallel)
     h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
-    mlp_none, mlp_dots = 4 * m, 2 * m
+    mlp_none, mlp_dots = 3 * m, 2 * m
     if shape.n_experts:  # per token: the expert buffers' slots, not k
         width = shape.expert_dim / tensor
         slots = shape.n_experts * experts.capacity(shape, t) / t
-        shared = 4 * width if shape.shared_expert else 0
-        mlp_none = slots * (2 * e + 4 * width + 2) + shared
-        mlp_dots = slots * (e + 2 * width) + shared / 2
+        shared = width if shape.shared_expert else 0  # its gate, up, product as a Llama's
+        mlp_none = slots * (2 * e + 3 * width + 2) + 3 * shared
+        mlp_dots = slots * (e + 2 * width) + 2 * shared
     attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
     return {
         "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none) + attention,
