@@ -62,14 +62,15 @@ def main() -> int:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    # The update part steps a copy, so that the other parts keep the initial params, with
-    # constant gradients whose global norm is half the clip's (clipping would scale them in
-    # place at every call, down to denormals); step_parts.update_gradient is the same value.
+    # The update part steps a copy, so that the other parts keep the initial params, with the
+    # gradients spmd's side gets (step_parts.update_gradient: the standard library only)
+    from step_parts import update_gradient
+
     twin = copy.deepcopy(model)
     twin_optimizer = adamw(twin)
-    n_params = sum(p.numel() for p in twin.parameters())
+    value = update_gradient(sum(p.numel() for p in twin.parameters()), spec["grad_clip"])
     for p in twin.parameters():
-        p.grad = torch.full_like(p, 0.5 * (spec["grad_clip"] or 1.0) / n_params**0.5)
+        p.grad = torch.full_like(p, value)
 
     def forward() -> None:
         with torch.no_grad():
