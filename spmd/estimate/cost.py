@@ -262,13 +262,11 @@ def collectives(s: Setup) -> list[Comm]:
     activation = tokens * s.shape.embed_dim * s.bytes_of("compute")
     stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
-        remat = s.remat != "none"
-        calls = volumes.tensor_parallel_calls(n, stage_layers, remat, s.pipelined)
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
         norms = (2 * stage_layers + 1, norm)
-        replayed = n * stage_layers * int(remat)
+        passes = (n, stage_layers, s.remat != "none", s.pipelined)
         traffic = volumes.tensor_traffic(
-            activation, calls, n, tokens, norms, tensor, s.sequence_parallel, replayed
+            activation, tokens, norms, tensor, s.sequence_parallel, passes
         )
         out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
     block, sends = ring_traffic(s)

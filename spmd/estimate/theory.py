@@ -321,15 +321,11 @@ def _tensor_parallel(
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
     activation = tokens * model.embed_dim * element_bytes
-    remat = model.remat != "none"
-    calls = volumes.tensor_parallel_calls(accum, model.n_layers, remat, False)
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
     norms = (2 * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
-    replayed = accum * model.n_layers * int(remat)
-    traffic = volumes.tensor_traffic(
-        activation, calls, accum, tokens, norms, tensor, sequence_parallel, replayed
-    )
+    passes = (accum, model.n_layers, model.remat != "none", False)
+    traffic = volumes.tensor_traffic(activation, tokens, norms, tensor, sequence_parallel, passes)
     for kind, nbytes, count, _ in traffic:
         out[kind]["count"] += count
         out[kind]["bytes"] += count * nbytes

@@ -46,28 +46,29 @@ def tensor_parallel_calls(micro_steps: int, layers: int, remat: bool, pipelined:
 
 def tensor_traffic(
     activation: float,
-    calls: float,
-    micro_steps: int,
     tokens: float,
     norms: tuple[int, float],
     tensor: int,
     sequence_parallel: bool,
-    replayed_layers: int = 0,
+    passes: tuple[int, int, bool, bool],
 ) -> list[tuple[str, float, float, str]]:
     """(kind, bytes per call, calls per step, purpose) of tensor parallelism's activation
-    collectives: `calls` all-reduces of `activation` bytes; under sequence parallelism as
+    collectives, for `passes` = (micro-batches per step, layers, remat, pipelined): the
+    `tensor_parallel_calls` all-reduces of `activation` bytes; under sequence parallelism as
     many reduce-scatters of 1/tp of it and all-gathers of it, plus one more all-gather per
-    layer the backward replays (`replayed_layers`, per step: remat): the replay gathers the
-    MLP's input as well as the attention's, but scatters only the attention's output (the
-    MLP's is not needed by the layer's backward); and per micro-batch an all-reduce of each
-    norm weight's gradient (`norms`: how many, bytes of each). Either way the vocab-parallel
-    cross-entropy's 3 sums of its `tokens` in fp32 per micro-batch."""
+    layer the backward replays (remat): the replay gathers the MLP's input as well as the
+    attention's, but scatters only the attention's output (the MLP's is not needed by the
+    layer's backward); and per micro-batch an all-reduce of each norm weight's gradient
+    (`norms`: how many, bytes of each). Either way the vocab-parallel cross-entropy's 3 sums
+    of its `tokens` in fp32 per micro-batch."""
+    micro_steps, layers, remat, _ = passes
+    calls = tensor_parallel_calls(*passes)
     sums = ("all-reduce", tokens * 4, 3 * micro_steps, "cross-entropy sums")
     if not sequence_parallel:
         return [("all-reduce", activation, calls, "activations"), sums]
     count, each = norms
     return [
-        ("all-gather", activation, calls + replayed_layers, "activations (SP)"),
+        ("all-gather", activation, calls + micro_steps * layers * int(remat), "activations (SP)"),
         ("reduce-scatter", activation / tensor, calls, "activations (SP)"),
         ("all-reduce", each, count * micro_steps, "norm grads (SP)"),
         sums,
