@@ -49,7 +49,8 @@ def spmd_parts(cfg: Any, program: Any) -> dict[str, Callable[[int], None]]:
     n_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     value = update_gradient(n_params, cfg.optimizer.grad_clip)
     grads = jax.tree.map(lambda p: jnp.full_like(p, value), params)
-    state = {"params": params, "opt_state": opt_state}
+    # the update steps its own copy: forward and backward keep reading `params`
+    state = {"params": jax.tree.map(jnp.copy, params), "opt_state": opt_state}
 
     def run_forward(n: int) -> None:
         for _ in range(n):
@@ -68,6 +69,4 @@ def spmd_parts(cfg: Any, program: Any) -> dict[str, Callable[[int], None]]:
         jax.block_until_ready(p)
         state["params"], state["opt_state"] = p, o
 
-    # the updated params are separate buffers: forward and backward keep reading `params`
-    state["params"] = jax.tree.map(jnp.copy, params)
     return dict(zip(PARTS, (run_forward, run_backward, run_update), strict=True))
