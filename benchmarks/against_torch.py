@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     # may restart this script once, as `python -m spmd.bench` restarts itself on a CPU under
     # --xla-preset throughput (huge pages for XLA's per-step buffers); the torch worker,
     # started after, inherits the same allocator setting
-    cfg, rounds, steps, compile_s, program = bench.prepare(
+    cfg, rounds, steps, compile_s, program, compiled = bench.prepare(
         SHAPE + rest, "against_torch.py", may_restart=True
     )
     if cfg.precision.precision != "fp32":
@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         from xla_ops import op_table
 
-        compiled = program.compile_train_step(cfg.run.batch, cfg.run.seq_len)
         say(f"spmd: XLA op time per step (ms, events per step), {args.profile} steps traced:")
         for label, ms, per_step in op_table(steps["spmd"], args.profile, compiled)[:25]:
             say(f"  {ms:9.2f} ms {per_step:6.0f}x  {label}")

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    cfg, rounds, steps, compile_s, program = prepare(argv)
+    cfg, rounds, steps, compile_s, program, _ = prepare(argv)
     per_round = max(cfg.run.steps // rounds, 1)
     times = time_alternating(steps, rounds, per_round)
     report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
@@ -90,8 +90,9 @@ def run(argv: list[str] | None) -> int:
 def prepare(
     argv: list[str] | None, prog: str = "python -m spmd.bench", may_restart: bool | None = None
 ) -> tuple:
-    """(Config, rounds, {name: run n steps}, {name: compile seconds}, Program) of a bench
-    command line: the XLA flags applied, the mesh made, both steps compiled. `may_restart`:
+    """(Config, rounds, {name: run n steps}, {name: compile seconds}, Program, the compiled
+    train step) of a bench command line: the XLA flags applied, the mesh made, both steps
+    compiled. `may_restart`:
     as spmd.parallel.xla_flags.apply's (a script that is itself a benchmark passes True)."""
     sections = config.resolve(
         argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
@@ -115,15 +116,14 @@ def prepare(
         )
     )
     mesh = setup_mesh(cfg.parallel.mesh, cfg.parallel.devices)
-    steps, compile_s, program = compiled_pair(cfg, mesh)
-    return cfg, rounds, steps, compile_s, program
+    return cfg, rounds, *compiled_pair(cfg, mesh)
 
 
-def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
-    """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program): the
-    training run's compiled step (spmd.builder, as `spmd.train` builds it) fed by its data
-    pipeline, and the bare jit step on a fixed device-resident batch, each with its own
-    initial state."""
+def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
+    """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program, its
+    compiled train step): the training run's compiled step (spmd.builder, as `spmd.train`
+    builds it) fed by its data pipeline, and the bare jit step on a fixed device-resident
+    batch, each with its own initial state."""
     import jax
 
     from spmd.estimate import hlo
@@ -185,7 +185,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any]:
         jax.block_until_ready(loss)
         state["bare"] = (params, opt_state, loss_scale)
 
-    return {"spmd": spmd_steps, "bare": bare_steps}, compile_s, program
+    return {"spmd": spmd_steps, "bare": bare_steps}, compile_s, program, compiled
 
 
 def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict[str, list]:
