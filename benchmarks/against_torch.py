@@ -110,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", action="store_true", help="also time forward, forward+backward and update"
     )
     args, rest = parser.parse_known_args(argv)
+    from spmd.parallel import huge_pages
 
+    # restarts this script once, as `python -m spmd.bench` restarts itself on a CPU under
+    # --xla-preset throughput (huge pages for XLA's per-step buffers), before JAX is imported;
+    # the torch worker, started after, inherits the same allocator setting
+    huge_pages.restart_early(rest)
     from spmd import bench
     from spmd.log import say
 
-    # may restart this script once, as `python -m spmd.bench` restarts itself on a CPU under
-    # --xla-preset throughput (huge pages for XLA's per-step buffers); the torch worker,
-    # started after, inherits the same allocator setting
     cfg, rounds, steps, compile_s, program, compiled = bench.prepare(
         SHAPE + rest, "against_torch.py", may_restart=True
     )

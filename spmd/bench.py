@@ -13,9 +13,15 @@ Reports the median step time of each, their ratio, tokens/s, model TFLOP/s and M
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # the huge-page restart before the imports, as in spmd/train.py
+    from spmd.parallel import huge_pages
+
+    huge_pages.restart_early(sys.argv[1:])
+
 import dataclasses
 import statistics
-import sys
 import time
 from typing import Any
 

@@ -9,9 +9,18 @@ line naming the bad value.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # On a CPU this command restarts itself once for glibc's huge-page tunable: here, before
+    # JAX and Flax are imported, that costs an interpreter start, not 1.5-2.5 s of imports
+    # (spmd.parallel.huge_pages).
+    from spmd.parallel import huge_pages
+
+    huge_pages.restart_early(sys.argv[1:])
+
 import dataclasses
 import os
-import sys
 import time
 import traceback
 from typing import Any

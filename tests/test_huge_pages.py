@@ -46,23 +46,39 @@ def test_only_the_environment_a_process_started_with_counts():
     not huge_pages.wanted("cpu", "throughput"),
     reason="this machine's kernel or glibc takes no huge-page tunable",
 )
-def test_a_cpu_run_restarts_once_with_the_tunable_and_none_leaves_it():
+def test_a_cpu_run_restarts_once_before_importing_jax_and_none_leaves_it(tmp_path):
     # A mesh that cannot be built: the run stops (exit 2) right after its "xla flags" line,
     # which each process prints once, so a restart that repeated output would show here.
     bad_mesh = ("--model", "tiny", "--mesh", "dp=3", "--devices", "2")
+    imports = {"PYTHONPROFILEIMPORTTIME": "1"}  # every module import, on stderr
+
+    def flag_lines(run) -> list[str]:
+        assert run.returncode == 2, run.stderr[-3000:]
+        return [line for line in (run.stdout + run.stderr).splitlines() if "xla flags" in line]
+
+    def jax_imports(run) -> int:
+        return sum(line.rsplit("|", 1)[-1].strip() == "jax" for line in run.stderr.splitlines())
+
     # the user's own tunables are kept
-    run = cli.run("spmd.train", *bad_mesh, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
-    assert run.returncode == 2, run.stderr
-    lines = (run.stdout + run.stderr).splitlines()
-    flags = [line for line in lines if line.startswith("xla flags")]
-    assert flags == [
+    run = cli.run(
+        "spmd.train", *bad_mesh, env={**imports, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
+    )
+    assert flag_lines(run) == [
         "xla flags (cpu, preset throughput): none set | malloc: glibc.malloc.hugetlb=1"
     ]
-    assert sum(line.startswith("error:") for line in lines) == 1
+    assert sum(line.startswith("error:") for line in run.stderr.splitlines()) == 1
+    assert jax_imports(run) == 1  # the restart came first: JAX was imported once
     off = cli.run("spmd.train", *bad_mesh, "--xla-preset", "none", env={"GLIBC_TUNABLES": ""})
-    assert [line for line in (off.stdout + off.stderr).splitlines() if "xla flags" in line] == [
-        "xla flags (cpu, preset none): none set"
-    ]
+    assert flag_lines(off) == ["xla flags (cpu, preset none): none set"]
+    # a preset the command line does not show: the first line restarts, the resolved config
+    # undoes it, and the run goes on without the tunable
+    config = tmp_path / "none.toml"
+    config.write_text('[parallel]\nxla_preset = "none"\n')
+    undone = cli.run(
+        "spmd.train", "--config", str(config), *bad_mesh, env={**imports, "GLIBC_TUNABLES": ""}
+    )
+    assert flag_lines(undone) == ["xla flags (cpu, preset none): none set"]
+    assert jax_imports(undone) == 2
 
 
 def test_a_tunables_variable_that_names_it_already_is_never_restarted_over(monkeypatch):

@@ -8,7 +8,6 @@ simulated (`simulate_cpu_devices`), which must happen before JAX starts its back
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 
 from spmd.errors import UsageError
+from spmd.parallel import huge_pages
 
 # Outermost first. `data` is outermost so that, across hosts, plain replication (the cheapest
 # collective per step) is what crosses the slow links; `tensor` is innermost.
@@ -129,10 +129,7 @@ def cpu_only() -> bool:
     Decided without starting the JAX backend, so that CPU devices can still be simulated.
     """
     platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    accelerator_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
-    return not any(importlib.util.find_spec(name) for name in accelerator_plugins)
+    return huge_pages.runs_on_cpu(platforms)
 
 
 def simulate_cpu_devices(count: int, announce: bool = True) -> bool:
