@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
 from spmd.engine.state_layout import optimizer_shardings
-from spmd.engine.step import Program, TrainState, build_program
+from spmd.engine.step import Program, TrainState, build_program, once_options
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
 from spmd.sections import ParallelConfig, choices
@@ -242,6 +242,7 @@ def build(
     batch_sh, replicated = layout.batch_sharding(ndim=1), layout.replicated
     step_in = (*state_sh, batch_sh)
     step_out = (*state_sh, replicated)
+    once = once_options(layout.mesh)
     return DilocoProgram(
         inner=inner,
         sync=sync,
@@ -249,9 +250,9 @@ def build(
         abstract_params=abstract.params,
         abstract_opt_state=abstract.opt_state,
         abstract_loss_scale=abstract.loss_scale,
-        init=jax.jit(init, out_shardings=state_sh),
-        start=jax.jit(start, out_shardings=state_sh),
-        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh),
+        init=jax.jit(init, out_shardings=state_sh, compiler_options=once),
+        start=jax.jit(start, out_shardings=state_sh, compiler_options=once),
+        from_checkpoint=jax.jit(from_checkpoint, out_shardings=state_sh, compiler_options=once),
         local_step=jax.jit(
             local_step, in_shardings=step_in, out_shardings=step_out, donate_argnums=(0, 1, 2)
         ),
@@ -299,7 +300,7 @@ def _state_makers(
 
     def start(master: Any) -> TrainState:
         master = precision.cast(master, jnp.float32)
-        state = inner.start(master)
+        state = inner.makers.start(master)
         params, opt_state, loss_scale = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), state
         )
@@ -307,7 +308,7 @@ def _state_makers(
         return TrainState(params, {"inner": opt_state, "outer": outer}, loss_scale)
 
     def init() -> TrainState:
-        params, opt_state, _ = inner.init()
+        params, opt_state, _ = inner.makers.init()
         return start(precision.split_opt_state(params, opt_state, policy)[0])
 
     def from_checkpoint(saved: dict) -> TrainState:
