@@ -98,8 +98,8 @@ def prepare(
 ) -> tuple:
     """(Config, rounds, {name: run n steps}, {name: compile seconds}, Program, the compiled
     train step) of a bench command line: the XLA flags applied, the mesh made, both steps
-    compiled. `may_restart`:
-    as spmd.parallel.xla_flags.apply's (a script that is itself a benchmark passes True)."""
+    compiled. `may_restart`: as spmd.parallel.xla_flags.apply's (a script that is itself a
+    benchmark passes True)."""
     sections = config.resolve(
         argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
     )

@@ -129,8 +129,7 @@ def restart_early(argv: list[str]) -> None:
 
 def undo_early_restart() -> None:
     """Restart with GLIBC_TUNABLES as the command was started with, if `restart_early` added
-    the tunable (its run's resolved preset does not want it); otherwise forget the record, so
-    that processes this one starts decide for themselves."""
+    the tunable (for a run whose resolved preset does not want it); returns otherwise."""
     given = os.environ.pop(EARLY, None)
     if given is None or TUNABLE in given or not active():
         return

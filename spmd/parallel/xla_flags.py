@@ -122,12 +122,13 @@ def apply(
         added, text = {}, os.environ.get("XLA_FLAGS", "")
     elif added:
         os.environ["XLA_FLAGS"] = text
-    may_restart = (huge_pages.is_command() if may_restart is None else may_restart) and not started
-    if may_restart and not huge_pages.wanted(where, preset):
+    restarts = (huge_pages.is_command() if may_restart is None else may_restart) and not started
+    wants_tunable = huge_pages.wanted(where, preset)
+    if restarts and not wants_tunable:
         huge_pages.undo_early_restart()  # returns unless the command's first line restarted it
     malloc = huge_pages.active()
-    if huge_pages.wanted(where, preset) and not malloc:
-        if may_restart:
+    if wants_tunable and not malloc:
+        if restarts:
             huge_pages.restart()  # returns only if the restart failed
         hint = f"set GLIBC_TUNABLES={huge_pages.TUNABLE}=1 before Python starts: XLA:CPU's "
         note = "; ".join(filter(None, (note, hint + "per-step buffers on huge pages")))
