@@ -26,7 +26,6 @@ def spmd_parts(cfg: Any, program: Any) -> dict[str, Callable[[int], None]]:
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
 
     from models import family
     from spmd import builder
@@ -38,7 +37,7 @@ def spmd_parts(cfg: Any, program: Any) -> dict[str, Callable[[int], None]]:
     tx = builder.optimizer(cfg)(program.names)
 
     def loss(p: Any, b: dict) -> jax.Array:
-        return loss_fn(nnx.merge(program.graphdef, p), b)
+        return loss_fn(program.model(p), b)
 
     def update(p: Any, o: Any, g: Any) -> tuple:
         updates, o = tx.update(g, o, p)

@@ -69,10 +69,9 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     whole; r = tp under sequence parallelism, else 1):
       none: T*(4e/r + (h + 2k)*d + h*d + 3m) (block input, its two norms' inputs and
         outputs; q, k, v; attention output; gate, up and silu(gate) * up, whose backward
-        recomputes silu(gate): models.layers.swiglu; under cp
-        the ring's visiting key / value blocks and partial outputs,
-        spmd.estimate.long_sequence; not the attention probabilities, which the backward pass
-        recomputes: activation_bytes counts them once);
+        recomputes silu(gate), models.layers.swiglu; under cp the ring's visiting key / value
+        blocks and partial outputs, spmd.estimate.long_sequence; not the attention
+        probabilities, which the backward pass recomputes: activation_bytes counts them once);
       dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
       full: T*e/r (the block input only);
       offload: as full on the device (dots_saveable's set waits in host memory).
