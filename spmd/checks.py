@@ -228,7 +228,8 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
     it fits or the device's memory is unknown. Checked after compiling, before allocating."""
     import jax
 
-    from spmd.observe.capacity import device_capacity, human_bytes
+    from spmd.estimate.units import binary
+    from spmd.observe.capacity import device_capacity
 
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     capacity = device_capacity(local)
@@ -251,9 +252,9 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
             "--offload optimizer" if cfg.parallel.offload == "none" else "--offload params --zero 3"
         ]
     return (
-        f"the compiled train step needs {human_bytes(need)} per device ("
-        + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
-        + f") but a device holds {human_bytes(capacity.bytes)} ({capacity.source}); shrink it "
+        f"the compiled train step needs {binary(need)} per device ("
+        + ", ".join(f"{k} {binary(v)}" for k, v in parts.items())
+        + f") but a device holds {binary(capacity.bytes)} ({capacity.source}); shrink it "
         f"with {', '.join(s for s in shrink if s)}"
     )
 

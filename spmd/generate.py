@@ -69,7 +69,8 @@ def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, lay
     import jax
 
     from models import family
-    from spmd.observe.capacity import device_capacity, human_bytes
+    from spmd.estimate.units import binary
+    from spmd.observe.capacity import device_capacity
 
     longest = max(len(p) for p in prompts)
     total, limit = longest + cfg.max_new_tokens, source.max_positions or decoding.POSITION_LIMIT
@@ -90,8 +91,8 @@ def check_length(cfg: GenerateConfig, prompts: list[list[int]], source: Any, lay
     if capacity is not None and need > capacity.bytes:
         raise UsageError(
             f"--max-new-tokens {cfg.max_new_tokens}: the key/value cache of {rows} rows x "
-            f"{total} positions and the params need at least {human_bytes(need)} per device "
-            f"(spread over all {mesh.size}) but a device holds {human_bytes(capacity.bytes)} "
+            f"{total} positions and the params need at least {binary(need)} per device "
+            f"(spread over all {mesh.size}) but a device holds {binary(capacity.bytes)} "
             f"({capacity.source}); give fewer --max-new-tokens or prompts, or more devices"
         )
 

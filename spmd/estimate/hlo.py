@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmd.estimate import units
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _OPCODES = {k: k for k in KINDS} | {
     "all-reduce-start": "all-reduce",
@@ -187,21 +189,11 @@ def format_report(summary: dict, mem: dict) -> str:
     lines = [f"{'collective':<20}{'count':>8}{'bytes/step':>14}  axes"]
     for kind, row in summary.items():
         axes = ", ".join(a or "?" for a in row["axes"])
-        lines.append(f"{kind:<20}{row['count']:>8}{_human(row['bytes']):>14}  {axes}")
+        lines.append(f"{kind:<20}{row['count']:>8}{units.binary(row['bytes']):>14}  {axes}")
     lines.append(f"{'memory per device':<20}{'':>8}{'bytes':>14}")
     for key, value in mem.items():
-        lines.append(f"{key:<20}{'':>8}{_human(value):>14}")
+        lines.append(f"{key:<20}{'':>8}{units.binary(value):>14}")
     return "\n".join(lines)
-
-
-def _human(n: int) -> str:
-    """Bytes as a short string with binary units (B, KiB, MiB, GiB, TiB)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def _parse_computations(text: str) -> tuple[dict[str, list[tuple]], str | None]:
@@ -432,8 +424,8 @@ def format_grad_reductions(colls: list[Collective]) -> str:
                 runs[-1][1] += 1
             else:
                 runs.append([size, 1])
-        shown = ", ".join(_human(s) + (f" x{n}" if n > 1 else "") for s, n in runs)
-        lines.append(f"  {what}: {len(sizes)} ({shown}; {_human(sum(sizes))} in all)")
+        shown = ", ".join(units.binary(s) + (f" x{n}" if n > 1 else "") for s, n in runs)
+        lines.append(f"  {what}: {len(sizes)} ({shown}; {units.binary(sum(sizes))} in all)")
     return "gradient reductions per step (one each per bucket):\n" + (
         "\n".join(lines) or "  none outside the layer loop"
     )

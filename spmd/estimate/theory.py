@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.estimate import experts as experts_math
-from spmd.estimate import hlo, volumes
+from spmd.estimate import hlo, units, volumes
 from spmd.model_shape import ModelShape
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
@@ -141,10 +141,10 @@ def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
     mesh = program.layout.mesh
     local = sum(_local_bytes(p.shape, p.dtype, p.sharding.spec, mesh) for p in experts)
     total = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in experts)
-    moved = hlo._human(all_to_all.get("bytes_per_layer", 0))
+    moved = units.binary(all_to_all.get("bytes_per_layer", 0))
     return (
         f"experts: all-to-all {moved} per MoE layer per step (per device); experts' params "
-        f"{hlo._human(local)} per device of {hlo._human(total)} (1/{total // max(local, 1)})"
+        f"{units.binary(local)} per device of {units.binary(total)} (1/{total // max(local, 1)})"
     )
 
 
@@ -387,20 +387,20 @@ def format_comparison(measured: dict, expected: dict, mem: dict, expected_mem: d
         m = measured.get(kind, {"count": 0, "bytes": 0, "axes": []})
         e = expected.get(kind, {"count": 0, "bytes": 0})
         lines.append(
-            f"{kind:<16}{m['count']:>7}{e['count']:>10}{hlo._human(m['bytes']):>14}"
-            f"{hlo._human(e['bytes']):>14}{ratio(m['bytes'], e['bytes']):>8}  "
+            f"{kind:<16}{m['count']:>7}{e['count']:>10}{units.binary(m['bytes']):>14}"
+            f"{units.binary(e['bytes']):>14}{ratio(m['bytes'], e['bytes']):>8}  "
             + ", ".join(a or "?" for a in m.get("axes", []))
         )
     lines.append(f"{'memory per device':<33}{'bytes':>14}{'expected':>14}{'ratio':>8}")
     for key, value in mem.items():
         want = expected_mem.get(key)
-        shown = hlo._human(want) if want is not None else ""
+        shown = units.binary(want) if want is not None else ""
         lines.append(
-            f"{key:<33}{hlo._human(value):>14}{shown:>14}"
+            f"{key:<33}{units.binary(value):>14}{shown:>14}"
             f"{ratio(value, want) if want is not None else '':>8}"
         )
     if expected_mem.get("gathered_layer"):
-        layer = hlo._human(expected_mem["gathered_layer"])
+        layer = units.binary(expected_mem["gathered_layer"])
         lines.append(f"{'one layer gathered (ZeRO-3)':<33}{'':>14}{layer:>14}")
     lines.append("expected counts are calls, before XLA's combiner fuses some of them")
     if "reduce-scatter" in expected and "reduce-scatter" not in measured:

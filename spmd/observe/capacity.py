@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from spmd.estimate.units import binary
+
 # cgroup v2 then v1 files with the memory limit of a container ("max": none)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -35,13 +37,13 @@ def device_capacity(devices: list[Any]) -> Capacity | None:
         host = host_memory()
         if host is None:
             return None
-        shared = f"host memory {human_bytes(host)} shared by {len(devices)} CPU device(s)"
+        shared = f"host memory {binary(host)} shared by {len(devices)} CPU device(s)"
         return Capacity(host // len(devices), shared)
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     if not all(limits):
         return None
     limit = min(limits)
-    return Capacity(limit, f"{devices[0].device_kind} memory limit {human_bytes(limit)}")
+    return Capacity(limit, f"{devices[0].device_kind} memory limit {binary(limit)}")
 
 
 def host_memory() -> int | None:
@@ -60,11 +62,3 @@ def host_memory() -> int | None:
         if text.isdigit() and int(text) > 0:
             limits.append(int(text))
     return min(limits) if limits else None
-
-
-def human_bytes(n: float) -> str:
-    """Bytes with a binary unit, for people: "512 B", "1.06 MiB", "2.83 TiB"."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
