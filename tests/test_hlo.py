@@ -8,7 +8,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.estimate import hlo
+from spmd.estimate import hlo, hlo_text
 
 
 def _mesh(shape=(2, 4), names=("data", "tensor")):
@@ -223,15 +223,15 @@ def test_synthetic_async_iota_and_loops():
 
 def test_mesh_axes_groups_with_device_ids():
     # Printed by XLA for a sum over the rows of an array sharded P("tensor", "data").
-    groups = hlo._replica_groups(
+    groups = hlo_text.replica_groups(
         "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0))"
         " {'axis_0'}, use_global_device_ids=true",
         8,
     )
     assert sorted(map(sorted, groups)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    iota = hlo._replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={1}", 8)
+    iota = hlo_text.replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={1}", 8)
     assert iota == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert np.array(hlo._replica_groups("replica_groups={}, channel_id=1", 8)).size == 8
+    assert np.array(hlo_text.replica_groups("replica_groups={}, channel_id=1", 8)).size == 8
 
 
 def test_memory_omits_missing_fields():

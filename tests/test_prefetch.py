@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from spmd.estimate import hlo, theory
+from spmd.estimate import hlo, hlo_text, theory
 from spmd.parallel import hooks
 from tests import trainer
 
@@ -97,8 +97,8 @@ _PASS_ON = {"bitcast", "copy", "reshape", "tuple", "get-tuple-element", "all-gat
 def _gathers_used_in_their_iteration(compiled) -> list[bool]:
     """For each all-gather inside a compiled loop: whether anything in the same iteration
     computes with its result (rather than only passing it to the next iteration)."""
-    comps, entry = hlo._parse_computations(compiled.as_text())
-    trips = hlo._multipliers(comps, entry)
+    comps, entry = hlo_text.parse_computations(compiled.as_text())
+    trips = hlo_text.multipliers(comps, entry)
     out = []
     for comp, instrs in comps.items():
         if trips.get(comp, 1) <= 1:

@@ -6,7 +6,7 @@ Llama shape for a bare count), `cost` (the layout, its collectives and their rin
 exposed communication of a step), `search` (every knob, fastest that fits), `recommend` (why,
 runner-ups, the train command), `summary` (the report) and `plot` (the picture). Against real
 programs: `theory` gives the textbook collective volumes of a concrete run; `hlo` reads
-collectives (count, bytes) and per-device memory from a compiled step; `flops` counts model
-FLOPs (formula and compiled dots); `measure` compiles the real step on simulated devices to
-compare with the analytic model.
+collectives (count, bytes) and per-device memory from a compiled step (`hlo_text` parses its
+text); `flops` counts model FLOPs (formula and compiled dots); `measure` compiles the real
+step on simulated devices to compare with the analytic model.
 """
