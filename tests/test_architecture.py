@@ -22,7 +22,7 @@ COMMANDS = {
     f"spmd.{m}"
     for m in (
         "__main__ cli train plan convert generate checkpoint bench bench_collectives launch report "
-        "weights builder config checks api decoding"
+        "plan_flags weights builder config checks api decoding"
     ).split()
 }
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file

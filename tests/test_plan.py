@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from models import llama, moe
-from spmd import config, plan, train
+from spmd import config, plan, plan_flags, train
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     cost,
@@ -335,10 +335,10 @@ def test_a_flag_has_one_owner_when_a_run_section_gains_it():
     class Train:
         precision: str = "bf16"
 
-    section = plan._own_fields(plan.PlanConfig, [Train])
+    section = plan_flags.own_fields(plan_flags.PlanConfig, [Train])
     names = [f.name for f in dataclasses.fields(section)]
     assert "precision" not in names and "hbm" in names
-    assert section().hbm == plan.PlanConfig().hbm
+    assert section().hbm == plan_flags.PlanConfig().hbm
 
 
 # --- ZeRO memory by role: the paper's Table 1 (Rajbhandari et al. 2020) ----------------------
