@@ -152,6 +152,18 @@ def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
         )
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` along the last dim (largest first, ties to the lower index), as a stable
+    sort: XLA's partitioner replicates a top_k over its leading dims, so under jit the router
+    all-gathered the whole global batch's probabilities on every data-parallel device and routed
+    them all there, in every layer (and again in the backward pass under remat); a sort keeps
+    each device to its own tokens."""
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    # -x is exact, and a stable ascending sort of it keeps equal values in index order
+    negated, order = jax.lax.sort((-x, index), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    return -negated[..., :k], order[..., :k]
+
+
 class Experts(nnx.Module):
     """Router + E SwiGLU experts (+ an optional shared expert)."""
 
@@ -171,8 +183,9 @@ class Experts(nnx.Module):
         cfg = self.cfg
         n, k, cap = cfg.n_experts, cfg.experts_per_token, cfg.capacity(x.shape[1])
         logits = jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
+        logits = constrain(logits, ("batch", "length", None))
         probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, top_experts = jax.lax.top_k(probs, k)
+        top_probs, top_experts = top_k(probs, k)
         weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
         choice = jax.nn.one_hot(top_experts, n, dtype=jnp.float32)  # [b, t, k, E]
         b, t = x.shape[:2]
@@ -181,8 +194,9 @@ class Experts(nnx.Module):
         position = (jnp.cumsum(flat, axis=1) * flat).sum(-1).astype(jnp.int32) - 1
         slot = jax.nn.one_hot(position, cap, dtype=jnp.float32)  # all zeros past capacity
         kept = (flat[..., None] * slot[..., None, :]).reshape(b, t, k, n, cap)
-        dispatch = kept.sum(axis=2)
+        dispatch = constrain(kept.sum(axis=2), ("batch", "length", None, None))
         combine = jnp.einsum("btk,btknc->btnc", weights, kept)
+        combine = constrain(combine, ("batch", "length", None, None))
         per_token = choice.sum(axis=2)  # [b, t, E]: 1 where the token chose the expert
         share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
         stats = {

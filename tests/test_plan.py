@@ -570,16 +570,26 @@ def test_a_dense_plan_has_an_expert_axis_of_one_and_no_expert_figures():
     assert "all-to-all" not in out["comm_bytes_per_step"]
 
 
-@pytest.mark.parametrize("mesh, zero", [("ep=4", 1), ("fsdp=2,ep=2", 3)])
-def test_measure_agrees_for_moe(mesh, zero):
+@pytest.mark.parametrize(
+    "mesh, zero, remat", [("ep=4", 1, "none"), ("ep=4", 1, "full"), ("fsdp=2,ep=2", 3, "full")]
+)
+def test_measure_agrees_for_moe(mesh, zero, remat):
     """--measure builds the MoE through models/moe.create: params, master + optimizer state
-    and all-to-all bytes per device equal the compiled step's within 1%."""
+    and all-to-all bytes per device equal the compiled step's within 1%, the all-to-alls that
+    full remat replays included; on ep=4 the all-reduces too, and nothing is all-gathered (the
+    router's top-k once replicated the global batch's probabilities: all-gathers, and under
+    remat 2.5x the all-reduce and 1.67x the all-to-all bytes)."""
     out = planned("--model", "moe-tiny", "--mesh", mesh, "--zero", str(zero), "--batch", "8",
-                  "--seq-len", "32", "--precision", "fp32", "--measure")  # fmt: skip
+                  "--seq-len", "32", "--precision", "fp32", "--remat", remat,
+                  "--measure")  # fmt: skip
     rows = out["measured"]["rows"]
     assert out["measured"]["n_params"] == out["n_params"]
-    for row in ("params", "master + optimizer state", "all-to-all bytes/step"):
+    checked = ["params", "master + optimizer state", "all-to-all bytes/step"]
+    checked += ["all-reduce bytes/step"] if mesh == "ep=4" else ["all-gather bytes/step"]
+    for row in checked:
         assert rows[row]["ratio"] == pytest.approx(1.0, rel=0.01), row
+    if mesh == "ep=4":
+        assert rows.get("all-gather bytes/step", {"compiled": 0})["compiled"] == 0
 
 
 def test_recommend_for_moe_splits_experts_over_fsdp_without_a_pipeline():
