@@ -151,6 +151,23 @@ def independent_dropped_fraction(cfg: moe.MoEConfig, params: dict, tokens: np.nd
     return float(np.mean(shares))
 
 
+def test_router_top_k_equals_lax_top_k_and_keeps_the_batch_sharded():
+    """models.moe.top_k gives lax.top_k's values and indices (ties to the lower index), and
+    compiled over a batch split 4 ways it gathers nothing, where lax.top_k all-gathers."""
+    rng = np.random.default_rng(0)
+    probs = jnp.asarray(rng.integers(0, 4, (8, 16, 6)) / 4, jnp.float32)  # many ties
+    for k in (1, 2, 6):
+        for got, want in zip(moe.top_k(probs, k), jax.lax.top_k(probs, k), strict=True):
+            np.testing.assert_array_equal(got, want)
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    split = jax.device_put(probs, jax.NamedSharding(mesh, jax.P("expert")))
+    for top_k, gathers in ((moe.top_k, False), (jax.lax.top_k, True)):
+        compiled = jax.jit(lambda x, top_k=top_k: top_k(x, 2)).lower(split).compile()
+        kinds = {c.kind for c in hlo.collectives(compiled, mesh)}
+        # lax.top_k not gathering any more (a newer JAX) would make the sort unneeded
+        assert ("all-gather" in kinds) == gathers, (top_k, kinds)
+
+
 def test_reported_dropped_fraction_equals_an_independent_count():
     cfg = moe_config(capacity_factor=1.0)
     assert cfg.capacity(SEQ_LEN) == 16  # 32 tokens x 2 choices over 4 experts, no slack
