@@ -578,7 +578,7 @@ def test_measure_agrees_for_moe(mesh, zero, remat):
     and all-to-all bytes per device equal the compiled step's within 1%, the all-to-alls that
     full remat replays included; on ep=4 the all-reduces too, and nothing is all-gathered (the
     router's top-k once replicated the global batch's probabilities: all-gathers, and under
-    remat 2.5x the all-reduce and 1.67x the all-to-all bytes)."""
+    remat 2.5x the all-reduce and 1.67x the all-to-all bytes); no collective-permutes."""
     out = planned("--model", "moe-tiny", "--mesh", mesh, "--zero", str(zero), "--batch", "8",
                   "--seq-len", "32", "--precision", "fp32", "--remat", remat,
                   "--measure")  # fmt: skip
@@ -588,6 +588,8 @@ def test_measure_agrees_for_moe(mesh, zero, remat):
     checked += ["all-reduce bytes/step"] if mesh == "ep=4" else ["all-gather bytes/step"]
     for row in checked:
         assert rows[row]["ratio"] == pytest.approx(1.0, rel=0.01), row
+    # no permutes beside the all-to-alls: the experts are split in the batch's axis order
+    assert rows.get("collective-permute bytes/step", {"compiled": 0})["compiled"] == 0
     if mesh == "ep=4":
         assert rows.get("all-gather bytes/step", {"compiled": 0})["compiled"] == 0
 

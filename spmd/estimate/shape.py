@@ -62,9 +62,9 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
 # has an axis of this name).
 NO_FSDP = "no fsdp"
 
-# The routed experts' axes: their `expert` dim over (expert, fsdp) at every ZeRO stage
+# The routed experts' axes: their `expert` dim over (fsdp, expert) at every ZeRO stage
 # (spmd.parallel.rules), their mlp dim over tensor, their layers over pipeline.
-EXPERT_AXES = ("expert", "fsdp", "tensor", "pipeline")
+EXPERT_AXES = ("fsdp", "expert", "tensor", "pipeline")
 
 
 def shape_params(shape: ModelShape) -> int:

@@ -115,7 +115,7 @@ def ring_sends(context: int, layers: int, passes: int, executions: int) -> int:
 
 
 def expert_axes(sizes: Mapping[str, int]) -> list[str]:
-    """The mesh axes of size > 1 that split the experts (spmd.parallel.rules: expert, fsdp)."""
+    """The mesh axes of size > 1 that split the experts (spmd.parallel.rules: fsdp, expert)."""
     return [a for a in rules.BASE_RULES["expert"] if sizes.get(a, 1) > 1]
 
 

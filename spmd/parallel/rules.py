@@ -43,8 +43,10 @@ BASE_RULES: Rules = {
     "embed": (),
     # An MoE layer's experts: split over the expert axis and, when fsdp > 1, over the fsdp
     # devices too (expert parallelism over the data-parallel devices, as DeepSpeed-MoE does);
-    # `data` replicates them (DDP). Tokens reach their experts by all_to_all over these axes.
-    "expert": ("expert", "fsdp"),
+    # `data` replicates them (DDP). Tokens reach their experts by all_to_all over these axes,
+    # in batch's order: with the experts over (expert, fsdp) instead, the partitioner followed
+    # each of the auto executor's all-to-alls with a collective-permute of the same bytes.
+    "expert": ("fsdp", "expert"),
 }
 
 # Logical dims that are replicated instead of split when the mesh axes outnumber them (and are
