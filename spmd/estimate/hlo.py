@@ -52,10 +52,8 @@ def collectives(compiled: Any, mesh: jax.sharding.Mesh | None = None) -> list[Co
         text = compiled.as_text(dialect="hlo")
     else:
         text = compiled.as_text()
-    partitions, replicas = (
-        hlo_text.header_int(text, "num_partitions"),
-        hlo_text.header_int(text, "replica_count"),
-    )
+    partitions = hlo_text.header_int(text, "num_partitions")
+    replicas = hlo_text.header_int(text, "replica_count")
     comps, entry = hlo_text.parse_computations(text)
     mult = hlo_text.multipliers(comps, entry)
     out = []
