@@ -259,7 +259,7 @@ def collectives(s: Setup) -> list[Comm]:
     n, pipeline, tensor = s.micro_steps, s.mesh["pipeline"], s.mesh["tensor"]
     out = state_collectives(s)
     tokens = s.micro_batch * s.seq_len / s.context  # per micro-batch and device
-    activation = tokens * s.shape.embed_dim * s.bytes_of("compute")
+    activation = activation_bytes(s)
     stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
@@ -414,6 +414,12 @@ def global_batch(micro_batch: int, data_parallel: int, micro_steps: int) -> int:
     """Sequences per optimizer step: per-device micro-batch x data-parallel size x the
     micro-batches per step."""
     return micro_batch * data_parallel * micro_steps
+
+
+def activation_bytes(s: Setup) -> float:
+    """Bytes of one device's [micro-batch, length / cp, embed] residual-stream activation in the
+    compute dtype: what a tensor-parallel all-reduce or a pipeline send moves."""
+    return s.micro_batch * s.seq_len / s.context * s.shape.embed_dim * s.bytes_of("compute")
 
 
 def ring_traffic(s: Setup) -> tuple[float, int]:

@@ -48,16 +48,27 @@ def simulated_devices(count: int) -> list:
     return devices[:count]
 
 
-def predicted_collectives(s: cost.Setup, reduce_scatter_as_all_reduce: bool) -> dict:
-    """Analytic bytes per step by collective kind, in spmd.estimate.hlo's convention; optionally
-    with
-    each reduce-scatter counted as the all-reduce of its whole buffer."""
+# XLA:CPU runs neither ReduceScatterCreator nor AllReduceReassociate, which XLA:GPU's pipeline
+# runs: under the auto executor it reports a reduce-scatter as the all-reduce of its whole
+# buffer, and the backward pass reduces the input-gradient partial sums of q, k and v, and of
+# the MLP's gate and up, one by one before adding them: 5 per layer where Megatron has 2.
+CPU_SEPARATE_INPUT_GRAD_REDUCTIONS = 3
+
+
+def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
+    """Analytic bytes per step by collective kind, in spmd.estimate.hlo's convention; with
+    `cpu_auto` (the auto executor compiled by XLA:CPU) as that program reduces: reduce-scatters
+    as whole-buffer all-reduces, and 3 more tensor-parallel reductions per layer backward."""
     out: dict[str, float] = {}
     for c in cost.collectives(s):
         kind, size = c.kind, c.bytes * c.count
-        if reduce_scatter_as_all_reduce and kind == "reduce-scatter":
+        if cpu_auto and kind == "reduce-scatter":
             kind, size = "all-reduce", size * c.group
         out[kind] = out.get(kind, 0.0) + size
+    if cpu_auto and s.mesh["tensor"] > 1:
+        layers = s.shape.n_layers // s.mesh["pipeline"]
+        separate = CPU_SEPARATE_INPUT_GRAD_REDUCTIONS * layers * s.micro_steps
+        out["all-reduce"] = out.get("all-reduce", 0.0) + separate * cost.activation_bytes(s)
     return out
 
 
@@ -111,7 +122,7 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
         analytic_peak = state["model_state"] - placed["host"] + memory.activation_bytes(s)
         rows["model state + activations"] = (analytic_peak, device_peak)
     cpu_auto = executor == "auto" and devices[0].platform == "cpu"
-    predicted = predicted_collectives(s, reduce_scatter_as_all_reduce=cpu_auto)
+    predicted = predicted_collectives(s, cpu_auto)
     compiled_comm = hlo.collective_summary(hlo.collectives(compiled, mesh))
     for kind in dict.fromkeys([*predicted, *compiled_comm]):
         got = compiled_comm.get(kind, {}).get("bytes", 0)
@@ -121,6 +132,12 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
         notes.append(
             "XLA:CPU reports an auto-mode reduce-scatter as an all-reduce of the whole "
             "buffer; the analytic reduce-scatters are counted that way here"
+        )
+    if cpu_auto and s.mesh["tensor"] > 1:
+        notes.append(
+            "XLA:CPU all-reduces the backward's q, k, v and gate, up input gradients one by one "
+            "(XLA:GPU adds them first: AllReduceReassociate); the analytic all-reduces count "
+            f"{CPU_SEPARATE_INPUT_GRAD_REDUCTIONS} more per layer here"
         )
     if devices[0].platform == "cpu" and s.precision == "bf16":  # seen on jax 0.10.2
         kinds = "all-reduces and all-to-alls" if "all-to-all" in predicted else "all-reduces"
