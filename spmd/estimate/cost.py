@@ -251,20 +251,21 @@ def collectives(s: Setup) -> list[Comm]:
 
     Megatron tp all-reduces the [b, t / cp, embed] activations A twice per block forward and
     twice backward, once more when remat replays a block and twice more when the pipeline
-    recomputes it, plus two for the vocab-parallel embedding and head. Pipelines send the
+    recomputes it, plus two for the vocab-parallel embedding and head; per micro-batch, or
+    in a pipeline per tick of its table over one chunk (`tensor_passes`). Pipelines send the
     residual stream forward and its gradient back every tick, all-reduce the embedding and
     head gradients (kept on every stage) over pipeline once, and interleaved ones move v > 1
     chunks of block params to their stages and their gradients back each step.
     """
-    n, pipeline, tensor = s.micro_steps, s.mesh["pipeline"], s.mesh["tensor"]
+    pipeline, tensor = s.mesh["pipeline"], s.mesh["tensor"]
     out = state_collectives(s)
     tokens = s.micro_batch * s.seq_len / s.context  # per micro-batch and device
     activation = activation_bytes(s)
-    stage_layers = s.shape.n_layers // pipeline
     if tensor > 1:
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
-        norms = (2 * stage_layers + 1, norm)
-        passes = (n, stage_layers, s.remat != "none", s.pipelined)
+        executions, layers = tensor_passes(s)
+        norms = (2 * layers + 1, norm)
+        passes = (executions, layers, s.remat != "none", s.pipelined)
         traffic = volumes.tensor_traffic(
             activation, tokens, norms, tensor, s.sequence_parallel, passes
         )
@@ -414,6 +415,16 @@ def global_batch(micro_batch: int, data_parallel: int, micro_steps: int) -> int:
     """Sequences per optimizer step: per-device micro-batch x data-parallel size x the
     micro-batches per step."""
     return micro_batch * data_parallel * micro_steps
+
+
+def tensor_passes(s: Setup) -> tuple[int, int]:
+    """(executions per step, layers each) of the blocks' tensor-parallel collectives: each
+    micro-batch over all layers; in a pipeline every tick over one chunk of a stage's layers,
+    since the stages run the table's slots in lockstep and an idle stage's collectives ride
+    the bubble (spmd.parallel.pipeline_stage), as the ring's sends do."""
+    if not s.pipelined:
+        return s.micro_steps, s.shape.n_layers
+    return pipeline_ticks(s), s.shape.n_layers // (s.mesh["pipeline"] * s.virtual)
 
 
 def activation_bytes(s: Setup) -> float:

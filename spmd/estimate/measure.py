@@ -66,8 +66,8 @@ def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
             kind, size = "all-reduce", size * c.group
         out[kind] = out.get(kind, 0.0) + size
     if cpu_auto and s.mesh["tensor"] > 1:
-        layers = s.shape.n_layers // s.mesh["pipeline"]
-        separate = CPU_SEPARATE_INPUT_GRAD_REDUCTIONS * layers * s.micro_steps
+        executions, layers = cost.tensor_passes(s)
+        separate = CPU_SEPARATE_INPUT_GRAD_REDUCTIONS * layers * executions
         out["all-reduce"] = out.get("all-reduce", 0.0) + separate * cost.activation_bytes(s)
     return out
 
