@@ -259,7 +259,7 @@ def collectives(s: Setup) -> list[Comm]:
     """
     pipeline, tensor = s.mesh["pipeline"], s.mesh["tensor"]
     out = state_collectives(s)
-    tokens = s.micro_batch * s.seq_len / s.context  # per micro-batch and device
+    tokens = device_tokens(s)
     activation = activation_bytes(s)
     if tensor > 1:
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
@@ -427,10 +427,15 @@ def tensor_passes(s: Setup) -> tuple[int, int]:
     return pipeline_ticks(s), s.shape.n_layers // (s.mesh["pipeline"] * s.virtual)
 
 
+def device_tokens(s: Setup) -> float:
+    """Tokens of one micro-batch on one device: micro-batch x length / cp."""
+    return s.micro_batch * s.seq_len / s.context
+
+
 def activation_bytes(s: Setup) -> float:
     """Bytes of one device's [micro-batch, length / cp, embed] residual-stream activation in the
     compute dtype: what a tensor-parallel all-reduce or a pipeline send moves."""
-    return s.micro_batch * s.seq_len / s.context * s.shape.embed_dim * s.bytes_of("compute")
+    return device_tokens(s) * s.shape.embed_dim * s.bytes_of("compute")
 
 
 def ring_traffic(s: Setup) -> tuple[float, int]:

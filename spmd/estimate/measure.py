@@ -55,6 +55,11 @@ def simulated_devices(count: int) -> list:
 CPU_SEPARATE_INPUT_GRAD_REDUCTIONS = 3
 
 
+def separate_reductions(s: cost.Setup, cpu_auto: bool) -> bool:
+    """Whether the compiled step reduces the tp input gradients one by one (XLA:CPU, auto)."""
+    return cpu_auto and s.mesh["tensor"] > 1
+
+
 def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
     """Analytic bytes per step by collective kind, in spmd.estimate.hlo's convention; with
     `cpu_auto` (the auto executor compiled by XLA:CPU) as that program reduces: reduce-scatters
@@ -65,7 +70,7 @@ def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
         if cpu_auto and kind == "reduce-scatter":
             kind, size = "all-reduce", size * c.group
         out[kind] = out.get(kind, 0.0) + size
-    if cpu_auto and s.mesh["tensor"] > 1:
+    if separate_reductions(s, cpu_auto):
         executions, layers = cost.tensor_passes(s)
         separate = CPU_SEPARATE_INPUT_GRAD_REDUCTIONS * layers * executions
         out["all-reduce"] = out.get("all-reduce", 0.0) + separate * cost.activation_bytes(s)
@@ -133,7 +138,7 @@ def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> d
             "XLA:CPU reports an auto-mode reduce-scatter as an all-reduce of the whole "
             "buffer; the analytic reduce-scatters are counted that way here"
         )
-    if cpu_auto and s.mesh["tensor"] > 1:
+    if separate_reductions(s, cpu_auto):
         notes.append(
             "XLA:CPU all-reduces the backward's q, k, v and gate, up input gradients one by one "
             "(XLA:GPU adds them first: AllReduceReassociate); the analytic all-reduces count "

@@ -35,13 +35,15 @@ def param_gathers(micro_steps: int, layers: int, pipelined: bool, prefetch: bool
 # --- tensor and sequence parallelism ------------------------------------------------------
 
 
-def tensor_parallel_calls(micro_steps: int, layers: int, remat: bool, pipelined: bool) -> int:
+def tensor_parallel_calls(executions: int, layers: int, remat: bool, pipelined: bool) -> int:
     """Megatron's activation all-reduces per step: per layer 2 forward (after the attention and
     MLP row-parallel matmuls) and 2 backward (at their column-parallel inputs), 1 more when the
     backward replays the forward (remat), 2 more when a pipeline recomputes the chunk; plus the
-    vocab-parallel embedding (forward) and head (backward); each micro-batch."""
+    vocab-parallel embedding (forward) and head (backward); each of the `executions` (the
+    micro-batches, or a pipeline's ticks over one chunk of `layers`: spmd.estimate.cost's
+    tensor_passes)."""
     per_layer = 4 + int(remat) + 2 * int(pipelined)
-    return micro_steps * (per_layer * layers + 2)
+    return executions * (per_layer * layers + 2)
 
 
 def tensor_traffic(
@@ -53,24 +55,24 @@ def tensor_traffic(
     passes: tuple[int, int, bool, bool],
 ) -> list[tuple[str, float, float, str]]:
     """(kind, bytes per call, calls per step, purpose) of tensor parallelism's activation
-    collectives, for `passes` = (micro-batches per step, layers, remat, pipelined): the
+    collectives, for `passes` = (executions per step, layers, remat, pipelined): the
     `tensor_parallel_calls` all-reduces of `activation` bytes; under sequence parallelism as
     many reduce-scatters of 1/tp of it and all-gathers of it, plus one more all-gather per
     layer the backward replays (remat): the replay gathers the MLP's input as well as the
     attention's, but scatters only the attention's output (the MLP's is not needed by the
-    layer's backward); and per micro-batch an all-reduce of each norm weight's gradient
+    layer's backward); and per execution an all-reduce of each norm weight's gradient
     (`norms`: how many, bytes of each). Either way the vocab-parallel cross-entropy's 3 sums
-    of its `tokens` in fp32 per micro-batch."""
-    micro_steps, layers, remat, _ = passes
+    of its `tokens` in fp32 per execution."""
+    executions, layers, remat, _ = passes
     calls = tensor_parallel_calls(*passes)
-    sums = ("all-reduce", tokens * 4, 3 * micro_steps, "cross-entropy sums")
+    sums = ("all-reduce", tokens * 4, 3 * executions, "cross-entropy sums")
     if not sequence_parallel:
         return [("all-reduce", activation, calls, "activations"), sums]
     count, each = norms
     return [
-        ("all-gather", activation, calls + micro_steps * layers * int(remat), "activations (SP)"),
+        ("all-gather", activation, calls + executions * layers * int(remat), "activations (SP)"),
         ("reduce-scatter", activation / tensor, calls, "activations (SP)"),
-        ("all-reduce", each, count * micro_steps, "norm grads (SP)"),
+        ("all-reduce", each, count * executions, "norm grads (SP)"),
         sums,
     ]
 
