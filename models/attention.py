@@ -33,6 +33,8 @@ from spmd.parallel.hooks import (
     tp_reduce,
 )
 
+CACHE_NAMES = ("batch", "length", "kv_heads", None)  # of one layer's cached keys or values
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: Any, rngs: nnx.Rngs):
@@ -90,6 +92,22 @@ class Attention(nnx.Module):
         out = dense(out, gather(self.wo), inputs=2)
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Self-attention of x [b, t, embed] over one layer's key / value cache ([b, length,
+        kv_heads, head_dim]) for generation: (output, keys, values) with this call's keys and
+        values written at `positions` [b, t] (models/llama_decode.py)."""
+        dtype = x.dtype
+        q, k, v = self.project(x, positions)
+        rows = jnp.arange(x.shape[0])[:, None]
+        keys = constrain(keys.at[rows, positions].set(k.astype(keys.dtype)), CACHE_NAMES)
+        values = constrain(values.at[rows, positions].set(v.astype(values.dtype)), CACHE_NAMES)
+        out = grouped_causal_attention(
+            q, keys.astype(dtype), values.astype(dtype), window=self.window, positions=positions
+        )
+        return dense(out, gather(self.wo), inputs=2), keys, values
 
 
 def causal_attention(

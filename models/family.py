@@ -1,14 +1,12 @@
-"""Model families: what the engine and the estimators may know of a model, in one record each.
-
-A `Family` names a model's config dataclass (the [model] section of a run) and the functions
-that build it, score it and describe it: its parameter and FLOP counts, its `ModelShape` (the
-one set of sizes spmd.estimate reads), its params' logical axes, its Hugging Face mapping, the
-layouts it refuses and the statistics it logs each step. The engine asks the family instead of
-probing a config for fields.
+"""The registry of model families: one line per family, and the lookups every command, the
+builder and the library use instead of importing a family's modules (models/contract.py says
+what a family provides; docs/extending.md how to add one).
 
     family.get("moe")            the family called "moe" (UsageError naming the valid ones)
     family.of(cfg)               the family of a config, by its type
     family.config_from_dict(d)   a checkpoint's saved [model] section as its family's config
+    family.open_hf(folder)       a Hugging Face folder, read by the family its config.json names
+    family.load_hf / save_hf     its tensors onto a mesh, and params out to a new folder
 
 Llama 3.x, Mistral, Qwen2 / Qwen2.5 and Qwen3 are the llama family: switches of LlamaConfig
 (rope scaling, sliding_window, qkv_bias, qk_norm), not families of their own, because nothing
@@ -19,68 +17,17 @@ architecture does, and models/hf_config.py reads and writes it from the switches
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from flax import nnx
-
-from models import hf_config, hf_llama, hf_mixtral, llama, moe
+from models import hf_config, hf_io, hf_mixtral, llama, llama_decode, moe
+from models.contract import CausalLM, Decoder, Family, HFMapping, ModelConfig
 from spmd.errors import UsageError
-from spmd.model_shape import ModelShape
 
+__all__ = ["CausalLM", "Decoder", "Family", "HFMapping", "ModelConfig"]
 
-@dataclasses.dataclass(frozen=True)
-class HFMapping:
-    """A family's Hugging Face checkpoint mapping (models/hf_llama.py streams the tensors of
-    both families; the config.json translation is per family)."""
-
-    config_from_hf: Callable[..., Any]  # (config.json dict, where, remat) -> config
-    config_to_hf: Callable[..., dict]  # (config, dtype name, max positions) -> config.json dict
-    open_checkpoint: Callable[..., Any] = hf_llama.open_checkpoint  # (folder, remat) -> HF folder
-    load_params: Callable[..., Any] = hf_llama.load_params  # (HF folder, abstract params)
-    save: Callable[..., Any] = hf_llama.save  # (params, config, folder, dtype, ...) -> files
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One model family. Counts are parameters (scalars); FLOPs are per trained token."""
-
-    name: str
-    config: type  # the config dataclass: the run's [model] section
-    create: Callable[..., nnx.Module]  # (cfg, seed, dtype) -> a freshly initialised model
-    loss: Callable[[Any, dict], Any]  # (model, batch) -> the scalar training loss (fp32)
-    logits_loss: Callable[..., Any]  # a pipeline's last-stage loss (llama.logits_loss's form)
-    hf: HFMapping
-    check_layout: Callable[[Any, Any, str], None]  # (cfg, mesh, executor): UsageError if refused
-    check: Callable[[Any], None]  # (cfg): UsageError if it cannot be built (before device work)
-    step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
-
-    def shape(self, cfg: Any) -> ModelShape:
-        """The sizes spmd.estimate reads."""
-        return cfg.shape()
-
-    def n_params(self, cfg: Any) -> int:
-        """Parameters of the model (every expert included)."""
-        return cfg.n_params()
-
-    def n_active_params(self, cfg: Any) -> int:
-        """Parameters one token uses (an MoE's k routed experts, not all E)."""
-        return cfg.n_active_params()
-
-    def flops_per_token(self, cfg: Any, seq_len: int) -> float:
-        """Model FLOPs (forward + backward) per trained token (ModelShape.flops_per_token)."""
-        return self.shape(cfg).flops_per_token(seq_len)
-
-    def param_axes(self, cfg: Any) -> dict[str, tuple]:
-        """{param path "blocks/attn/wq": its logical axis names}, read from an abstract model
-        (nnx.eval_shape: no param is allocated)."""
-        abstract = nnx.eval_shape(lambda: self.create(cfg, 0))
-        flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
-        return {
-            "/".join(str(p) for p in path): tuple(var.get_metadata().get("out_sharding") or ())
-            for path, var in flat
-        }
-
+EXPORT_DTYPES = hf_io.EXPORT_DTYPES  # the dtypes --to-hf writes
+LLAMA_DECODER = Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward)
 
 LLAMA = Family(
     name="llama",
@@ -88,9 +35,16 @@ LLAMA = Family(
     create=llama.create,
     loss=llama.lm_loss,
     logits_loss=llama.logits_loss,
-    hf=HFMapping(config_from_hf=hf_config.llama_config, config_to_hf=hf_config.hf_config),
-    check_layout=llama.check_layout,
     check=llama.check,
+    check_layout=llama.check_layout,
+    decoder=LLAMA_DECODER,
+    hf=HFMapping(
+        architectures=hf_config.ARCHITECTURES,
+        model_types=hf_config.MODEL_TYPES,
+        config_from_hf=hf_config.llama_config,
+        config_to_hf=hf_config.hf_config,
+        tensors=hf_config.TENSORS,
+    ),
 )
 MOE = Family(
     name="moe",
@@ -100,14 +54,27 @@ MOE = Family(
     # a pipeline passes only activations between stages, so its last stage scores the logits
     # alone (moe.check_layout refuses the router losses with pp > 1)
     logits_loss=llama.logits_loss,
-    hf=HFMapping(
-        config_from_hf=hf_mixtral.mixtral_config, config_to_hf=hf_mixtral.mixtral_hf_config
-    ),
-    check_layout=moe.check_layout,
     check=moe.check,
+    check_layout=moe.check_layout,
+    decoder=LLAMA_DECODER,
+    hf=HFMapping(
+        architectures=(hf_mixtral.ARCHITECTURE,),
+        model_types={"mixtral": hf_mixtral.ARCHITECTURE},
+        config_from_hf=hf_mixtral.mixtral_config,
+        config_to_hf=hf_mixtral.moe_hf_config,
+        tensors=hf_config.TENSORS + hf_mixtral.TENSORS,
+    ),
     step_metrics=moe.router_stats,
 )
-FAMILIES = {f.name: f for f in (LLAMA, MOE)}
+
+# The registry: one line per family.
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        LLAMA,
+        MOE,
+    )
+}
 
 
 def get(name: str) -> Family:
@@ -171,3 +138,76 @@ def config_from_dict(saved: dict[str, Any]) -> Any:
         )
     kept = {k: v for k, v in saved.items() if k in own}
     return family.config(**(kept | {"family": family.name}))
+
+
+# --- Hugging Face folders ---------------------------------------------------------------
+
+
+def architecture_of(raw: dict[str, Any]) -> str:
+    """The architecture a config.json names: its first `architectures` entry, or the one its
+    model_type stands for when it names none."""
+    names = raw.get("architectures")
+    if isinstance(names, list) and names:
+        return str(names[0])
+    types = {t: a for f in FAMILIES.values() if f.hf for t, a in f.hf.model_types.items()}
+    model_type = raw.get("model_type")
+    known = isinstance(model_type, str) and model_type in types
+    return types[model_type] if known else f"model_type {model_type!r}"
+
+
+def for_hf(raw: dict[str, Any], where: str) -> Family:
+    """The family that reads config.json `raw`; UsageError naming its architecture and every
+    one spmd reads otherwise."""
+    architecture = architecture_of(raw)
+    for family in FAMILIES.values():
+        if family.hf and architecture in family.hf.architectures:
+            return family
+    known = [a for f in FAMILIES.values() if f.hf for a in f.hf.architectures]
+    raise UsageError(
+        f"{where}: architecture {architecture} is not supported; spmd converts {', '.join(known)}"
+    )
+
+
+def open_hf(directory: str, remat: str = "none") -> hf_io.HFCheckpoint:
+    """A Hugging Face folder checked against the family its config.json names (headers only,
+    no tensor data): UsageError naming the architecture, a field the family does not compute,
+    or a missing, misshapen or unexpected tensor."""
+    raw = hf_io.read_config(directory)
+    where = str(Path(directory) / "config.json")
+    family = for_hf(raw, where)
+    assert family.hf is not None
+    cfg = family.hf.config_from_hf(raw, where, remat)
+    family.check(cfg)
+    return hf_io.open_checkpoint(directory, raw, cfg, family.name, family.create, family.hf.tensors)
+
+
+def load_hf(checkpoint: hf_io.HFCheckpoint, abstract_params: dict[str, Any]) -> dict[str, Any]:
+    """The params of `checkpoint` on the dtypes and shardings of `abstract_params`, streamed
+    (models/hf_io.py)."""
+    return hf_io.load_params(checkpoint, abstract_params)
+
+
+def save_hf(
+    params: dict[str, Any],
+    cfg: Any,
+    directory: str,
+    dtype: str = "float32",
+    max_shard_bytes: int = 4 << 30,
+    max_positions: int = 2048,
+) -> list[Path]:
+    """Write `params` of model `cfg` as a Hugging Face folder of its family's architecture
+    (config.json and safetensors in `dtype`); UsageError for a family or config no
+    architecture computes. Returns the files written."""
+    family = of(cfg)
+    if family.hf is None:
+        raise UsageError(f"model family {family.name!r} has no Hugging Face architecture")
+    if dtype not in EXPORT_DTYPES:
+        raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    hf_io.check_new_folder(directory)
+    config = family.hf.config_to_hf(cfg, dtype, max_positions)
+    return hf_io.save(params, config, directory, family.hf.tensors, dtype, max_shard_bytes)
+
+
+def check_new_folder(directory: str) -> None:
+    """UsageError if `directory` is a file or already holds a Hugging Face checkpoint."""
+    hf_io.check_new_folder(directory)

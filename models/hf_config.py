@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> LlamaConfig for the Llama-family architectures spmd runs.
+"""The Llama family's Hugging Face mapping: `config.json` <-> LlamaConfig for the
+architectures it runs, and its tensor table (models/hf_io.py streams the tensors).
 
     LlamaForCausalLM     Llama 2 / 3.x (rope scaling `llama3` or `linear`)
     MistralForCausalLM   a sliding window (`sliding_window`) -> LlamaConfig.sliding_window
@@ -10,6 +11,33 @@ defaults follow transformers' configs (kv heads = heads, head_dim = hidden / hea
 1e-6, untied). Anything the spmd Llama does not compute (another architecture, a rope type
 other than default / linear / llama3, a bias on the output projection or the MLP, Qwen's
 per-layer sliding windows, another activation) is a UsageError naming it.
+
+The tensors:
+
+    Hugging Face name (+ .weight)     shape            spmd param            conversion
+    model.embed_tokens                [vocab, hid]     embed                 as is
+    model.layers.{i}.self_attn.q_proj [heads*hd, hid]  blocks/attn/wq[i]     .T -> [hid, heads, hd]
+    model.layers.{i}.self_attn.k_proj [kv*hd, hid]     blocks/attn/wk[i]     .T -> [hid, kv, hd]
+    model.layers.{i}.self_attn.v_proj [kv*hd, hid]     blocks/attn/wv[i]     .T -> [hid, kv, hd]
+    model.layers.{i}.self_attn.o_proj [hid, heads*hd]  blocks/attn/wo[i]     .T -> [heads, hd, hid]
+    model.layers.{i}.mlp.gate_proj    [mlp, hid]       blocks/mlp/w_gate[i]  .T
+    model.layers.{i}.mlp.up_proj      [mlp, hid]       blocks/mlp/w_up[i]    .T
+    model.layers.{i}.mlp.down_proj    [hid, mlp]       blocks/mlp/w_down[i]  .T
+    model.layers.{i}.input_layernorm  [hid]            blocks/attn_norm/scale[i]
+    model.layers.{i}.post_attention_layernorm [hid]    blocks/mlp_norm/scale[i]
+    model.norm                        [hid]            final_norm/scale
+    lm_head                           [vocab, hid]     lm_head               .T (absent if tied)
+
+and where the config has them (Qwen2's biases, Qwen3's per-head norms):
+
+    model.layers.{i}.self_attn.q_proj.bias  [heads*hd]  blocks/attn/bq[i]     -> [heads, hd]
+    model.layers.{i}.self_attn.k_proj.bias  [kv*hd]     blocks/attn/bk[i]     -> [kv, hd]
+    model.layers.{i}.self_attn.v_proj.bias  [kv*hd]     blocks/attn/bv[i]     -> [kv, hd]
+    model.layers.{i}.self_attn.q_norm       [hd]        blocks/attn/q_norm/scale[i]
+    model.layers.{i}.self_attn.k_norm       [hd]        blocks/attn/k_norm/scale[i]
+
+Grouped-query heads need nothing more: query head h reads kv head h // (heads / kv_heads) in
+both.
 """
 
 from __future__ import annotations
@@ -18,8 +46,31 @@ import math
 from typing import Any
 
 from models import llama
+from models.hf_tensors import FLAT, Rule
 from spmd.errors import UsageError
 
+# (spmd param path, Hugging Face name ("{}" = layer index), in_dims): HF stores a Linear as
+# [out, in]; in_dims is how many leading dims of the spmd param make up `in` (0: stored as is,
+# FLAT: stored as one dim).
+TENSORS: tuple[Rule, ...] = (
+    (("embed",), "model.embed_tokens.weight", 0),
+    (("blocks", "attn", "wq"), "model.layers.{}.self_attn.q_proj.weight", 1),
+    (("blocks", "attn", "wk"), "model.layers.{}.self_attn.k_proj.weight", 1),
+    (("blocks", "attn", "wv"), "model.layers.{}.self_attn.v_proj.weight", 1),
+    (("blocks", "attn", "wo"), "model.layers.{}.self_attn.o_proj.weight", 2),
+    (("blocks", "attn", "bq"), "model.layers.{}.self_attn.q_proj.bias", FLAT),
+    (("blocks", "attn", "bk"), "model.layers.{}.self_attn.k_proj.bias", FLAT),
+    (("blocks", "attn", "bv"), "model.layers.{}.self_attn.v_proj.bias", FLAT),
+    (("blocks", "attn", "q_norm", "scale"), "model.layers.{}.self_attn.q_norm.weight", 0),
+    (("blocks", "attn", "k_norm", "scale"), "model.layers.{}.self_attn.k_norm.weight", 0),
+    (("blocks", "mlp", "w_gate"), "model.layers.{}.mlp.gate_proj.weight", 1),
+    (("blocks", "mlp", "w_up"), "model.layers.{}.mlp.up_proj.weight", 1),
+    (("blocks", "mlp", "w_down"), "model.layers.{}.mlp.down_proj.weight", 1),
+    (("blocks", "attn_norm", "scale"), "model.layers.{}.input_layernorm.weight", 0),
+    (("blocks", "mlp_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
+    (("final_norm", "scale"), "model.norm.weight", 0),
+    (("lm_head",), "lm_head.weight", 1),
+)
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -1,6 +1,6 @@
 """Hugging Face Mixtral (`MixtralForCausalLM`) <-> the spmd MoE model (models/moe.py): the
 config.json fields and the expert tensors. Attention, norms, embedding and head are named and
-stored as in Llama; models/hf_llama.py streams both tables (this one adds to its TENSORS).
+stored as in Llama; the moe family's table is hf_config.TENSORS plus this one's.
 
     Hugging Face name (+ .weight), under model.layers.{i}.   shape        spmd param (.T)
     block_sparse_moe.gate                                     [E, hid]     blocks/experts/router[i]
@@ -26,12 +26,13 @@ from typing import Any
 
 from models import moe
 from models.hf_config import architectures, dense_config, hf_config, positive_number
+from models.hf_tensors import Rule
 from spmd.errors import UsageError
 
 ARCHITECTURE = "MixtralForCausalLM"
 
-# (spmd param path, HF name ("{}" = layer, then expert), in_dims), as hf_llama.TENSORS
-TENSORS: tuple[tuple[tuple[str, ...], str, int], ...] = (
+# (spmd param path, HF name ("{}" = layer, then expert), in_dims), as hf_config.TENSORS
+TENSORS: tuple[Rule, ...] = (
     (("blocks", "experts", "router"), "model.layers.{}.block_sparse_moe.gate.weight", 1),
     (("blocks", "experts", "w_gate"), "model.layers.{}.block_sparse_moe.experts.{}.w1.weight", 1),
     (("blocks", "experts", "w_up"), "model.layers.{}.block_sparse_moe.experts.{}.w3.weight", 1),
@@ -113,3 +114,11 @@ def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dic
         "sliding_window": None,
         "output_router_logits": False,
     }
+
+
+def moe_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dict[str, Any]:
+    """The config.json of an MoE-family config: a Mixtral with experts, the dense Llama
+    architecture that computes it without (n_experts 0)."""
+    if cfg.n_experts:
+        return mixtral_hf_config(cfg, dtype, max_positions)
+    return hf_config(cfg, dtype, max_positions)

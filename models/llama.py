@@ -219,6 +219,16 @@ class Block(nnx.Module):
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, RESIDUAL)
 
+    def decode(
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, layer: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block over one layer's key / value cache (models/llama_decode.py): (x, keys,
+        values) with this call's keys and values written at `positions`."""
+        attended, keys, values = self.attn.cached(self.attn_norm(x), positions, keys, values)
+        x = x + attended
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, RESIDUAL), keys, values
+
 
 class Llama(nnx.Module):
     """Decoder-only LM: tokens [batch, length] int32 -> logits [batch, length, vocab] fp32."""

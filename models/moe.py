@@ -238,6 +238,18 @@ class Block(nnx.Module):
         y, stats = self.experts(self.mlp_norm(x))
         return constrain(x + y, ("batch", "length", "embed")), stats
 
+    def decode(
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, layer: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block over one layer's key / value cache (llama.Block.decode). Routing groups
+        tokens per row of the call, so a dropless model (capacity_factor 0) routes each token
+        as in the full forward pass; with a capacity factor, tokens may drop differently than
+        in training's longer rows."""
+        attended, keys, values = self.attn.cached(self.attn_norm(x), positions, keys, values)
+        x = x + attended
+        y, _ = self.experts(self.mlp_norm(x))
+        return constrain(x + y, ("batch", "length", "embed")), keys, values
+
 
 class MoELlama(llama.Llama):
     """llama.Llama with MoE blocks: tokens [batch, length] -> logits [batch, length, vocab]."""

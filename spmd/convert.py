@@ -1,18 +1,18 @@
-"""`python -m spmd.convert`: Hugging Face Llama or Mixtral folders <-> spmd checkpoint folders.
+"""`python -m spmd.convert`: Hugging Face folders (every architecture a model family reads) <->
+spmd checkpoint folders.
 
     python -m spmd.convert --from-hf path/to/hf_llama --to ckpt/llama      # HF -> spmd
     python -m spmd.convert --checkpoint runs/ckpt --to-hf out/hf_llama     # spmd -> HF
 
 HF -> spmd streams each tensor from the safetensors files onto the param shardings of `--mesh`
-(models/hf_llama.py) and writes a params-only checkpoint (step 0) that `spmd.generate
---checkpoint` and `--to-hf` read; spmd.io.params_io says why `spmd.train --resume` refuses it
-(`--init-from-hf` trains from the HF folder instead). spmd -> HF reads the params of a
-checkpoint's newest step (or `--step`) and writes config.json and safetensors (`--hf-dtype
-float32` by default, so the round trip is bit-exact; `bfloat16` halves the size), sharded at
-`--max-shard-mb`, with the run's `--tokenizer` file copied beside them as tokenizer.json.
-Neither direction overwrites an existing checkpoint. Both directions run in one process (the
-export gathers each tensor to that host).
-"""
+(models/hf_io.py, by the table of the family its config.json names) and writes a params-only
+checkpoint (step 0) that `spmd.generate --checkpoint` and `--to-hf` read; spmd.io.params_io
+says why `spmd.train --resume` refuses it (`--init-from-hf` trains from the HF folder instead).
+spmd -> HF reads the params of a checkpoint's newest step (or `--step`) and writes config.json
+and safetensors (`--hf-dtype float32` by default, so the round trip is bit-exact; `bfloat16`
+halves the size), sharded at `--max-shard-mb`, with the run's `--tokenizer` file copied beside
+them as tokenizer.json. Neither direction overwrites an existing checkpoint. Both directions
+run in one process (the export gathers each tensor to that host)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def run(argv: list[str] | None) -> int:
         )
     check_choices(cfg, to_spmd)
     cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
-    from models import hf_llama
+    from models import family
     from spmd import weights
     from spmd.io import checkpoint, params_io
 
@@ -74,7 +74,7 @@ def run(argv: list[str] | None) -> int:
             raise UsageError(
                 f"--to {cfg.to} already exists with checkpoints or as a file; give a new folder"
             )
-        folder = hf_llama.open_checkpoint(cfg.from_hf)  # every error before any device work
+        folder = family.open_hf(cfg.from_hf)  # every error before any device work
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)
         tokenizer = Path(cfg.from_hf) / "tokenizer.json"
@@ -89,12 +89,12 @@ def run(argv: list[str] | None) -> int:
         params_io.save_converted(cfg.to, loaded.params, saved, source)
         target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only)"
     else:
-        hf_llama.check_new_folder(cfg.to_hf)
+        family.check_new_folder(cfg.to_hf)
         params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
         layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
         seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)
-        files = hf_llama.save(
+        files = family.save_hf(
             loaded.params,
             loaded.model,
             cfg.to_hf,
@@ -128,14 +128,14 @@ def write_generation_config(folder: Path, eos_ids: list[int]) -> list[Path]:
 def check_choices(cfg: ConvertConfig, to_spmd: bool) -> None:
     """UsageError for values out of range, and for the other direction's flags given with a
     value (they would be ignored), before any device work."""
-    from models import hf_llama
+    from models import family
     from spmd.parallel.mesh import parse_mesh
 
     if cfg.max_shard_mb < 1:
         raise UsageError(f"--max-shard-mb {cfg.max_shard_mb} must be at least 1")
-    if cfg.hf_dtype not in hf_llama.EXPORT_DTYPES:
+    if cfg.hf_dtype not in family.EXPORT_DTYPES:
         raise UsageError(
-            f"--hf-dtype {cfg.hf_dtype!r} is not one of {', '.join(hf_llama.EXPORT_DTYPES)}"
+            f"--hf-dtype {cfg.hf_dtype!r} is not one of {', '.join(family.EXPORT_DTYPES)}"
         )
     if cfg.step < 0:
         raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")

@@ -1,5 +1,5 @@
 """The decoding loop of spmd.generate: a jitted prefill of the prompts, then jitted chunks of
-one-token steps with the key/value cache (models/llama_decode.py), on any mesh.
+one-token steps with the key/value cache (the model family's Decoder), on any mesh.
 
 Prompts of different lengths are right-padded and every row keeps its own positions, so a
 row's continuation is the one it would get alone. Each row stops at its first end-of-sequence
@@ -120,16 +120,17 @@ class Decoder:
         import jax
         import jax.numpy as jnp
 
-        from models import llama_decode
+        from models import family
         from spmd.parallel import traced_layout
 
         layout = self.program.layout
         with traced_layout.activation_layout(layout.mesh, layout.zero_stage):
             model = self._model(params)
+            kv = family.of(model.cfg).decoder  # the family's key/value-cache forward
             batch, prompt_len = tokens.shape
-            cache = llama_decode.init_cache(model.cfg, batch, prompt_len + new_tokens, model.dtype)
+            cache = kv.init_cache(model.cfg, batch, prompt_len + new_tokens, model.dtype)
             positions = jnp.broadcast_to(jnp.arange(prompt_len), tokens.shape)
-            logits, cache = llama_decode.forward(model, tokens, positions, cache)
+            logits, cache = kv.forward(model, tokens, positions, cache)
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
             token = sample(last, jax.random.fold_in(key, 0), self.how)
         return {
@@ -146,7 +147,7 @@ class Decoder:
         import jax
         import jax.numpy as jnp
 
-        from models import llama_decode
+        from models import family
         from spmd.parallel import traced_layout
 
         layout = self.program.layout
@@ -159,7 +160,7 @@ class Decoder:
         def one_token(carry: tuple) -> tuple:
             step, state, out = carry
             token, position = state["token"][:, None], state["position"][:, None]
-            logits, cache = llama_decode.forward(model, token, position, state["cache"])
+            logits, cache = kv.forward(model, token, position, state["cache"])
             token = sample(logits[:, 0], jax.random.fold_in(key, state["index"]), self.how)
             token = jnp.where(state["done"], PAD, token)  # a finished row pads
             state = {
@@ -173,6 +174,7 @@ class Decoder:
 
         with traced_layout.activation_layout(layout.mesh, layout.zero_stage):
             model = self._model(params)
+            kv = family.of(model.cfg).decoder  # the family's key/value-cache forward
             out = jnp.full((batch, self.chunk), PAD, jnp.int32)
             steps, state, out = jax.lax.while_loop(running, one_token, (0, state, out))
         return state, out, steps

@@ -287,9 +287,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     )
     sections = hub.resolve_names(sections)  # Hub ids in --init-from-hf, --tokenizer: folders
     if sections["run"].init_from_hf:
-        from models import hf_llama
-
-        folder = hf_llama.open_checkpoint(sections["run"].init_from_hf, sections["model"].remat)
+        folder = family.open_hf(sections["run"].init_from_hf, sections["model"].remat)
         # The architecture is the folder's; the router's training knobs given win.
         given = config.given_model_fields(sys.argv[1:] if argv is None else argv, ROUTER_KNOBS)
         knobs = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import family, hf_llama, llama
+from models import family
 from spmd import builder
 from spmd.engine.step import Program
 from spmd.io import params_io
@@ -21,7 +21,7 @@ from spmd.parallel.layout import Layout
 class Loaded:
     """Params on a mesh and what describes them."""
 
-    model: llama.LlamaConfig
+    model: Any  # the family's config
     program: Program
     params: Any
     run_config: dict[str, Any]  # the config saved with the checkpoint ({} for HF folders)
@@ -36,7 +36,7 @@ def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
     return Layout(setup_mesh(mesh, devices), zero)
 
 
-def model_program(cfg: llama.LlamaConfig, layout: Layout) -> Program:
+def model_program(cfg: Any, layout: Layout) -> Program:
     """The Program of model `cfg` (its family's) on `layout`, for its
     param shardings and forward pass (no training: the optimizer is the identity, which has no
     state); spmd.builder's, as training builds it."""
@@ -63,7 +63,7 @@ class Source:
     """What a checkpoint or Hugging Face folder holds, read without a param: the model, the
     saved run config, and the longest sequence it declares (None: none declared)."""
 
-    model: llama.LlamaConfig
+    model: Any  # the family's config
     run_config: dict[str, Any]
     max_positions: int | None
     where: str  # for people: what declares max_positions
@@ -82,7 +82,7 @@ def describe(checkpoint: str, step: int, from_hf: str) -> Source:
         declared = run_config.get(MAX_POSITIONS)
         where = f"max_position_embeddings of the config.json {checkpoint} was converted from"
         return Source(model, run_config, declared if isinstance(declared, int) else None, where)
-    folder = hf_llama.open_checkpoint(from_hf)
+    folder = family.open_hf(from_hf)
     declared = folder.raw_config.get("max_position_embeddings")
     where = f"max_position_embeddings in {folder.path / 'config.json'}"
     return Source(folder.config, {}, declared, where)
@@ -92,15 +92,15 @@ def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
     """(params, optimizer state, loss scale) to start training `program` from a Hugging Face
     folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the
     working params derived in the policy's dtype)."""
-    checkpoint = hf_llama.open_checkpoint(directory)
-    master = hf_llama.load_params(checkpoint, program.abstract_master)
+    checkpoint = family.open_hf(directory)
+    master = family.load_hf(checkpoint, program.abstract_master)
     return tuple(program.start(master))
 
 
 def from_hf(directory: str, layout: Layout) -> Loaded:
-    """The params of a Hugging Face Llama-family or Mixtral folder (config.json +
-    safetensors)."""
-    checkpoint = hf_llama.open_checkpoint(directory)
+    """The params of a Hugging Face folder (config.json + safetensors) of any architecture a
+    registered family reads."""
+    checkpoint = family.open_hf(directory)
     program = model_program(checkpoint.config, layout)
-    params = hf_llama.load_params(checkpoint, program.abstract_params)
+    params = family.load_hf(checkpoint, program.abstract_params)
     return Loaded(checkpoint.config, program, params, {}, directory)

@@ -52,9 +52,7 @@ def test_config_from_dict_new_and_old_checkpoints():
 def test_counts_are_the_configs():
     dense, experts = preset("tiny", llama.LlamaConfig), preset("moe-tiny")
     assert family.get("llama").n_params(dense) == dense.n_params()
-    assert family.get("llama").n_active_params(dense) == dense.n_params()
     assert family.get("moe").n_params(experts) == experts.n_params()
-    assert family.get("moe").n_active_params(experts) == experts.n_active_params()
     assert experts.n_active_params() < experts.n_params()
 
 
@@ -75,21 +73,13 @@ def _previous_flops_per_token(cfg, seq_len: int) -> float:
 def test_flops_per_token_is_the_previous_formula(name):
     cfg = preset(name)
     fam = family.of(cfg)
-    assert fam.flops_per_token(cfg, 128) == _previous_flops_per_token(cfg, 128)
+    assert fam.shape(cfg).flops_per_token(128) == _previous_flops_per_token(cfg, 128)
 
 
 def test_shape_is_the_one_model_shape():
     shape = family.get("moe").shape(preset("moe-tiny"))
     assert isinstance(shape, ModelShape) and shape.n_experts == 4 and not shape.pipelines
     assert family.get("llama").shape(preset("tiny", llama.LlamaConfig)).n_experts == 0
-
-
-def test_param_axes_read_from_an_abstract_model():
-    axes = family.get("moe").param_axes(preset("moe-tiny"))
-    assert axes["blocks/experts/w_gate"] == ("layers", "expert", "embed", "mlp")
-    assert axes["embed"] == ("vocab", "embed")
-    dense = family.get("llama").param_axes(preset("tiny", llama.LlamaConfig))
-    assert "blocks/mlp/w_up" in dense and not any("expert" in k for k in dense)
 
 
 def test_moe_family_logs_router_statistics_and_maps_to_mixtral():
@@ -115,7 +105,7 @@ def test_counts_include_the_attention_biases_and_norms():
     extras = cfg.n_layers * cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads + 2)
     assert real == cfg.n_params() == base.n_params() + extras
     assert shape.shape_params(cfg.shape()) == real
-    assert family.of(cfg).flops_per_token(cfg, 128) == family.of(base).flops_per_token(base, 128)
+    assert family.of(cfg).shape(cfg).flops_per_token(128) == base.shape().flops_per_token(128)
     mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
 
     def per_device(c: llama.LlamaConfig) -> float:
@@ -141,3 +131,21 @@ def test_the_variants_settings_are_checked(change, flag):
 
     with pytest.raises(UsageError, match=flag):
         llama.check(dataclasses.replace(preset("tiny", llama.LlamaConfig), **change))
+
+
+@pytest.mark.parametrize("name", ["llama", "moe"])
+def test_each_family_builds_a_model_with_the_pipeline_pieces(name):
+    """The contract's CausalLM: what `create` returns has the three pieces a pipeline runs."""
+    from flax import nnx
+
+    cfg = preset("tiny" if name == "llama" else "moe-tiny", family.get(name).config)
+    model = nnx.eval_shape(lambda: family.get(name).create(cfg, 0))
+    assert isinstance(model, family.CausalLM)
+    assert family.get(name).hf is not None and family.get(name).decoder is not None
+
+
+def test_architectures_pick_the_family():
+    assert family.for_hf({"architectures": ["MixtralForCausalLM"]}, "x").name == "moe"
+    assert family.for_hf({"model_type": "qwen2"}, "x").name == "llama"
+    with pytest.raises(UsageError, match="GPT2LMHeadModel is not supported; spmd converts"):
+        family.for_hf({"architectures": ["GPT2LMHeadModel"]}, "x")

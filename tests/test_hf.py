@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import hf_config, hf_llama
+from models import family, hf_config
 from spmd import convert, train, weights
 from spmd.errors import UsageError
 from spmd.io import data, eos, params_io, safetensors_io, tokens
@@ -78,12 +78,12 @@ def test_spmd_to_hf_to_spmd_is_bit_exact_and_loads_one_tensor_at_a_time(tmp_path
         lambda x: jax.device_put(rng.standard_normal(x.shape, np.float32), x.sharding),
         source.abstract_params,
     )
-    files = hf_llama.save(params, cfg, str(tmp_path / "hf"), max_shard_bytes=200_000)
+    files = family.save_hf(params, cfg, str(tmp_path / "hf"), max_shard_bytes=200_000)
     assert len(files) > 3  # several shards, the index and config.json
-    back = hf_llama.open_checkpoint(str(tmp_path / "hf"))
+    back = family.open_hf(str(tmp_path / "hf"))
     assert back.config == cfg
     target = weights.model_program(cfg, trainer.layout("dp=2,fsdp=2,tp=2"))
-    loaded = hf_llama.load_params(back, target.abstract_params)
+    loaded = family.load_hf(back, target.abstract_params)
     for path, value in jax.tree_util.tree_flatten_with_path(loaded)[0]:
         expected = np.asarray(jax.device_get(_at(params, path)))
         np.testing.assert_array_equal(np.asarray(value), expected, err_msg=str(path))
@@ -91,7 +91,7 @@ def test_spmd_to_hf_to_spmd_is_bit_exact_and_loads_one_tensor_at_a_time(tmp_path
     # Host memory of a second load (the first one also compiled, which allocates Python
     # objects): numpy's buffers are traced; device buffers and memory maps are not.
     tracemalloc.start()
-    jax.block_until_ready(hf_llama.load_params(back, target.abstract_params))
+    jax.block_until_ready(family.load_hf(back, target.abstract_params))
     _, host_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     largest = max(t.dtype.itemsize * np.prod(t.shape) for t in back.tensors.values())
@@ -229,7 +229,7 @@ def test_an_unexpected_tensor_is_named(tmp_path):
     folder = copy_fixture(tmp_path)
     edit_config(folder, num_hidden_layers=1)
     with pytest.raises(UsageError, match="holds tensor model.layers.1.input_layernorm.weight"):
-        hf_llama.open_checkpoint(str(folder))
+        family.open_hf(str(folder))
 
 
 def test_the_command_exits_2_without_a_traceback(tmp_path):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import attention, hf_config, hf_llama, llama
+from models import attention, family, hf_config, llama
 from models.rope import Rope
 from spmd import convert, generate, train, weights
 from spmd.builder import optimizer
@@ -155,7 +155,7 @@ def train_run(name: str, mesh: str, executor: str = "auto", steps: int = 3):
     """(losses, final params) of `steps` AdamW steps from the fixture's weights on `mesh`,
     all on one batch of random tokens (so the loss falls)."""
     folder = str(FIXTURES / name)
-    cfg = hf_llama.open_checkpoint(folder).config
+    cfg = family.open_hf(folder).config
     run = flat(None, steps=steps, batch=8, seq_len=16, warmup=1, lr=3e-3)
     program = build_program(
         lambda seed: llama.create(cfg, seed),

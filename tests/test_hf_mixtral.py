@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import hf_llama, hf_mixtral, moe
+from models import family, hf_mixtral, moe
 from spmd import config, convert, generate, train, weights
 from spmd.errors import UsageError
 from spmd.io import data, tokens
@@ -103,7 +103,7 @@ def test_what_the_moe_model_lacks_exits_2_naming_it(tmp_path, capsys, changes, n
 
 
 def test_a_shared_expert_has_no_mixtral_equivalent(tmp_path):
-    cfg = hf_llama.open_checkpoint(str(MIXTRAL)).config
+    cfg = family.open_hf(str(MIXTRAL)).config
     with pytest.raises(UsageError, match="shared_expert True"):
         hf_mixtral.mixtral_hf_config(
             type(cfg)(**{**cfg.__dict__, "shared_expert": True}), "float32", 64
@@ -157,12 +157,12 @@ def test_spmd_moe_params_to_hf_and_back_are_bit_exact(tmp_path):
         lambda x: jax.device_put(rng.standard_normal(x.shape, np.float32), x.sharding),
         source.abstract_params,
     )
-    files = hf_llama.save(params, cfg, str(tmp_path / "hf"), max_shard_bytes=100_000)
+    files = family.save_hf(params, cfg, str(tmp_path / "hf"), max_shard_bytes=100_000)
     assert len(files) > 3  # several shards, the index and config.json
-    back = hf_llama.open_checkpoint(str(tmp_path / "hf"))
+    back = family.open_hf(str(tmp_path / "hf"))
     assert back.config == cfg  # z-loss 0: Mixtral has none, so a non-zero one does not survive
     target = weights.model_program(cfg, trainer.layout("dp=2,ep=4"))
-    loaded = hf_llama.load_params(back, target.abstract_params)
+    loaded = family.load_hf(back, target.abstract_params)
     for (path, value), expected in zip(
         jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(params), strict=True
     ):

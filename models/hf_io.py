@@ -1,12 +1,11 @@
-"""Hugging Face Llama-family checkpoints <-> the spmd Llama model, streamed tensor by tensor
-(Mixtral <-> the MoE model too: models/hf_mixtral.py adds its expert tensors to the table).
+"""Hugging Face checkpoint folders <-> spmd params, streamed tensor by tensor, for any family
+(models/family.py picks the family from config.json and hands its config and tensor table).
 
 A Hugging Face checkpoint folder holds `config.json` and the weights in `model.safetensors`, or
 in shards listed by `model.safetensors.index.json`. The two layouts differ only in names and in
-how matrices are stored; the maths is the same, including the rotary embedding: both use the
-"rotate half" pairing (i, i + head_dim/2), so q and k need no permutation. The table of names
-and layouts is models/hf_tensors.py; grouped-query heads need nothing more: query head h reads
-kv head h // (heads / kv_heads) in both.
+how matrices are stored (each family's table of rules, models/hf_tensors.py); the maths is the
+same, including the rotary embedding: both use the "rotate half" pairing (i, i + head_dim/2),
+so q and k need no permutation.
 
 Memory: loading reads one HF tensor at a time from a memory map, transforms it on the host and
 puts it straight onto the devices in the target sharding (`jax.make_array_from_callback`: each
@@ -34,9 +33,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import hf_mixtral, llama
-from models.hf_config import architectures, hf_config, llama_config
-from models.hf_tensors import STACKED, Entry, entries, get, param_shapes, put
+from models.hf_tensors import STACKED, Entry, Rule, entries, get, param_shapes, put
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 
@@ -50,18 +47,20 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints sav
 
 @dataclasses.dataclass(frozen=True)
 class HFCheckpoint:
-    """A checked Hugging Face folder: its model config and where each tensor is stored."""
+    """A checked Hugging Face folder: its model config, where each tensor is stored and the
+    tensor table of the family that reads it."""
 
     path: Path
-    config: llama.LlamaConfig
+    config: Any  # the family's model config
     tensors: dict[str, safetensors_io.TensorInfo]
     raw_config: dict[str, Any]
+    family: str  # the models.family name that reads it
+    table: tuple[Rule, ...]
 
 
-def open_checkpoint(directory: str, remat: str = "none") -> HFCheckpoint:
-    """Read config.json and the safetensors headers of `directory` (no tensor data) and check
-    that every tensor the config implies is there with its shape; UsageError naming the first
-    missing, misshapen or unexpected tensor, or the unsupported architecture."""
+def read_config(directory: str) -> dict[str, Any]:
+    """config.json of folder `directory` as a dict; UsageError when it is not a Hugging Face
+    folder."""
     folder = Path(directory)
     config_path = folder / "config.json"
     if not folder.is_dir():
@@ -79,17 +78,24 @@ def open_checkpoint(directory: str, remat: str = "none") -> HFCheckpoint:
             f"{config_path} holds a JSON {type(raw).__name__}, not an object; is it a Hugging "
             f"Face config.json?"
         )
-    cfg = model_config(raw, str(config_path), remat)
+    return raw
+
+
+def open_checkpoint(
+    directory: str,
+    raw: dict[str, Any],
+    cfg: Any,
+    family: str,
+    create: Callable[..., Any],
+    table: tuple[Rule, ...],
+) -> HFCheckpoint:
+    """Read the safetensors headers of `directory` (no tensor data) and check that every
+    tensor the model `create(cfg)` has by `table` is there with its shape; UsageError naming
+    the first missing, misshapen or unexpected tensor."""
+    folder = Path(directory)
     tensors = _read_tensors(folder)
-    _check_tensors(tensors, entries(param_shapes(cfg)), cfg, folder, raw)
-    return HFCheckpoint(folder, cfg, tensors, raw)
-
-
-def model_config(raw: dict[str, Any], where: str, remat: str = "none") -> llama.LlamaConfig:
-    """The spmd config of a config.json: a MoEConfig for Mixtral, else a LlamaConfig."""
-    if hf_mixtral.is_mixtral(raw):
-        return hf_mixtral.mixtral_config(raw, where, remat)
-    return llama_config(raw, where, remat)
+    _check_tensors(tensors, entries(param_shapes(create, cfg), table), cfg, folder, raw)
+    return HFCheckpoint(folder, cfg, tensors, raw, family, table)
 
 
 def _read_tensors(folder: Path) -> dict[str, safetensors_io.TensorInfo]:
@@ -120,18 +126,18 @@ def _read_tensors(folder: Path) -> dict[str, safetensors_io.TensorInfo]:
 def _check_tensors(
     tensors: dict[str, safetensors_io.TensorInfo],
     expected: list[Entry],
-    cfg: llama.LlamaConfig,
+    cfg: Any,
     folder: Path,
     raw: dict[str, Any],
 ) -> None:
     wanted = {e.hf_name for e in expected}
-    for entry in expected:
+    for entry in expected:  # a fused tensor's parts each check the whole tensor
         info = tensors.get(entry.hf_name)
         if info is None:
             raise UsageError(
                 f"{folder} has no tensor {entry.hf_name}, which its config.json implies "
                 f"({cfg.n_layers} layers, {getattr(cfg, 'n_experts', 0)} experts, "
-                f"tie_word_embeddings={cfg.tie_embeddings})"
+                f"tie_word_embeddings={getattr(cfg, 'tie_embeddings', False)})"
             )
         if info.shape != entry.hf_shape:
             raise UsageError(
@@ -146,12 +152,13 @@ def _check_tensors(
         for name in tensors
         if name not in wanted
         and not name.endswith(IGNORED_SUFFIXES)
-        and not (name == "lm_head.weight" and cfg.tie_embeddings)
+        and not (name == "lm_head.weight" and getattr(cfg, "tie_embeddings", False))
     )
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        architecture = (raw.get("architectures") or ["model"])[0]
         raise UsageError(
-            f"{folder} holds tensor {extra[0]}{more}, which a {architectures(raw)[0]} with this "
+            f"{folder} holds tensor {extra[0]}{more}, which a {architecture} with this "
             f"config.json does not have; is it another architecture?"
         )
 
@@ -165,7 +172,7 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
     host holds about one tensor at a time (see the module docstring)."""
     params: dict[str, Any] = {}
     by_path: dict[tuple[str, ...], list[Entry]] = {}
-    for entry in entries(abstract_params):
+    for entry in entries(abstract_params, checkpoint.table):
         by_path.setdefault(entry.path, []).append(entry)
     for path, layer_entries in by_path.items():
         target = get(abstract_params, path)
@@ -222,42 +229,42 @@ def _write_row(stacked: jax.Array, row: jax.Array, index: tuple[int, ...]) -> ja
 
 def save(
     params: dict[str, Any],
-    cfg: llama.LlamaConfig,
+    config: dict[str, Any],
     directory: str,
+    table: tuple[Rule, ...],
     dtype: str = "float32",
     max_shard_bytes: int = 4 << 30,
-    max_positions: int = 2048,
 ) -> list[Path]:
-    """Write `params` (spmd params of `cfg`, jax arrays on any mesh) as a Hugging Face
-    LlamaForCausalLM folder (MixtralForCausalLM for an MoE config): config.json and
-    safetensors in `dtype` ("float32" or "bfloat16"), in shards of at most `max_shard_bytes`
-    with an index when there is more than one. Refuses a folder that already holds a
-    checkpoint. Returns the files written."""
+    """Write `params` (spmd params, jax arrays on any mesh) as a Hugging Face folder:
+    `config` as config.json and the tensors of `table` as safetensors in `dtype` ("float32"
+    or "bfloat16"), in shards of at most `max_shard_bytes` with an index when there is more
+    than one. Refuses a folder that already holds a checkpoint. Returns the files written."""
     if dtype not in EXPORT_DTYPES:
         raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     check_new_folder(directory)
-    if getattr(cfg, "n_experts", 0):
-        config = hf_mixtral.mixtral_hf_config(cfg, dtype, max_positions)
-    else:
-        config = hf_config(cfg, dtype, max_positions)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     np_dtype = EXPORT_DTYPES[dtype]
-    plan = entries(params)
+    parts: dict[str, list[Entry]] = {}
+    for entry in entries(params, table):
+        parts.setdefault(entry.hf_name, []).append(entry)
+    plan = [group[0] for group in parts.values()]  # one per HF tensor, fused ones included
     shards = list(_shards(plan, np_dtype.itemsize, max_shard_bytes))
     names = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    by_name = {e.hf_name: e for e in plan}
 
-    def produce(hf_name: str) -> np.ndarray:
-        entry = by_name[hf_name]
+    def part(entry: Entry) -> np.ndarray:
         value = get(params, entry.path)
         if entry.layer is not None:
             value = value[entry.layer]  # sliced on the devices: one layer comes to the host
         return entry.to_hf(np.asarray(jax.device_get(value)), np_dtype)
+
+    def produce(hf_name: str) -> np.ndarray:
+        group = parts[hf_name]
+        return part(group[0]) if len(group) == 1 else np.concatenate([part(e) for e in group])
 
     total = 0
     written = []

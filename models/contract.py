@@ -1,0 +1,117 @@
+"""The model contract: what a model family gives spmd, as types a type checker reads.
+
+A family is one record (`Family`) of plain functions and tables, registered by one line in
+models/family.py. The engine, the estimators, the commands and the library reach a model only
+through it; none of them imports a family's own modules. docs/extending.md walks through
+adding one.
+
+    Family              the record: config class, create, loss, checks, HF mapping, decoder
+    ModelConfig         what a family's config dataclass (the run's [model] section) provides
+    CausalLM            what the module `create` returns provides: the forward pass and its
+                        three pipeline pieces
+    HFMapping           Hugging Face config.json and tensors, both ways
+    Decoder             the key/value-cache forward pass that spmd.generate runs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from models.hf_tensors import Rule
+from spmd.model_shape import ModelShape
+
+
+class ModelConfig(Protocol):
+    """A family's config: a frozen dataclass whose fields are the run's [model] section (and
+    the training command's model flags, with help from each field's comment). Sizes are
+    counts."""
+
+    family: str  # the registered family name (models.family.get)
+    n_layers: int  # stacked blocks: a pipeline splits them
+    remat: str  # what the backward pass keeps of each block (models.layers.REMAT_POLICIES)
+
+    def shape(self) -> ModelShape:
+        """The sizes the estimators read (memory, FLOPs, collective volumes)."""
+        ...
+
+    def n_params(self) -> int:
+        """Parameters of the model (scalars; every expert included)."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """The module a family's `create` returns: token ids [batch, length] int32 -> fp32 logits
+    [batch, length, vocab]. Its blocks are stacked on a leading `layers` dim under the
+    attribute `blocks` (a pipeline stage holds a slice of them), and the forward pass is the
+    three pieces below in order, which a pipeline runs on separate stages."""
+
+    cfg: Any
+    dtype: Any
+
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array: ...
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token ids -> activations [batch, length, embed] in the compute dtype."""
+        ...
+
+    def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """Every block `self.blocks` holds, in order; `segments`: document ids of packed rows."""
+        ...
+
+    def head_logits(self, x: jax.Array) -> jax.Array:
+        """Activations -> fp32 logits (final norm and output head)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMapping:
+    """A family's Hugging Face checkpoints: which architectures it reads and writes, config.json
+    both ways and its tensor table (models/hf_io.py streams the tensors by it)."""
+
+    architectures: tuple[str, ...]  # config.json `architectures` this family reads
+    model_types: dict[str, str]  # config.json model_type -> architecture, for configs naming none
+    config_from_hf: Callable[[dict, str, str], Any]  # (config.json, where, remat) -> config
+    config_to_hf: Callable[[Any, str, int], dict]  # (config, dtype name, max positions) -> dict
+    tensors: tuple[Rule, ...]  # (spmd param path, HF tensor name, in_dims): models/hf_tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """Generation with a key/value cache (models/llama_decode.py's form): the cache of
+    [layers, batch, length, kv_heads, head_dim] keys and values, and one forward pass that
+    writes a call's keys and values at their positions and attends over the cache."""
+
+    # (cfg, batch, length, dtype) -> {"k", "v"} zeroed
+    init_cache: Callable[[Any, int, int, Any], dict[str, jax.Array]]
+    # (model, tokens [b, T], positions [b, T], cache) -> (fp32 logits [b, T, vocab], cache)
+    forward: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family. Counts are parameters (scalars)."""
+
+    name: str
+    config: type  # the config dataclass (ModelConfig): the run's [model] section
+    create: Callable[..., CausalLM]  # (cfg, seed, dtype) -> a freshly initialised model
+    loss: Callable[[Any, dict], jax.Array]  # (model, batch) -> the scalar training loss (fp32)
+    # a pipeline's last-stage loss: (logits, targets[, weights]) -> mean loss (fp32)
+    logits_loss: Callable[..., jax.Array]
+    check: Callable[[Any], None]  # (cfg): UsageError if it cannot be built (before device work)
+    check_layout: Callable[[Any, Any, str], None]  # (cfg, mesh, executor): UsageError if refused
+    decoder: Decoder
+    hf: HFMapping | None = None  # None: no Hugging Face architecture
+    step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
+
+    def shape(self, cfg: Any) -> ModelShape:
+        """The sizes spmd.estimate reads."""
+        return cfg.shape()
+
+    def n_params(self, cfg: Any) -> int:
+        """Parameters of the model (every expert included)."""
+        return cfg.n_params()
