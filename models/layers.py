@@ -12,7 +12,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import gather
+
+__all__ = ["REMAT_POLICIES", "REMATS", "Remat"]  # re-exported: the families' remat field
+
+# each remat choice's jax.checkpoint policy (spmd.model_shape.Remat lists and explains them)
+REMAT_POLICIES = {
+    "none": None,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # dots_saveable's matmul outputs, kept in host memory until the backward pass reads them
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+assert tuple(REMAT_POLICIES) == REMATS
 
 # Residual-stream activations (embedding output, norms, residual adds). Their length is split
 # over `tensor` under sequence parallelism; the matmuls' inputs are whole along `length`.

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import Attention, segment_positions
-from models.layers import RESIDUAL, WHOLE, RMSNorm, dense, swiglu
+from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu
 from models.layers import param as _param
 from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
@@ -44,17 +44,6 @@ from spmd.parallel.hooks import (
     tp_reduce,
     tp_sum,
 )
-
-# LlamaConfig.remat's choices (its --help and the resolver's check); REMAT_POLICIES maps each
-# to its jax.checkpoint policy.
-Remat = Literal["none", "full", "dots_saveable", "offload"]
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # dots_saveable's matmul outputs, kept in host memory until the backward pass reads them
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
 
 
 @dataclasses.dataclass(frozen=True)

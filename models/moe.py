@@ -34,9 +34,9 @@ from flax import nnx
 
 from models import llama
 from models.attention import Attention
-from models.layers import RMSNorm, swiglu
+from models.layers import REMAT_POLICIES, RMSNorm, swiglu
 from models.layers import param as _param
-from models.llama import REMAT_POLICIES, LlamaConfig
+from models.llama import LlamaConfig
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (

@@ -29,6 +29,7 @@ import time
 from typing import Literal
 
 from spmd.errors import UsageError, run_command
+from spmd.model_shape import Remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class CollectivesBenchConfig:
     steps: int = 30  # timed steps per executor
     devices: int = 8  # simulated CPU devices
     layouts: str = ""  # comma-separated layout presets (meshes/; default: all)
-    remat: Literal["", "none", "full", "dots_saveable"] = ""  # --remat (empty: the preset's)
+    remat: Literal["", Remat] = ""  # --remat (empty: the preset's)
     bucket_mb: str = ""  # comma-separated bucket sizes in MiB (explicit only)
     prefetch: bool = False  # explicit ZeRO-3: prefetch off vs on
 

@@ -11,6 +11,15 @@ Sizes are counts (tokens, features, heads, layers, experts); FLOPs are per train
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
+
+# What the backward pass keeps of each block: none = every activation; full = nothing (the
+# block's forward runs again); dots_saveable = the matmul outputs; offload = the matmul
+# outputs, kept in host memory. The one list of the choices: each family's config field
+# (models/layers.REMAT_POLICIES maps them to jax.checkpoint policies), the estimators, the
+# benchmarks.
+Remat = Literal["none", "dots_saveable", "full", "offload"]
+REMATS: tuple[str, ...] = get_args(Remat)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,14 +119,14 @@ def test_a_value_outside_its_fields_choices_is_named_from_flags_and_files(tmp_pa
 
 
 def test_the_tables_that_act_on_a_choice_hold_exactly_its_choices():
-    from models import family, llama
+    from models import family, layers, llama
     from spmd import convert, plan_flags
     from spmd.engine import precision
     from spmd.estimate import cost
     from spmd.sections import PrecisionConfig
 
     assert set(precision.POLICIES) == set(choices(PrecisionConfig, "precision"))
-    assert set(llama.REMAT_POLICIES) == set(choices(llama.LlamaConfig, "remat"))
+    assert set(layers.REMAT_POLICIES) == set(choices(llama.LlamaConfig, "remat"))
     assert set(cost.REMATS) == set(choices(llama.LlamaConfig, "remat"))
     assert set(family.EXPORT_DTYPES) == set(choices(convert.ConvertConfig, "hf_dtype"))
     assert set(cost.OPTIMIZERS) == set(choices(plan_flags.PlanConfig, "optimizer"))

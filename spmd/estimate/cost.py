@@ -25,7 +25,7 @@ from spmd.errors import UsageError
 from spmd.estimate import long_sequence, volumes
 from spmd.estimate.pipeline_figures import pipeline_ticks
 from spmd.estimate.shape import EXPERT_AXES, NO_FSDP, param_groups, shape_params
-from spmd.model_shape import ModelShape
+from spmd.model_shape import REMATS, ModelShape
 from spmd.parallel import schedules
 
 # The dtypes of --precision are spmd.engine.precision's policies: bf16 / fp16 are the ZeRO
@@ -35,7 +35,6 @@ from spmd.parallel import schedules
 OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
 # cheapest compute first; offload (dots_saveable's outputs in host memory, their transfers
 # in the step time: spmd.estimate.offload) last
-REMATS = ("none", "dots_saveable", "full", "offload")
 # --offload: the state kept in host memory between steps (spmd.engine.offload)
 OFFLOADS = engine_offload.OFFLOADS
 SEARCHED_REMATS = REMATS  # --remat offload in the search's host pass (spmd.estimate.search)
