@@ -8,7 +8,13 @@ parallelism each device holds its heads' slices of every projection, their biase
 the per-head norms, and `tp_reduce` sums the heads' partial outputs.
 
 A sliding window of w tokens lets query position i see key positions j with i - w < j <= i
-(itself and the w - 1 before it), the band transformers' `sliding_window` masks.
+(itself and the w - 1 before it), the band transformers' `sliding_window` masks. The kernels
+take it as an int (the same window in every layer) or as a traced int32 scalar (a per-layer
+window picked inside the layer scan: Gemma's local and global layers; 0 there: no window).
+Their other general options: `scale`, the factor of q k^T (None: head_dim ** -0.5; Gemma:
+query_pre_attn_scalar ** -0.5), and `softcap`, logit soft-capping cap * tanh(logits / cap)
+of the scaled logits before the mask (0: none; Gemma 2). Only the XLA path computes a traced
+window or soft-capping; `causal_attention` says so in its note.
 """
 
 from __future__ import annotations
@@ -115,12 +121,15 @@ def causal_attention(
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None = None,
-    window: int = 0,
+    window: int | jax.Array = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
     length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
     `segments` [batch, length] (document ids), a position attends only within its document;
-    with `window` > 0 only to itself and the window - 1 positions before it.
+    with `window` > 0 only to itself and the window - 1 positions before it. `scale` and
+    `softcap`: the module docstring's options.
 
     On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
     implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
@@ -129,13 +138,24 @@ def causal_attention(
     (`recomputed_attention`), as cuDNN's does. The choice is recorded with `note("attention",
     ...)` for the run's report."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
-    band = (window - 1, 0) if window else None
-    if segments is not None:  # document masks go through XLA's attention (a general mask)
+    static = isinstance(window, int)
+    band = (window - 1, 0) if static and window else None
+    if softcap:  # cuDNN's kernel has no soft-capping
+        note("attention", "xla (soft-capping)")
+    elif not static:  # nor a window known only inside the layer scan
+        note("attention", "xla (per-layer window)")
+    elif segments is not None:  # document masks go through XLA's attention (a general mask)
         note("attention", "xla (document mask)")
     elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             out = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, local_window_size=band, implementation="cudnn"
+                q,
+                k,
+                v,
+                scale=scale,
+                is_causal=True,
+                local_window_size=band,
+                implementation="cudnn",
             )
             note("attention", "cudnn")
             return out
@@ -143,7 +163,7 @@ def causal_attention(
             note("attention", f"xla (cudnn declined: {why})")
     else:
         note("attention", "xla")
-    return chunked_causal_attention(q, k, v, segments, window)
+    return chunked_causal_attention(q, k, v, segments, window, scale, softcap)
 
 
 def chunked_causal_attention(
@@ -151,7 +171,9 @@ def chunked_causal_attention(
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None = None,
-    window: int = 0,
+    window: int | jax.Array = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """`grouped_causal_attention` with the queries split along length into n equal chunks
     (spmd.model_shape.query_chunks: 4 or 2 of at least 32 positions), chunk i attending to
@@ -160,31 +182,48 @@ def chunked_causal_attention(
     from q and k (`recomputed_attention`), as flash attention does. Same shapes in and out
     as `causal_attention`."""
     chunks = query_chunks(q.shape[1])
-    outs = [recomputed_attention(q, k, v, segments, window, i, chunks) for i in range(chunks)]
+    static = isinstance(window, int)  # a traced window travels as data, an int as a constant
+    traced, fixed = (None, window) if static else (window, 0)
+    outs = [
+        recomputed_attention(q, k, v, segments, traced, fixed, i, chunks, scale, softcap)
+        for i in range(chunks)
+    ]
     return jnp.concatenate(outs, axis=1)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4, 5, 6))
+@functools.partial(jax.checkpoint, static_argnums=(5, 6, 7, 8, 9))
 def recomputed_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None,
+    traced_window: jax.Array | None,
     window: int,
     chunk: int,
     chunks: int,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """`grouped_causal_attention` of query chunk `chunk` of `chunks` over the keys it can see,
     whose backward pass recomputes the probabilities from q and k instead of keeping batch x
     heads x length² of them per layer: one more q k^T matmul, and on a CPU a faster step, as
     the layer scan no longer writes the probabilities into its stacked residuals and reads
     them back (docs/speed.md). It takes the whole q, k and v and slices them itself, so that
-    what the backward pass keeps is q, k and v once, not a copy of each chunk's slices."""
+    what the backward pass keeps is q, k and v once, not a copy of each chunk's slices. The
+    window is `traced_window` where given, else the constant `window`."""
     size = q.shape[1] // chunks
     start, end = chunk * size, (chunk + 1) * size
     documents = None if segments is None else segments[:, :end]
+    band = window if traced_window is None else traced_window
     return grouped_causal_attention(
-        q[:, start:end], k[:, :end], v[:, :end], documents, window, jnp.arange(start, end)
+        q[:, start:end],
+        k[:, :end],
+        v[:, :end],
+        documents,
+        band,
+        jnp.arange(start, end),
+        scale,
+        softcap,
     )
 
 
@@ -205,11 +244,14 @@ def segment_positions(segments: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-def visible(queries: jax.Array, keys: jax.Array, window: int = 0) -> jax.Array:
+def visible(queries: jax.Array, keys: jax.Array, window: int | jax.Array = 0) -> jax.Array:
     """bool [..., t, s]: whether a query at position `queries` [..., t] sees a key at
-    `keys` [s]: causal, and within `window` positions when it is > 0."""
+    `keys` [s]: causal, and within `window` positions when it is > 0 (an int, or a traced
+    int32 scalar)."""
     seen = keys <= queries[..., None]
-    if window:
+    if not isinstance(window, int):
+        seen &= (window <= 0) | (keys > queries[..., None] - window)
+    elif window:
         seen &= keys > queries[..., None] - window
     return seen
 
@@ -219,8 +261,10 @@ def grouped_causal_attention(
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None = None,
-    window: int = 0,
+    window: int | jax.Array = 0,
     positions: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype.
     `positions` [batch, t] or [t]: where the queries sit among k's positions (decoding over a
@@ -252,7 +296,10 @@ def grouped_causal_attention(
         seen = seen & jnp.tile(same_document(mine, segments), (1, groups, 1))
     if seen.ndim == 3:  # per sequence: [b, rows, s]
         seen = seen[:, None]
-    logits = jnp.where(seen, logits * d**-0.5, jnp.finfo(jnp.float32).min)
+    logits = logits * (d**-0.5 if scale is None else scale)
+    if softcap:  # squashed into (-softcap, softcap) before the mask, as Gemma 2 does
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkms,bksd->bkmd", probs, values)
     return out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)

@@ -1,5 +1,6 @@
-"""The smallest pieces of the decoders: a param with its logical axis names, RMSNorm, the
-dense projection every matmul with a weight goes through, and the SwiGLU activation.
+"""The smallest pieces of the decoders: a param with its logical axis names, RMSNorm (and
+Gemma's (1 + scale) form), the dense projection every matmul with a weight goes through, and the
+SwiGLU and GeGLU activations.
 
 Params are created in fp32 (the master copy); callers cast them to the compute dtype.
 """
@@ -46,16 +47,26 @@ def zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last dim (`names` is its logical name: `embed` for the
-    residual stream, `head_dim` for Qwen3's per-head q and k norms); computed in fp32."""
+    residual stream, `head_dim` for Qwen3's per-head q and k norms); computed in fp32.
+    `plus_one`: Gemma's form, x / rms(x) * (1 + scale) with the scale stored as its offset
+    from 1 (initialised to zeros), the sum taken in fp32 as well."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, names: tuple[str, ...] = ("embed",)):
-        self.scale = param(rngs, 0.0, (dim,), names)
-        self.eps = eps
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        rngs: nnx.Rngs,
+        names: tuple[str, ...] = ("embed",),
+        plus_one: bool = False,
+    ):
+        self.scale = zeros((dim,), names) if plus_one else param(rngs, 0.0, (dim,), names)
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * gather(self.scale)).astype(x.dtype)
+        scale = gather(self.scale)
+        return (normed * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
 
 
 @jax.checkpoint
@@ -66,6 +77,13 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     same to the bit; the CPU benchmark's forward + backward (docs/speed.md) took 302.8 ms
     instead of 336.6, its compiled temp memory 238 MB instead of 302."""
     return jax.nn.silu(gate) * up
+
+
+@jax.checkpoint
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gelu(gate) * up with GELU's tanh approximation (Gemma's gelu_pytorch_tanh), its backward
+    pass recomputing gelu(gate) from gate as `swiglu` does."""
+    return jax.nn.gelu(gate, approximate=True) * up
 
 
 def dense(x: jax.Array, w: jax.Array, inputs: int = 1) -> jax.Array:

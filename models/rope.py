@@ -76,9 +76,16 @@ class Rope:
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [batch, length, heads, head_dim] rotated at `positions` [batch, length]."""
-        half = x.shape[-1] // 2
-        angles = positions[:, :, None, None].astype(jnp.float32) * self.inv_freq(x.shape[-1])
-        sin, cos = jnp.sin(angles), jnp.cos(angles)
-        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return rotated.astype(x.dtype)
+        return rotate(x, positions, self.inv_freq(x.shape[-1]))
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [batch, length, heads, head_dim] rotated at `positions` [batch, length] by the fp32
+    frequencies `inv_freq` [head_dim / 2] (radians per position; traced where a layer picks
+    among several rotary bases)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)

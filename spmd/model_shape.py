@@ -45,6 +45,9 @@ class ModelShape:
     pipelines: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2): no matmul FLOPs
     qk_norm: bool = False  # a per-head RMS norm scale on q and on k (Qwen3)
+    # RMSNorm scales [embed] per block: 2 in a Llama (before attention and before the MLP), 4
+    # in Gemma's sandwich (after each as well)
+    norms_per_block: int = 2
 
     @property
     def expert_dim(self) -> int:

@@ -263,7 +263,7 @@ def collectives(s: Setup) -> list[Comm]:
     if tensor > 1:
         norm = s.shape.embed_dim / (s.sharded_fsdp if s.zero == 3 else 1) * s.bytes_of("grads")
         executions, layers = tensor_passes(s)
-        norms = (2 * layers + 1, norm)
+        norms = (s.shape.norms_per_block * layers + 1, norm)
         passes = (executions, layers, s.remat != "none", s.pipelined)
         traffic = volumes.tensor_traffic(
             activation, tokens, norms, tensor, s.sequence_parallel, passes

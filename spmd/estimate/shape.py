@@ -43,7 +43,7 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
         mlp = 3 * e * shape.expert_dim if shape.shared_expert else 0
     groups = [
         (layers * (attention + mlp), ("tensor", "pipeline")),
-        (layers * 2 * e, ("pipeline",)),  # the two RMSNorm scales of each block
+        (layers * shape.norms_per_block * e, ("pipeline",)),  # each block's RMSNorm scales
         (tables, ("tensor",)),  # embedding and output head: vocab over tensor
         (e, ()),  # final norm
     ]

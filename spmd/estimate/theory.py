@@ -323,7 +323,7 @@ def _tensor_parallel(
     activation = tokens * model.embed_dim * element_bytes
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
-    norms = (2 * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
+    norms = (model.norms_per_block * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
     passes = (accum, model.n_layers, model.remat != "none", False)
     traffic = volumes.tensor_traffic(activation, tokens, norms, tensor, sequence_parallel, passes)
     for kind, nbytes, count, _ in traffic:
