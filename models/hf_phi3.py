@@ -27,14 +27,22 @@ config.json fields and what becomes of them:
     (default 1e-5, Phi3Config's), tie_word_embeddings, rope theta   as the Llama's
     (models/hf_config.dense_config)
     sliding_window         every layer's window (transformers 5 masks it in all of them); null: 0
-    rope_parameters / rope_scaling   rope_type "default" only: "longrope" (and its old names
-                           "su", "yarn": Phi-3.5-mini, the 128k models) exits 2 naming it;
+    rope_parameters / rope_scaling   rope_type "default", or "longrope" (its old names "su"
+                           and "yarn" too: Phi-3.5-mini, the 128k models): short_factor and
+                           long_factor -> rope_short_factors / rope_long_factors (text, as a
+                           run's config holds only numbers and text), factor (default
+                           max_position_embeddings / original_max_position_embeddings) ->
+                           rope_factor, attention_factor (default sqrt(1 + ln factor / ln
+                           original), 1 for factor <= 1) -> rope_attention_factor;
                            partial_rotary_factor 1 only
     resid_pdrop, embd_pdrop, attention_dropout   0 only: they change training alone, and spmd
                            trains without dropout, so a non-zero rate exits 2 rather than be
                            dropped without a word (every released Phi-3 and 3.5 config has 0)
-    max_position_embeddings, original_max_position_embeddings   not read (without longrope
-                           nothing depends on them); written as the export's max positions
+    original_max_position_embeddings   longrope's L (it wins over rope_parameters', as in
+                           transformers' Phi3Config; default 4096) -> rope_original_max_positions
+    max_position_embeddings   read for longrope's default factor only; written as the
+                           export's max positions (longrope: L x factor, so that transformers 4,
+                           which derives the attention factor from it, agrees)
     bos / eos / pad_token_id   not read (spmd.io.eos reads the eos ids); written as null,
                            since Phi3Config's defaults (32000) would not even fit a smaller
                            vocabulary
@@ -43,10 +51,12 @@ config.json fields and what becomes of them:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from models.hf_config import dense_config, rope_parameters
+from models.hf_config import dense_config, positive_number, rope_parameters
 from models.hf_tensors import Rule
+from models.rope import factors
 from spmd.errors import UsageError
 
 ARCHITECTURE = "Phi3ForCausalLM"
@@ -78,7 +88,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
     others = [a for a in hf.get("architectures") or () if a != ARCHITECTURE]
     if others:
         raise UsageError(f"{where}: architectures {others} mixed with {ARCHITECTURE}")
-    check_rope_type(hf, where)
+    rope = longrope_fields(hf, where)
     for key in DROPOUTS:
         rate = hf.get(key) or 0.0
         if rate:
@@ -94,30 +104,76 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
     # Phi-3 reads no attention_bias / mlp_bias (it has no biases): not the Llama's to refuse
     shared = {k: v for k, v in hf.items() if k not in ("attention_bias", "mlp_bias")}
     shared.update(sliding_window=None, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
+    if rope:  # the Llama reads theta and partial_rotary_factor of a default rope
+        rotary = hf.get("rope_parameters") or hf.get("rope_scaling")
+        theta = rotary.get("rope_theta", hf.get("rope_theta", 10000.0))
+        partial = rotary.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        shared.update(rope_scaling=None, partial_rotary_factor=partial)
+        shared["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     dense = dense_config(shared, where, remat, ARCHITECTURE)
-    return dataclasses.asdict(dense) | {"family": "phi3", "sliding_window": window or 0}
+    fields = dataclasses.asdict(dense) | {"family": "phi3", "sliding_window": window or 0}
+    return fields | rope
 
 
-def check_rope_type(hf: dict[str, Any], where: str) -> None:
-    """UsageError for a rope type other than the default: Phi3ForCausalLM knows only
-    "longrope" besides it (its old names "su" and "yarn" included), which spmd does not
-    compute."""
+def longrope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The phi3 config's LongRoPE fields of a config.json ({} for the default rope);
+    UsageError for another rope type (Phi3ForCausalLM knows no other) or missing numbers."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):  # dense_config's rope_fields names it
-        return
+        return {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type == "default":
+        return {}
+    if rope_type not in ("longrope", "su", "yarn"):  # transformers reads the last two as longrope
         raise UsageError(
-            f"{where}: rope type {rope_type!r} (rope scaling; Phi-3.5-mini's and the 128k "
-            f"models' longrope) is not supported for {ARCHITECTURE}; spmd computes rope_type "
-            f"'default' (Phi-3-mini-4k's)"
+            f"{where}: rope type {rope_type!r} (rope scaling) is not supported for "
+            f"{ARCHITECTURE}; it computes rope_type 'default' or 'longrope'"
         )
+    lists = {key: rope.get(key) for key in ("short_factor", "long_factor")}
+    for key, values in lists.items():
+        if not (isinstance(values, list) and values and all(map(positive_number, values))):
+            raise UsageError(
+                f"{where}: rope type {rope_type!r} needs {key}, a list of positive numbers, in "
+                f"rope_parameters / rope_scaling, not {values!r}"
+            )
+    original = hf.get("original_max_position_embeddings", 4096)
+    factor = rope.get("factor") or hf.get("max_position_embeddings", 4096) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = default_attention_factor(factor, original)
+    for key, value in (("factor", factor), ("attention_factor", attention)):
+        if not positive_number(value):
+            raise UsageError(f"{where}: longrope {key} = {value!r} must be a positive number")
+    return {
+        "rope_scaling": "longrope",
+        "rope_short_factors": ",".join(repr(float(v)) for v in lists["short_factor"]),
+        "rope_long_factors": ",".join(repr(float(v)) for v in lists["long_factor"]),
+        "rope_factor": float(factor),
+        "rope_attention_factor": float(attention),
+        "rope_original_max_positions": original,
+    }
+
+
+def longrope_parameters(cfg: Any) -> dict[str, Any]:
+    """config.json's rope_parameters of a LongRoPE config (transformers 5's spelling)."""
+    return {
+        "rope_type": "longrope",
+        "rope_theta": cfg.rope_theta,
+        "short_factor": list(factors(cfg.rope_short_factors)),
+        "long_factor": list(factors(cfg.rope_long_factors)),
+        "factor": cfg.rope_factor,
+        "attention_factor": cfg.rope_attention_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_positions,
+        "partial_rotary_factor": 1.0,
+    }
 
 
 def hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
     """The config.json of phi3 config `cfg` as a Phi3ForCausalLM, readable by transformers 4
     and 5."""
-    return {
+    longrope = cfg.rope_scaling == "longrope"
+    original = cfg.rope_original_max_positions if longrope else max_positions
+    config = {
         "architectures": [ARCHITECTURE],
         "model_type": "phi3",
         "vocab_size": cfg.vocab_size,
@@ -130,11 +186,15 @@ def hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
-        "rope_parameters": rope_parameters(cfg) | {"partial_rotary_factor": 1.0},
+        "rope_parameters": (
+            longrope_parameters(cfg)
+            if longrope
+            else rope_parameters(cfg) | {"partial_rotary_factor": 1.0}
+        ),
         "tie_word_embeddings": cfg.tie_embeddings,
         "sliding_window": cfg.sliding_window or None,
-        "max_position_embeddings": max_positions,
-        "original_max_position_embeddings": max_positions,
+        "max_position_embeddings": round(original * cfg.rope_factor) if longrope else max_positions,
+        "original_max_position_embeddings": original,
         **dict.fromkeys(DROPOUTS, 0.0),
         "bos_token_id": None,
         "eos_token_id": None,
@@ -142,3 +202,16 @@ def hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if longrope:  # transformers 5's Phi3Config reads this before rope_parameters, as 4 does
+        rope = config["rope_parameters"]
+        config["rope_scaling"] = {"type": "longrope"} | {
+            k: rope[k] for k in ("short_factor", "long_factor")
+        }  # early transformers 4 takes these three keys alone, and derives the attention factor
+        if cfg.rope_attention_factor != default_attention_factor(cfg.rope_factor, original):
+            config["rope_scaling"] |= {k: rope[k] for k in ("factor", "attention_factor")}
+    return config
+
+
+def default_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's cos and sin scale when config.json gives none (transformers' rule)."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -261,14 +261,14 @@ def edited(tmp_path: Path, **changes) -> str:
     return str(folder)
 
 
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 3.0]}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": None}
 
 
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"rope_parameters": LONGROPE}, "rope type 'longrope'"),
-        ({"rope_parameters": None, "rope_scaling": {"type": "su"}}, "rope type 'su'"),
+        ({"rope_parameters": LONGROPE}, "needs long_factor, a list of positive numbers"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
         (
             {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
             "partial_rotary_factor = 0.75",
@@ -280,8 +280,8 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": 
         ({"num_key_value_heads": 4}, "qkv_proj.weight has shape (32, 16), but config.json"),
     ],
     ids=[
-        "longrope",
-        "su",
+        "longrope-incomplete",
+        "llama3-rope",
         "partial-rotary",
         "resid-dropout",
         "attention-dropout",
@@ -308,3 +308,93 @@ def test_llama_switches_a_phi3_lacks_are_refused_and_layers_pipeline():
     with pytest.raises(UsageError, match="with cp=2"):
         phi3.check_layout(cfg, trainer.layout("cp=2,dp=4").mesh, "auto")
     assert config.build(phi3.Phi3Config, dataclasses.asdict(cfg), "saved") == cfg
+
+
+# --- LongRoPE (Phi-3.5-mini's rope) ----------------------------------------------------------
+
+LONG = PHI3.parent / "hf_phi3_longrope"
+
+
+@functools.cache
+def long_loaded(mesh: str) -> weights.Loaded:
+    return weights.from_hf(str(LONG), trainer.layout(mesh))
+
+
+def relative_difference(source: weights.Loaded, ids: np.ndarray, expected: np.ndarray) -> float:
+    logits = logits_of(source, ids)
+    return float(np.abs(logits - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_longrope_logits_equal_those_of_transformers_short_and_long(mesh):
+    """16-token rows (past original_max_position_embeddings 8: the long factors) on both
+    meshes, and their first 8 tokens alone (the short factors)."""
+    ref = np.load(LONG / "reference.npz")
+    source = long_loaded(mesh)
+    long = relative_difference(source, ref["input_ids"], ref["logits"])
+    short = relative_difference(source, ref["short_ids"][:, :8], ref["short_logits"])
+    print(f"phi3 longrope {mesh}: relative logit difference long {long:.1e}, short {short:.1e}")
+    assert long <= 1e-4 and short <= 1e-4
+
+
+def test_longrope_fields_and_that_they_matter():
+    cfg = long_loaded("dp=1").model
+    assert (cfg.rope_scaling, cfg.rope_original_max_positions, cfg.rope_factor) == (
+        "longrope",
+        8,
+        4.0,
+    )
+    assert (cfg.rope_short_factors, cfg.rope_long_factors) == ("1.1,1.7", "2.5,9.0")
+    assert cfg.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(8)) ** 0.5)
+    assert cfg.sliding_window == 0
+    ref = np.load(LONG / "reference.npz")
+    for change in ({"rope_attention_factor": 1.0}, {"rope_long_factors": "1.1,1.7"}):
+        other_cfg = dataclasses.replace(cfg, **change)
+        program = weights.model_program(other_cfg, trainer.layout("dp=1"))
+        other = weights.Loaded(other_cfg, program, long_loaded("dp=1").params, {}, str(change))
+        assert relative_difference(other, ref["input_ids"], ref["logits"]) > 1e-2, change
+
+
+def test_longrope_greedy_generation_equals_that_of_transformers_and_a_crossing_is_refused():
+    """Prompts past the original length decode with the long factors throughout, as
+    transformers does; a prompt within it whose generation would pass it is refused (transformers
+    recomputes its cache with the long factors there)."""
+    ref = np.load(LONG / "reference.npz")
+    source = long_loaded("dp=2,fsdp=2,tp=2")
+    new = ref["greedy_ids"].shape[1]
+    tokens = generate.generate(source.program, source.params, ref["input_ids"].tolist(), new)
+    assert tokens == ref["greedy_ids"].tolist()
+    short_prompts = ref["input_ids"][:, :4].tolist()
+    generate.generate(source.program, source.params, short_prompts, 4)  # 8 positions: fine
+    with pytest.raises(UsageError, match="generating past 8 positions"):
+        generate.generate(source.program, source.params, short_prompts, 5)
+
+
+def test_longrope_hf_to_spmd_to_hf_is_bit_exact_and_refuses_context_parallelism(tmp_path):
+    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
+    assert convert.main(["--from-hf", str(LONG), "--to", spmd_dir, "--mesh", "fsdp=2,tp=2"]) == 0
+    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, "--mesh", "tp=2"]) == 0
+    original, back = read_hf(LONG), read_hf(Path(hf_dir))
+    assert sorted(original) == sorted(back)
+    for tensor, value in original.items():
+        np.testing.assert_array_equal(back[tensor], value, err_msg=tensor)
+    source = json.loads((LONG / "config.json").read_text())
+    written = json.loads(Path(hf_dir, "config.json").read_text())
+    assert phi3.from_hf(written, "back") == phi3.from_hf(source, "source")
+    assert written["max_position_embeddings"] == 32 and written["sliding_window"] is None
+    cfg = long_loaded("dp=1").model
+    with pytest.raises(UsageError, match="longrope with cp=2"):
+        phi3.check_layout(cfg, trainer.layout("cp=2,dp=4").mesh, "auto")
+    with pytest.raises(UsageError, match="--rope-long-factors '2.5' must be 2 positive"):
+        phi3.check(dataclasses.replace(cfg, rope_long_factors="2.5"))
+
+
+def test_an_explicit_attention_factor_survives_the_export():
+    """transformers reads rope_scaling before rope_parameters: an attention factor other than
+    the one it would derive goes there too, and comes back."""
+    cfg = dataclasses.replace(long_loaded("dp=1").model, rope_attention_factor=1.5)
+    written = hf_phi3.hf_config(cfg, "float32", 64)
+    assert written["rope_scaling"]["attention_factor"] == 1.5
+    assert phi3.from_hf(written, "written") == cfg
+    plain = hf_phi3.hf_config(long_loaded("dp=1").model, "float32", 64)
+    assert sorted(plain["rope_scaling"]) == ["long_factor", "short_factor", "type"]
