@@ -11,6 +11,10 @@ Face checkpoints) turn by angle position x inv_freq[i], with inv_freq[i] = theta
              L / high_freq_factor are kept, those longer than L / low_freq_factor are divided by
              `factor`, and those between are blended: (1 - s) inv_freq / factor + s inv_freq
              with s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    longrope LongRoPE (Phi-3.5-mini, Phi-3's 128k models): inv_freq[i] / short_factors[i] while
+             the call's longest position + 1 is at most L = original_max_positions, else
+             inv_freq[i] / long_factors[i] (the pick is per call, as transformers picks per
+             forward pass); cos and sin are multiplied by attention_factor either way.
 
 Transformers' `dynamic` scaling (NTK, whose theta grows with the longest sequence seen) is
 not here: its frequencies depend on the batch, so training and decoding would not match it.
@@ -25,8 +29,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from spmd.parallel.hooks import tp_max
+
 Scaling = Literal["none", "linear", "llama3"]
-SCALINGS = ("none", "linear", "llama3")
+SCALINGS = ("none", "linear", "llama3")  # LlamaConfig's; "longrope" is the phi3 family's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +40,14 @@ class Rope:
     """A rotary embedding's settings (LlamaConfig's rope_* fields)."""
 
     theta: float = 10000.0  # base of the frequencies
-    scaling: Scaling = "none"
+    scaling: str = "none"  # Scaling, or "longrope"
     factor: float = 1.0  # linear, llama3: how much longer the context is than pretraining's
     low_freq_factor: float = 1.0  # llama3: wavelengths over L / this are divided by factor
     high_freq_factor: float = 4.0  # llama3: wavelengths under L / this are kept
-    original_max_positions: int = 8192  # llama3: L, the pretraining context (tokens)
+    original_max_positions: int = 8192  # llama3, longrope: L, the pretraining context (tokens)
+    short_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors up to L positions
+    long_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors beyond L positions
+    attention_factor: float = 1.0  # longrope: scales cos and sin (q . k by its square)
 
     @classmethod
     def of(cls, cfg: Any) -> Rope:
@@ -50,10 +59,14 @@ class Rope:
             low_freq_factor=cfg.rope_low_freq_factor,
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_positions=cfg.rope_original_max_positions,
+            short_factors=factors(getattr(cfg, "rope_short_factors", "")),
+            long_factors=factors(getattr(cfg, "rope_long_factors", "")),
+            attention_factor=getattr(cfg, "rope_attention_factor", 1.0),
         )
 
     def inv_freq(self, head_dim: int) -> jax.Array:
-        """fp32 [head_dim / 2]: radians per position of each rotated pair."""
+        """fp32 [head_dim / 2]: radians per position of each rotated pair (longrope: before its
+        factors, which depend on the positions: `__call__`)."""
         half = head_dim // 2
         freqs = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
         if self.scaling == "linear":
@@ -76,16 +89,34 @@ class Rope:
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [batch, length, heads, head_dim] rotated at `positions` [batch, length]."""
-        return rotate(x, positions, self.inv_freq(x.shape[-1]))
+        inv_freq = self.inv_freq(x.shape[-1])
+        if self.scaling == "longrope":
+            # over every row of the forward pass, as transformers' max(position_ids): the
+            # explicit executor's data-parallel shards agree on the pick
+            longer = tp_max(jnp.max(positions), "batch") + 1 > self.original_max_positions
+            inv_freq = inv_freq / jnp.where(
+                longer, jnp.asarray(self.long_factors), jnp.asarray(self.short_factors)
+            ).astype(jnp.float32)
+        return rotate(x, positions, inv_freq, self.attention_factor)
 
 
-def rotate(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rotate(
+    x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0
+) -> jax.Array:
     """x [batch, length, heads, head_dim] rotated at `positions` [batch, length] by the fp32
     frequencies `inv_freq` [head_dim / 2] (radians per position; traced where a layer picks
-    among several rotary bases)."""
+    among several rotary bases), with cos and sin times `scale` (LongRoPE's attention factor;
+    1 otherwise)."""
     half = x.shape[-1] // 2
     angles = positions[:, :, None, None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def factors(text: str) -> tuple[float, ...]:
+    """A config's comma-separated list of numbers ("1.0,1.25") as floats; () for ""."""
+    return tuple(float(part) for part in text.split(",")) if text.strip() else ()
