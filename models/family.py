@@ -20,7 +20,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from models import gemma2, gemma3, hf_config, hf_io, hf_mixtral, llama, llama_decode, moe, phi3
+from models import (
+    gemma2,
+    gemma3,
+    hf_config,
+    hf_io,
+    hf_mixtral,
+    llama,
+    llama_decode,
+    moe,
+    phi3,
+    qwen3_moe,
+)
 from models.contract import CausalLM, Decoder, Family, HFMapping, ModelConfig
 from spmd.errors import UsageError
 
@@ -76,6 +87,7 @@ FAMILIES: dict[str, Family] = {
         gemma2.FAMILY,
         gemma3.FAMILY,
         phi3.FAMILY,
+        qwen3_moe.FAMILY,
     )
 }
 

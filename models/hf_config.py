@@ -78,7 +78,7 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
 }  # the architecture of a config.json that names none
 ARCHITECTURES = tuple(MODEL_TYPES.values())
-QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # Qwen's windows
 ROPE_TYPES = ("default", "linear", "llama3")  # rope_type -> LlamaConfig.rope_scaling below
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -96,11 +96,12 @@ def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dic
             f"this MoE model (qkv_bias {cfg.qkv_bias}, qk_norm {cfg.qk_norm}, sliding_window "
             f"{cfg.sliding_window}) has no Mixtral equivalent; Mixtral's attention is Llama's"
         )
-    if cfg.shared_expert or cfg.expert_dim != cfg.mlp_dim:
+    if cfg.shared_expert or cfg.expert_dim != cfg.mlp_dim or not cfg.norm_topk_prob:
         raise UsageError(
             f"this MoE model (shared_expert {cfg.shared_expert}, expert_mlp_dim "
-            f"{cfg.expert_mlp_dim}, mlp_dim {cfg.mlp_dim}) has no Mixtral equivalent; Mixtral "
-            f"needs shared_expert false and every expert mlp_dim wide"
+            f"{cfg.expert_mlp_dim}, mlp_dim {cfg.mlp_dim}, norm_topk_prob "
+            f"{cfg.norm_topk_prob}) has no Mixtral equivalent; Mixtral needs shared_expert "
+            f"false, every expert mlp_dim wide and the top-k weights renormalised"
         )
     dense = hf_config(cfg, dtype, max_positions)
     return {

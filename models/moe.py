@@ -2,8 +2,9 @@
 
 Each block is models/llama.py's block with the MLP replaced by `n_experts` SwiGLU experts and
 a learned router: softmax over the experts, then the top `experts_per_token` (their weights
-renormalised to sum to one, Mixtral's convention), optionally plus one shared SwiGLU expert
-that every token uses. Attention, norms, embedding and head are llama.py's.
+renormalised to sum to one, Mixtral's convention, or with `norm_topk_prob` false kept as the
+softmax gave them, as Qwen3-MoE's released configs do), optionally plus one shared SwiGLU
+expert that every token uses. Attention, norms, embedding and head are llama.py's.
 
 Routing is grouped per sequence: within each sequence an expert takes at most `capacity`
 (token, choice) pairs, in token order; the rest are dropped (their share of the output is
@@ -64,6 +65,9 @@ class MoEConfig(LlamaConfig):
     capacity_factor: float = 0.0  # 0: dropless; else capacity = ceil(f x length x k / E)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
     z_loss_coef: float = 0.001  # weight of the router z-loss in the training loss
+    # true: the chosen experts' router probabilities are rescaled to sum to one (Mixtral);
+    # false: each is used as the softmax over all experts gave it (Qwen3-MoE's released models)
+    norm_topk_prob: bool = True
 
     @property
     def expert_dim(self) -> int:
@@ -186,7 +190,9 @@ class Experts(nnx.Module):
         logits = constrain(logits, ("batch", "length", None))
         probs = jax.nn.softmax(logits, axis=-1)
         top_probs, top_experts = top_k(probs, k)
-        weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
+        weights = top_probs
+        if cfg.norm_topk_prob:
+            weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
         choice = jax.nn.one_hot(top_experts, n, dtype=jnp.float32)  # [b, t, k, E]
         b, t = x.shape[:2]
         flat = choice.reshape(b, t * k, n)  # token-major: token 0's choices, then token 1's

@@ -274,7 +274,9 @@ def model_shape(argv: list[str], model_cfg: Any, cfg: Config, plan: Any) -> tupl
         values = config.preset(cfg.run.model)
         preset = config.build(family.check_fields(values, "preset"), values, "preset")
         family.of(model_cfg).check(model_cfg)
-        fields = [*FIELDS, *MOE_FIELDS] if family.of(model_cfg).name == "moe" else FIELDS
+        # every family whose config has experts (moe, qwen3_moe, ...), not one by name
+        has_experts = all(hasattr(model_cfg, f) for f in MOE_FIELDS)
+        fields = [*FIELDS, *MOE_FIELDS] if has_experts else FIELDS
         if family.of(preset) is not family.of(model_cfg):
             fields = ["family", *fields]
         changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f, None)]
