@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from models import family
-from spmd import builder, checks, config, train
+from spmd import builder, checks, config, run_setup
 from spmd.config import Config
 from spmd.errors import UsageError, run_command
 from spmd.io import data, hub, tokens
@@ -101,7 +101,7 @@ def prepare(
     compiled. `may_restart`: as spmd.parallel.xla_flags.apply's (a script that is itself a
     benchmark passes True)."""
     sections = config.resolve(
-        argv, {**train.SECTIONS, "bench": BenchConfig}, prog, expand=train.expand_layout
+        argv, {**run_setup.sections(), "bench": BenchConfig}, prog, expand=run_setup.expand_layout
     )
     sections = hub.resolve_names(sections)  # a Hub id in --tokenizer: its tokenizer.json
     cfg, rounds = config.Config.of(sections), sections["bench"].rounds
@@ -145,7 +145,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
             "with; use --dcn-sync every-step"
         )
     program = builder.program(cfg, mesh)
-    train.describe_program(cfg, program)  # mesh, batch, precision, pipeline schedule
+    run_setup.describe_program(cfg, program)  # mesh, batch, precision, pipeline schedule
     if mesh.shape["pipeline"] > 1:
         say(
             "bare: the same math without the pipeline schedule (params in the pipeline's "

@@ -2,19 +2,21 @@
 
     python -m spmd.bench_collectives [--model tiny] [--batch 16] [--seq-len 128] [--steps 30]
                                      [--devices 8] [--layouts ddp,zero3,...]
-                                     [--bucket-mb 0.25,1,4,25] [--prefetch --remat full]
+                                     [--compare-bucket-mb 0.25,1,4,25]
+                                     [--compare-prefetch --remat full]
 
 For each named layout of meshes/ (on --devices simulated CPU devices, or the accelerators
 present) both executors' train steps are compiled with the same model, batch and initial
 state, then run alternately, step by step, so that both see the same machine noise. Printed:
 median step time of each (ms), explicit / auto, and the collective bytes per device of each
-compiled step. With --bucket-mb the explicit executor's step is compiled once per bucket size
-instead (spmd.parallel.buckets) and those run alternately: median step time per bucket size
-side by side, with the number of gradient reductions each compiled step holds. The XLA flags of
-the largest bucket size are set first (spmd.parallel.xla_flags: on CPU that turns XLA's
-all-reduce combiner off, so bucket size 0 there means one all-reduce per param). With
---prefetch the explicit step is compiled with ZeRO-3's prefetching layer scan off and on
-(spmd.parallel.layer_scan) for the layouts with ZeRO-3 and those run alternately: median step
+compiled step. With --compare-bucket-mb the explicit executor's step is compiled once per
+bucket size instead (training's --bucket-mb, spmd.parallel.buckets) and those run
+alternately: median step time per bucket size side by side, with the number of gradient
+reductions each compiled step holds. The XLA flags of the largest bucket size are set first
+(spmd.parallel.xla_flags: on CPU that turns XLA's all-reduce combiner off, so bucket size 0
+there means one all-reduce per param). With --compare-prefetch the explicit step is compiled
+with ZeRO-3's prefetching layer scan off and on (training's --prefetch,
+spmd.parallel.layer_scan) for the layouts with ZeRO-3 and those run alternately: median step
 time and the all-gathers per step of each (prefetch needs rematerialised layers: --remat full
 or dots_saveable). A benchmark, not a test: nothing is asserted.
 """
@@ -26,48 +28,62 @@ import math
 import statistics
 import sys
 import time
-from typing import Literal
+import types
+from typing import Any, Literal
 
 from spmd.errors import UsageError, run_command
 from spmd.model_shape import Remat
+from spmd.sections import MeshConfig, RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectivesBenchConfig:
-    """What to compare, on which model."""
+    """What to compare. The model, batch, steps and devices are training's flags (`run` and
+    `mesh` sections), with this benchmark's own defaults (DEFAULTS)."""
 
-    model: str = "tiny"  # model preset (configs/NAME.toml)
-    batch: int = 16  # global batch (sequences)
-    seq_len: int = 128  # tokens per sequence
-    steps: int = 30  # timed steps per executor
-    devices: int = 8  # simulated CPU devices
     layouts: str = ""  # comma-separated layout presets (meshes/; default: all)
     remat: Literal["", Remat] = ""  # --remat (empty: the preset's)
-    bucket_mb: str = ""  # comma-separated bucket sizes in MiB (explicit only)
-    prefetch: bool = False  # explicit ZeRO-3: prefetch off vs on
+    # comma-separated gradient bucket sizes in MiB (--bucket-mb of each explicit step), compared
+    compare_bucket_mb: str = ""
+    compare_prefetch: bool = False  # explicit ZeRO-3: the step with --prefetch false vs true
 
 
-def parse_args(argv: list[str] | None) -> CollectivesBenchConfig:
+# The training flags this benchmark takes (their meaning, type and help are training's).
+RUN_FIELDS = ("model", "steps", "batch", "seq_len")
+# Its own defaults of them: a small model, quick to compile per layout and executor, timed
+# over 30 steps (--steps: the timed steps per executor), on 8 simulated CPU devices.
+DEFAULTS = {"model": "tiny", "steps": 30, "batch": 16, "seq_len": 128, "devices": 8}
+
+
+def parse_args(argv: list[str] | None) -> Any:
+    """The resolved flags of every section, flat (`args.batch`, `args.layouts`)."""
     from spmd import config
+    from spmd.section_views import view
 
-    sections = {"bench": CollectivesBenchConfig}
+    sections = {
+        "bench": CollectivesBenchConfig,
+        "run": view(RunConfig, RUN_FIELDS),
+        "mesh": view(MeshConfig, ("devices",)),
+    }
     about = __doc__.split("\n\n")[0]
     prog = "python -m spmd.bench_collectives"
-    return config.resolve(argv, sections, prog, description=about)["bench"]
+    resolved = config.resolve(argv, sections, prog, defaults=DEFAULTS, description=about)
+    return types.SimpleNamespace(**config.flat_values(config.as_dict(resolved)))
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_command(lambda args: run(parse_args(args)), argv)
 
 
-def run(args: CollectivesBenchConfig) -> int:
+def run(args: Any) -> int:
     import meshes
+    from spmd.engine.step import EXECUTORS
     from spmd.parallel import mesh as mesh_lib
 
     names = [n for n in args.layouts.split(",") if n] or list(meshes.presets())
     presets = [meshes.get(n) for n in names]
     check_args(args)
-    buckets = _bucket_sizes(args.bucket_mb)
+    buckets = _bucket_sizes(args.compare_bucket_mb)
     if buckets:
         from spmd.parallel import xla_flags
 
@@ -77,11 +93,13 @@ def run(args: CollectivesBenchConfig) -> int:
 
     import jax
 
-    if buckets and args.prefetch:
-        raise UsageError("--bucket-mb and --prefetch are separate comparisons; give one of them")
+    if buckets and args.compare_prefetch:
+        raise UsageError(
+            "--compare-bucket-mb and --compare-prefetch are separate comparisons; give one of them"
+        )
     if buckets:
         return run_buckets(args, presets, buckets)
-    if args.prefetch:
+    if args.compare_prefetch:
         return run_prefetch(args, presets)
 
     print(
@@ -92,7 +110,7 @@ def run(args: CollectivesBenchConfig) -> int:
         sizes = mesh_lib.resolve_mesh(mesh_lib.parse_mesh(preset.mesh), len(jax.devices()))
         measured = bench_layout(args, sizes, preset.zero, preset.sequence_parallel)
         times, volume = measured["times"], measured["volume"]
-        auto, explicit = (statistics.median(times[e]) * 1e3 for e in ("auto", "explicit"))
+        auto, explicit = (statistics.median(times[e]) * 1e3 for e in EXECUTORS)
         print(
             f"{preset.name:<9}{mesh_lib.format_mesh(sizes):<20}{auto:>9.1f}{explicit:>13.1f}"
             f"{explicit / auto:>7.2f}{_mib(volume['auto']):>13}{_mib(volume['explicit']):>16}",
@@ -101,7 +119,7 @@ def run(args: CollectivesBenchConfig) -> int:
     return 0
 
 
-def check_args(args: CollectivesBenchConfig) -> None:
+def check_args(args: Any) -> None:
     """UsageError for counts below 1 and a model preset or --remat the family refuses, before
     any device work (--devices 0 would simulate no device at all)."""
     from models import family
@@ -119,19 +137,23 @@ def _bucket_sizes(text: str) -> list[float]:
     try:
         sizes = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise UsageError(f"--bucket-mb {text!r} should be sizes in MiB such as 0.25,1,4") from None
+        raise UsageError(
+            f"--compare-bucket-mb {text!r} should be sizes in MiB such as 0.25,1,4"
+        ) from None
     if not all(0 <= s < math.inf for s in sizes):  # NaN fails every comparison
-        raise UsageError(f"--bucket-mb {text!r}: sizes must be 0 (one per param) or positive")
+        raise UsageError(
+            f"--compare-bucket-mb {text!r}: sizes must be 0 (one per param) or positive"
+        )
     return sizes
 
 
-def run_buckets(args: CollectivesBenchConfig, presets: list, buckets: list[float]) -> int:
+def run_buckets(args: Any, presets: list, buckets: list[float]) -> int:
     """The explicit step per bucket size, per layout: median ms and gradient reductions."""
     variants = {f"{b:g} MiB": {"collectives": "explicit", "bucket_mb": b} for b in buckets}
     return run_variants(args, presets, variants, "reductions", "gradient reductions")
 
 
-def run_prefetch(args: CollectivesBenchConfig, presets: list) -> int:
+def run_prefetch(args: Any, presets: list) -> int:
     """The explicit ZeRO-3 step with the prefetching layer scan off and on, per layout whose
     fsdp axis gathers layers: median ms and all-gathers per step."""
     variants = {
@@ -141,9 +163,7 @@ def run_prefetch(args: CollectivesBenchConfig, presets: list) -> int:
     return run_variants(args, gathering, variants, "gathers", "all-gathers")
 
 
-def run_variants(
-    args: CollectivesBenchConfig, presets: list, variants: dict, count: str, counted: str
-) -> int:
+def run_variants(args: Any, presets: list, variants: dict, count: str, counted: str) -> int:
     """Per layout, the steps of `variants` ({name: spmd.sections.ParallelConfig fields}) run
     alternately:
     median ms per step and `count` (a measure of bench_layout's) per step of each."""
@@ -169,7 +189,7 @@ def _mib(n: int) -> str:
 
 
 def bench_layout(
-    args: CollectivesBenchConfig,
+    args: Any,
     sizes: dict[str, int],
     zero: int,
     sequence_parallel: bool = False,

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import functools
 import importlib.resources
-import inspect
 import json
-import re
 import sys
 import tomllib
 import typing
@@ -29,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.section_views import field_help
 from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
     BARE_FLAG_VALUES,
     FORMER_VALUES,
@@ -105,44 +103,28 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-@functools.cache
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: its comment in the class source}: the comment on the field's line, else the
-    comment lines just above it. The comments document the defaults, so --help shows them."""
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):  # no source (a frozen or generated class): flags without help
-        return {}
-    comments, above = {}, []
-    for line in (raw.strip() for raw in lines):
-        if line.startswith("#"):
-            above.append(line[1:].strip())
-            continue
-        field = re.match(r"(\w+)\s*:\s*\S", line)
-        if field:
-            trailing = line.split("  # ", 1)[1].strip() if "  # " in line else ""
-            if trailing or above:
-                comments[field.group(1)] = trailing or " ".join(above)
-        above = []
-    return comments
-
-
 def build_parser(
-    prog: str, sections: dict[str, type], description: str = "", short: dict[str, str] | None = None
+    prog: str,
+    sections: dict[str, type],
+    description: str = "",
+    short: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> _Parser:
     """A parser with --config plus one flag per field of every section (default: not given),
-    each with its field's comment as help; `short` adds short forms ({field: "-n"})."""
+    each with its field's help (`field_help`); `short` adds short forms ({field: "-n"}); the
+    command's own `defaults` ({field: value}) are said beside their fields' help."""
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
         "--config", help=f"TOML file with a table per section: [{'], ['.join(sections)}]"
     )
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
-        comments = {}  # a subclass's own comments over its bases' (e.g. MoEConfig's)
-        for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
-            comments.update(field_comments(base))
+        helps = field_help(cls)
         for name, kind in _field_types(cls).items():
-            text = comments.get(name, "").replace("%", "%%")  # argparse formats help with %
+            text = helps.get(name, "")
+            if name in (defaults or {}):
+                text += f" (this command's default: {defaults[name]})"  # type: ignore[index]
+            text = text.replace("%", "%%")  # argparse formats help with %
             names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
             group.add_argument(
                 *names, dest=name, default=argparse.SUPPRESS, help=text, **_takes(name, kind)
@@ -253,22 +235,29 @@ def resolve(
     prog: str,
     *,
     expand: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    defaults: dict[str, Any] | None = None,
     description: str = "",
     positional: Positional | None = None,
     short: dict[str, str] | None = None,
     printable: bool = False,
 ) -> dict[str, Any]:
     """Resolve a command's config sections from defaults, preset, --config file and flags.
-    Every command parses its arguments here. `positional` (its value under its name in the
-    result) and `short` flags ({field: "-n"}) serve commands that take them. A `printable`
-    command takes --print-config, given as `print_config` in the result (the command prints
-    the config it resolves from these sections with `format_config`, and exits).
+    Every command parses its arguments here. The result holds each section under its name,
+    and under "given" the set of fields the user gave (as flags or in the --config file, and
+    what `expand` derives from them), which no command learns from sys.argv itself.
+
+    `defaults` are the command's own defaults of some fields ({field: value}), above the
+    sections' (spmd.convert's mesh, spmd.plan's precision): they are not "given".
+    `positional` (its value under its name in the result) and `short` flags ({field: "-n"})
+    serve commands that take them. A `printable` command takes --print-config, given as
+    `print_config` in the result (the command prints the config it resolves from these
+    sections with `format_config`, and exits).
 
     The preset named by `run.model` fills the "model" section, whose type is the config of the
-    model family it names (`sections["model"]` only lists the flags: every family's fields,
-    e.g. models.moe.MoEConfig). `expand` may add values implied
-    by others (it sees the non-model values given, flat; e.g. --layout fills --mesh)."""
-    parser = build_parser(prog, sections, description, short or {})
+    model family it names (`sections["model"]`, `model_section()`, only lists the flags: every
+    family's fields). `expand` may add values implied by others (it sees the non-model values
+    given, flat; e.g. --layout fills --mesh)."""
+    parser = build_parser(prog, sections, description, short or {}, defaults)
     if positional is not None:
         parser.add_argument(positional.name, nargs=positional.nargs, help=positional.help)
     if printable:
@@ -290,6 +279,9 @@ def resolve(
         rest = expand({k: v for name, t in given.items() if name != "model" for k, v in t.items()})
         for key, value in rest.items():
             given[owner[key]][key] = value
+    extra["given"] = frozenset(key for table in given.values() for key in table)
+    for key, value in (defaults or {}).items():
+        given[owner[key]].setdefault(key, value)
     if "model" in sections:  # the preset that run.model names, then the file's and flags'
         from models import family  # (jax and flax: not for the commands without a model)
 
@@ -297,8 +289,8 @@ def resolve(
         given["model"] = {**preset(preset_name), **given["model"]}
         source = f"model config (preset {preset_name!r})"
         # the family the values name decides the config's type; with --init-from-hf the
-        # folder's config.json is the architecture (spmd.train reads it) and the section only
-        # carries the flags given (an MoE's router knobs), whatever the preset's family
+        # folder's config.json is the architecture (spmd.run_setup reads it) and the section
+        # only carries the flags given (an MoE's router knobs), whatever the preset's family
         from_hf = given.get("run", {}).get("init_from_hf")
         cls = sections["model"] if from_hf else family.check_fields(given["model"], source)
         resolved = {"model": build(cls, given["model"], source)}
@@ -339,7 +331,11 @@ def _tables_by_section(tables: dict[str, Any], sections: dict[str, type]) -> dic
 def as_dict(sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Resolved sections as plain dicts (a command's own sections included; a run's Config has
     .as_dict())."""
-    return {name: dataclasses.asdict(value) for name, value in sections.items()}
+    return {
+        name: dataclasses.asdict(value)
+        for name, value in sections.items()
+        if dataclasses.is_dataclass(value)  # not the extras: "given", a positional, ...
+    }
 
 
 def format_config(sections: dict[str, Any]) -> str:
@@ -361,14 +357,3 @@ def _toml_value(value: Any, key: str) -> str:
     if isinstance(value, str):  # JSON's escapes are TOML's; DEL is the one control JSON keeps
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     raise TypeError(f"config field {key} = {value!r}: TOML for a {type(value).__name__}?")
-
-
-def given_model_fields(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """The model fields of `names` that `argv` sets itself, as flags or in the [model] table of
-    its --config file (as --print-config writes them), rather than through the preset."""
-    flags = {a.split("=")[0] for a in argv}
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--config")
-    path = peek.parse_known_args(argv)[0].config
-    in_file = load_toml(path).get("model", {}) if path else {}
-    return [name for name in names if flag_name(name) in flags or name in in_file]

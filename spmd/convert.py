@@ -27,6 +27,7 @@ from typing import Literal
 from spmd import config
 from spmd.errors import UsageError, run_command
 from spmd.io import eos, hub
+from spmd.sections import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +41,11 @@ class ConvertConfig:
     to_hf: str = ""  # the Hugging Face folder to write (with --checkpoint)
     hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
-    mesh: str = "fsdp=-1"  # params sharded over every device: the least memory per device
-    devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
-    zero: int = 3  # how the params are sharded over fsdp on the way (1-2: replicated, 3: split)
+
+
+# spmd.convert's own default of a MeshConfig field: the params sharded over every device on
+# the way, the least memory per device (training's and generate's default is "dp=-1").
+DEFAULTS = {"mesh": "fsdp=-1"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    sections = {"convert": ConvertConfig}
+    sections = {"convert": ConvertConfig, "mesh": MeshConfig}
     about = __doc__.split("\n\n")[0]
-    cfg = config.resolve(argv, sections, "python -m spmd.convert", description=about)["convert"]
+    resolved = config.resolve(
+        argv, sections, "python -m spmd.convert", defaults=DEFAULTS, description=about
+    )
+    cfg, where = resolved["convert"], resolved["mesh"]
     to_spmd = bool(cfg.from_hf) and bool(cfg.to) and not (cfg.checkpoint or cfg.to_hf)
     to_hf = bool(cfg.checkpoint) and bool(cfg.to_hf) and not (cfg.from_hf or cfg.to)
     if to_spmd == to_hf:
@@ -60,7 +66,7 @@ def run(argv: list[str] | None) -> int:
             "give either --from-hf DIR --to CKPT_DIR (HF -> spmd) or --checkpoint CKPT_DIR "
             "--to-hf DIR (spmd -> HF)"
         )
-    check_choices(cfg, to_spmd)
+    check_choices(cfg, where, to_spmd)
     cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
     from models import family
     from spmd import weights
@@ -75,7 +81,7 @@ def run(argv: list[str] | None) -> int:
                 f"--to {cfg.to} already exists with checkpoints or as a file; give a new folder"
             )
         folder = family.open_hf(cfg.from_hf)  # every error before any device work
-        layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
+        layout = weights.setup_layout(where.mesh, where.devices, where.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)
         tokenizer = Path(cfg.from_hf) / "tokenizer.json"
         saved = {
@@ -91,7 +97,7 @@ def run(argv: list[str] | None) -> int:
     else:
         family.check_new_folder(cfg.to_hf)
         params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
-        layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
+        layout = weights.setup_layout(where.mesh, where.devices, where.zero)
         loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
         seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)
         files = family.save_hf(
@@ -125,11 +131,11 @@ def write_generation_config(folder: Path, eos_ids: list[int]) -> list[Path]:
     return [path]
 
 
-def check_choices(cfg: ConvertConfig, to_spmd: bool) -> None:
+def check_choices(cfg: ConvertConfig, where: MeshConfig, to_spmd: bool) -> None:
     """UsageError for values out of range, and for the other direction's flags given with a
     value (they would be ignored), before any device work."""
     from models import family
-    from spmd.parallel.mesh import parse_mesh
+    from spmd.parallel.mesh import check_section
 
     if cfg.max_shard_mb < 1:
         raise UsageError(f"--max-shard-mb {cfg.max_shard_mb} must be at least 1")
@@ -139,9 +145,7 @@ def check_choices(cfg: ConvertConfig, to_spmd: bool) -> None:
         )
     if cfg.step < 0:
         raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
-    if cfg.devices < 0:
-        raise UsageError(f"--devices {cfg.devices} must be >= 0 (0: as many as the mesh needs)")
-    parse_mesh(cfg.mesh)
+    check_section(where)
     defaults = ConvertConfig()
     export_only = {"step": cfg.step, "hf_dtype": cfg.hf_dtype, "max_shard_mb": cfg.max_shard_mb}
     for name, value in export_only.items() if to_spmd else ():

@@ -28,6 +28,7 @@ from spmd import config, decoding
 from spmd.decoding import Sampling, generate
 from spmd.errors import UsageError, run_command
 from spmd.io import eos, hub
+from spmd.sections import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,6 @@ class GenerateConfig:
     seed: int = 0  # of the sampling
     stream: bool = True  # print a single prompt's text as it is sampled (a batch: at the end)
     tokenizer: str = ""  # tokenizer.json, its folder or a Hub id (empty: the checkpoint's)
-    mesh: str = "dp=-1"  # the mesh the params are held on, e.g. "tp=2" (-1: the rest)
-    devices: int = 0  # simulate this many CPU devices (0: as many as the mesh needs)
-    zero: int = 3  # how params are sharded over fsdp, as in training
 
     @property
     def sampling(self) -> Sampling:
@@ -195,7 +193,7 @@ class Stream:
 # --- the command ------------------------------------------------------------------------
 
 
-def check_choices(cfg: GenerateConfig) -> None:
+def check_choices(cfg: GenerateConfig, where: MeshConfig) -> None:
     """UsageError for flags out of range or given together without sense, before any device
     work (the vocab- and length-dependent checks follow once the source is described)."""
     if bool(cfg.checkpoint) == bool(cfg.from_hf):
@@ -209,11 +207,9 @@ def check_choices(cfg: GenerateConfig) -> None:
     cfg.sampling.check()
     if not 0 <= cfg.seed < 2**63:
         raise UsageError(f"--seed {cfg.seed} must be an integer in [0, 2**63)")
-    if cfg.devices < 0:
-        raise UsageError(f"--devices {cfg.devices} must be >= 0 (0: as many as the mesh needs)")
-    from spmd.parallel.mesh import parse_mesh
+    from spmd.parallel.mesh import check_section
 
-    parse_mesh(cfg.mesh)
+    check_section(where)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
@@ -244,10 +240,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    sections = {"generate": GenerateConfig}
+    sections = {"generate": GenerateConfig, "mesh": MeshConfig}
     about = __doc__.split("\n\n")[0]
-    cfg = config.resolve(argv, sections, "python -m spmd.generate", description=about)["generate"]
-    check_choices(cfg)
+    resolved = config.resolve(argv, sections, "python -m spmd.generate", description=about)
+    cfg, where = resolved["generate"], resolved["mesh"]
+    check_choices(cfg, where)
     texts = read_prompts(cfg)
     cfg = hub.resolve_section(cfg)  # Hub ids in --from-hf, --tokenizer: local folders
     from spmd import weights
@@ -259,7 +256,7 @@ def run(argv: list[str] | None) -> int:
     # A Hugging Face folder is read without JAX, so its mistakes come before the mesh; a
     # checkpoint's config is read through orbax, which starts the backend: after it.
     source = weights.describe("", 0, cfg.from_hf) if cfg.from_hf else None
-    layout = weights.setup_layout(cfg.mesh, cfg.devices, cfg.zero)
+    layout = weights.setup_layout(where.mesh, where.devices, where.zero)
     source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
     codec = codec_for(cfg, source.run_config, source.model.vocab_size)
     prompts = encode_prompts(cfg, texts, codec)
@@ -292,7 +289,7 @@ def run(argv: list[str] | None) -> int:
             if len(texts) > 1:
                 print(f"=== sample {i + 1} ===")
             print(("" if cfg.chat else text) + codec.decode(ids), flush=True)
-    print(speed_line(completions, clock, f"{loaded.source} on mesh {cfg.mesh}"), file=sys.stderr)
+    print(speed_line(completions, clock, f"{loaded.source} on mesh {where.mesh}"), file=sys.stderr)
     return 0
 
 

@@ -25,14 +25,14 @@ import math
 import sys
 from typing import Any
 
-from models import family, llama, moe
-from spmd import config, plan_flags
+from models import family
+from spmd import config, plan_flags, run_setup
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, llama_shape
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
-from spmd.sections import ParallelConfig
+from spmd.section_views import model_section
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,23 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _expand(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
-    """Record which train flags were given (in `given`), then fill what a planning question
-    leaves open: --layout's mesh and stage; a mesh with every device data-parallel (on fsdp
-    for ZeRO 1-3, on dp for 0); PlanConfig's precision and sequence length; batch 0 (about
-    --tokens-per-step tokens)."""
-    from spmd.train import expand_layout
-
-    values = expand_layout(values)
-    given.update(values)
-    if "mesh" not in values:
-        values["mesh"] = "dp=-1" if values.get("zero", ParallelConfig.zero) == 0 else "fsdp=-1"
-    for name in plan_flags.PLANNING_DEFAULTS:
-        values.setdefault(name, getattr(plan_flags.PlanConfig, name))
-    values.setdefault("batch", 0)
-    return values
 
 
 def check_values(cfg: Config, plan: Any) -> None:
@@ -102,14 +85,20 @@ def run(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         plan_flags.help_parser(__doc__.split("\n\n")[1]).print_help()
         return 0
-    given: set[str] = set()
     sections = config.resolve(
-        argv, plan_flags.SECTIONS, "python -m spmd.plan", expand=lambda v: _expand(v, given)
+        argv,
+        plan_flags.sections(),
+        "python -m spmd.plan",
+        expand=run_setup.expand_layout,
+        defaults=plan_flags.DEFAULTS,
     )
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
-    plan = search.with_gpu(plan, {a.split("=")[0][2:].replace("-", "_") for a in argv})
+    given = sections["given"]  # the flags and file keys given (--layout's mesh and zero too)
+    if "mesh" not in given and cfg.parallel.zero == 0:  # plain DDP: every device on dp
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="dp=-1"))
+    plan = search.with_gpu(plan, given)
     check_values(cfg, plan)
-    planned, n_params, name, model_args = model_shape(argv, model_cfg, cfg, plan)
+    planned, n_params, name, model_args = model_shape(given, model_cfg, cfg, plan)
     shape = family.of(planned).shape(planned)
     sizes = parse_mesh(cfg.parallel.mesh)
     devices = cfg.parallel.devices or (
@@ -124,13 +113,15 @@ def run(argv: list[str]) -> int:
     base = _base(shape, n_params, cfg, model_cfg, plan)
     chosen = None
     if plan.recommend:
-        chosen = _recommend(base, space, cluster, devices, cfg.parallel.mesh, given, argv)
+        chosen = _recommend(base, space, cluster, devices, cfg.parallel.mesh, given)
         setup = chosen.best.setup
     else:
         setup = _as_given(base, space, resolve_mesh(sizes, devices), cfg)
     out = summary.report(setup, cluster, name)
     out["lr"] = summary.lr_figures(cfg.optimizer, setup.batch)
-    out["defaults"] = summary.defaults_used(setup, space, plan_flags.PLANNING_DEFAULTS, given)
+    out["defaults"] = summary.defaults_used(
+        setup, space, tuple(plan_flags.PLANNING_DEFAULTS), given
+    )
     if chosen is not None:
         out["recommendation"] = chosen.as_dict(model_args)
     if plan.measure:
@@ -184,8 +175,7 @@ def _recommend(
     cluster: search.Cluster,
     devices: int,
     mesh: str,
-    given: set[str],
-    argv: list[str],
+    given: frozenset[str],
 ) -> recommend.Recommendation:
     """Search the layouts of `devices` devices, holding fixed what the command line fixes."""
     clash = [name for name in plan_flags.SEARCHED_ONLY if name in given]
@@ -207,7 +197,7 @@ def _recommend(
         space,
         mesh=named or None,
         zero=base.zero if "zero" in given else None,
-        remat=base.remat if "--remat" in {a.split("=")[0] for a in argv} else None,
+        remat=base.remat if "remat" in given else None,
         schedule=base.schedule if "pp_schedule" in given else None,
         virtual=base.virtual if "pp_virtual" in given else None,
         sequence_parallel=base.sequence_parallel if "sequence_parallel" in given else None,
@@ -217,7 +207,7 @@ def _recommend(
     return recommend.recommend(base, space, cluster)
 
 
-def _named_axes(mesh: str, given: set[str]) -> dict[str, int] | None:
+def _named_axes(mesh: str, given: frozenset[str]) -> dict[str, int] | None:
     """The axes a given --mesh (or --layout) names with a size, to hold fixed (-1 is free)."""
     if "mesh" not in given:
         return None
@@ -267,46 +257,36 @@ def _measure(s: cost.Setup, model_cfg: Any, cfg: Config) -> dict:
     return measure.measure(s, program, mesh, executor=cfg.parallel.collectives)
 
 
-def model_shape(argv: list[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
+def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
     """(model config, parameter count, description, spmd.train model flags) of the preset, or
-    of --params' Llama shape."""
+    of --params' Llama shape; `given`: the fields the command line gave."""
     if not plan.params:
         values = config.preset(cfg.run.model)
         preset = config.build(family.check_fields(values, "preset"), values, "preset")
         family.of(model_cfg).check(model_cfg)
-        # every family whose config has experts (moe, qwen3_moe, ...), not one by name
-        has_experts = all(hasattr(model_cfg, f) for f in MOE_FIELDS)
-        fields = [*FIELDS, *MOE_FIELDS] if has_experts else FIELDS
-        if family.of(preset) is not family.of(model_cfg):
-            fields = ["family", *fields]
-        changed = [f for f in fields if getattr(model_cfg, f) != getattr(preset, f, None)]
+        # every field the preset does not hold (the remat is the recommendation's own flag)
+        fields = [f.name for f in dataclasses.fields(model_cfg) if f.name != "remat"]
+        fields = ["family", *(f for f in fields if f != "family")]
+        changed = [
+            f for f in dict.fromkeys(fields) if getattr(model_cfg, f) != getattr(preset, f, None)
+        ]
         args = ["--model", cfg.run.model, *_shape_flags(model_cfg, changed)]
         n_params = float(family.of(model_cfg).n_params(model_cfg))
         return model_cfg, n_params, f"{cfg.run.model} preset", args
-    arch = {f.name for f in dataclasses.fields(moe.MoEConfig)} - {"remat"}
-    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
+    arch = {f.name for f in dataclasses.fields(model_section())} - {"remat"}
     clash = sorted(given & (arch | {"model"}))
     if clash:
         raise UsageError(
             f"--params {plan.params:g} chooses its own shape; drop {config.flag_name(clash[0])}"
             f" (or drop --params to plan the model as given)"
         )
-    shape = llama.LlamaConfig(**llama_shape(plan.params), remat=model_cfg.remat)
+    # a raw size is planned as a Llama
+    shape = family.get("llama").config(**llama_shape(plan.params), remat=model_cfg.remat)
     described = (
         f"--params {plan.params:.3g} as a Llama shape (embed {shape.embed_dim}, "
         f"{shape.n_layers} layers, {shape.n_heads} heads, mlp {shape.mlp_dim})"
     )
     return shape, plan.params, described, _shape_flags(shape, FIELDS)
-
-
-# An MoE's shape fields beyond the Llama's, as spmd.train flags take them.
-MOE_FIELDS = (
-    "n_experts",
-    "experts_per_token",
-    "expert_mlp_dim",
-    "shared_expert",
-    "capacity_factor",
-)
 
 
 def _shape_flags(shape: Any, fields: Any) -> list[str]:

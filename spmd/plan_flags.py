@@ -6,23 +6,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Literal
+from typing import Any, Literal
 
-from models import moe
 from spmd import config
 from spmd.estimate import search
+from spmd.section_views import model_section
 from spmd.sections import SECTIONS as RUN_SECTIONS
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
-    """The planner's own settings. Units in comments (GB = 1e9 bytes). `precision` and
-    `seq_len` are spmd.train's flags; these are their defaults when planning (a pretraining-
-    sized step), applied when the flag is not given."""
+    """The planner's own settings. Units in comments (GB = 1e9 bytes)."""
 
     params: float = 0.0  # plan for this many parameters, e.g. 7e9 (0: the --model preset)
-    precision: str = "bf16"  # planning default of --precision
-    seq_len: int = 4096  # planning default of --seq-len
     tokens_per_step: int = 4 * 1024 * 1024  # without --batch: about this many tokens per step
     optimizer: Literal["adamw", "momentum", "sgd"] = "adamw"  # the moments the state holds
     gpu: str = ""  # a key of search.GPUS: sets hbm, tflops, bandwidth, inter_bandwidth
@@ -42,8 +38,13 @@ class PlanConfig:
     json: bool = False  # print one JSON object instead of the table
 
 
-# spmd.train flags whose planning default PlanConfig holds.
-PLANNING_DEFAULTS = ("precision", "seq_len")
+# spmd.train's flags that the planner defaults otherwise when they are not given: a
+# pretraining-sized step (the run's precision and sequence length; said in the plan's report).
+PLANNING_DEFAULTS: dict[str, Any] = {"precision": "bf16", "seq_len": 4096}
+# All of spmd.plan's own defaults of spmd.train's fields (spmd.config.resolve's `defaults`):
+# batch 0 is "about --tokens-per-step tokens"; the mesh puts every device on fsdp (on dp with
+# --zero 0, which spmd.plan applies when --mesh is not given).
+DEFAULTS: dict[str, Any] = {**PLANNING_DEFAULTS, "batch": 0, "mesh": "fsdp=-1"}
 
 
 def own_fields(cls: type, taken: list[type]) -> type:
@@ -60,7 +61,14 @@ def own_fields(cls: type, taken: list[type]) -> type:
 
 
 PLAN_SECTION = own_fields(PlanConfig, list(RUN_SECTIONS.values()))
-SECTIONS = {"model": moe.MoEConfig, **RUN_SECTIONS, "plan": PLAN_SECTION}
+
+
+def sections() -> dict[str, type]:
+    """The planner's sections: spmd.train's (the model's flags: every registered family's
+    fields) and its own."""
+    return {"model": model_section(), **RUN_SECTIONS, "plan": PLAN_SECTION}
+
+
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
@@ -134,7 +142,7 @@ def help_parser(description: str) -> argparse.ArgumentParser:
     ]
     view = dataclasses.make_dataclass("TrainFlags", fields)
     sections = {"plan": PLAN_SECTION, "training run (every spmd.train flag is accepted)": view}
-    sections["model (with --params only --remat applies)"] = moe.MoEConfig
+    sections["model (with --params only --remat applies)"] = model_section()
     parser = config.build_parser("python -m spmd.plan", sections, description)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     defaults = {
@@ -143,7 +151,7 @@ def help_parser(description: str) -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls)
         if f.default is not dataclasses.MISSING
     }
-    defaults |= {name: getattr(PlanConfig, name) for name in PLANNING_DEFAULTS}
+    defaults |= PLANNING_DEFAULTS
     for action in parser._actions:
         action.help = HELP.get(action.dest, action.help)
         if action.dest in defaults and action.dest not in ("mesh", "devices", "batch"):

@@ -18,6 +18,12 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
+# The choice sets that more than one field or command takes, each written once.
+# the compute dtypes: fp32, or 16-bit compute with fp32 master weights (spmd.engine.precision)
+Precision = Literal["fp32", "bf16", "fp16"]
+# who writes the collectives (spmd.engine.step.EXECUTORS: the two executors)
+Executor = Literal["auto", "explicit"]
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -96,17 +102,26 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """How the run is split over devices: the mesh, what fsdp shards (ZeRO), the executor,
-    pipelines, gradient buckets, and the cross-host sync."""
+class MeshConfig:
+    """The devices and how params are sharded over them: what every command that holds a
+    model on a mesh takes (spmd.generate, spmd.convert; training's ParallelConfig extends it)."""
 
-    layout: str = ""  # named layout from meshes/ (ddp, zero3, megatron, ...); sets mesh + zero
     mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
     devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
-    zero: int = 3  # what the fsdp axis shards: 1 opt state, 2 + grads, 3 + params
+    # what the fsdp axis shards: 1 optimizer state, 2 + gradients, 3 + params (a command that
+    # only holds params, generate or convert: 1 and 2 replicate them, 3 splits them)
+    zero: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(MeshConfig):
+    """How the run is split over devices: the mesh and what fsdp shards (ZeRO: MeshConfig's
+    fields), the executor, pipelines, gradient buckets, and the cross-host sync."""
+
+    layout: str = ""  # named layout from meshes/ (ddp, zero3, megatron, ...); sets mesh + zero
     # who writes the collectives: auto = XLA inserts them (jit); explicit = spmd, by hand
     # (shard_map)
-    collectives: Literal["auto", "explicit"] = "auto"
+    collectives: Executor = "auto"
     sequence_parallel: bool = False  # Megatron-SP (tp > 1): norms/residuals split along length
     # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
     # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
@@ -139,10 +154,10 @@ class PrecisionConfig:
     fp32)."""
 
     # the compute and working-param dtype (the master weights stay fp32)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     # dtype of gradient accumulation and of the cross-device gradient reduction: fp32, or the
     # 16-bit compute dtype; "" = the precision's default (its compute dtype, as in ZeRO)
-    grad_reduce: str = ""
+    grad_reduce: Literal["", Precision] = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,48 +19,28 @@ if __name__ == "__main__":
 
     huge_pages.restart_early(sys.argv[1:])
 
-import dataclasses
 import os
 import time
 import traceback
 from typing import Any
 
-from models import family, moe
-from spmd import builder, config
+from models import family
+from spmd import builder, config, run_setup
 from spmd.checks import (
     batch_arithmetic,
     check_choices,
     check_dcn_sync_mesh,
     check_paths,
     checkpoint_resumes,
-    format_batch_arithmetic,
     step_memory_error,
 )
 from spmd.config import Config
-from spmd.engine import precision
 from spmd.errors import UsageError, run_command
-from spmd.io import hub, run_data
+from spmd.io import run_data
 from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
 from spmd.training import run_folder
 from spmd.training.resume import open_checkpoints
-
-# MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
-ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
-# Flags: every model family's fields (the MoE config has the dense Llama's and its own); the
-# section is built as the config of the family the preset or --family names.
-SECTIONS = {"model": moe.MoEConfig, **config.SECTIONS}
-
-
-def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
-    """A named --layout fills --mesh, --zero (and --sequence-parallel) where not given."""
-    if not values.get("layout"):
-        return values
-    import meshes
-
-    preset = meshes.get(values["layout"])
-    sp = {"sequence_parallel": True} if preset.sequence_parallel else {}
-    return {"mesh": preset.mesh, "zero": preset.zero, **sp, **values}
 
 
 def start_processes(cfg: Config) -> int:
@@ -143,7 +123,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
     check_dcn_sync_mesh(cfg, mesh, n_processes)
     program = builder.program(cfg, mesh, windows.fields)
-    pipe_report = describe_program(cfg, program)
+    pipe_report = run_setup.describe_program(cfg, program)
     manager, restored = None, None
     if checkpointing:
         manager, restored = open_checkpoints(cfg, program, token_file.fingerprint, resumes)
@@ -203,33 +183,6 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     return train_until_stopped(make_run, restored, signals, closing=(manager, log))
 
 
-def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
-    """Print the mesh, the batch arithmetic, the precision policy and the pipeline schedule of
-    the run's Program; returns the pipeline schedule's figures (None at pp=1)."""
-    import jax
-
-    from spmd.parallel.mesh import format_mesh
-
-    layout = program.layout
-    mesh, n_params = layout.mesh, family.of(cfg.model).n_params(cfg.model)
-    say(
-        f"mesh {format_mesh(dict(mesh.shape))} ({mesh.size} x {jax.devices()[0].device_kind}), "
-        f"zero {cfg.parallel.zero} | {n_params / 1e6:.2f} M params | "
-        f"{format_batch_arithmetic(batch_arithmetic(cfg, layout.data_parallel))}"
-    )
-    say(precision.describe(builder.policy_of(cfg)))
-    report = builder.pipeline_report(cfg, layout)
-    if report is not None:
-        say(
-            f"pipeline: {report['schedule']} over {mesh.shape['pipeline']} stages x "
-            f"{report['virtual']} chunks, {report['microbatches']} micro-batches | bubble "
-            f"(p-1)/(M+p-1)/v {report['bubble_theory']:.3f} | idle share of the tick table run "
-            f"{report['idle_fraction']:.3f} ({report['ticks']} ticks, {report['stash_slots']} "
-            f"stashed inputs per stage)"
-        )
-    return report
-
-
 def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_report: Any) -> None:
     """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
     compiled collectives against theory, the gradient reductions and the memory report."""
@@ -281,20 +234,9 @@ def train_until_stopped(
 
 def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     """The config tree of the command line (and `print_config`, whether --print-config was
-    given); with --init-from-hf the Hugging Face folder's config.json is the architecture."""
-    sections = config.resolve(
-        argv, SECTIONS, "python -m spmd.train", expand=expand_layout, printable=True
-    )
-    sections = hub.resolve_names(sections)  # Hub ids in --init-from-hf, --tokenizer: folders
-    if sections["run"].init_from_hf:
-        folder = family.open_hf(sections["run"].init_from_hf, sections["model"].remat)
-        # The architecture is the folder's; the router's training knobs given win.
-        given = config.given_model_fields(sys.argv[1:] if argv is None else argv, ROUTER_KNOBS)
-        knobs = {
-            name: getattr(sections["model"], name) for name in given if hasattr(folder.config, name)
-        }
-        sections["model"] = dataclasses.replace(folder.config, **knobs)
-    return sections
+    given; "given", the fields the user gave); with --init-from-hf the Hugging Face folder's
+    config.json is the architecture."""
+    return run_setup.resolve_run(argv, "python -m spmd.train", printable=True)
 
 
 def compile_step(cfg: Config, program: Any) -> tuple:

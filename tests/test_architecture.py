@@ -22,9 +22,20 @@ COMMANDS = {
     f"spmd.{m}"
     for m in (
         "__main__ cli train plan convert generate checkpoint bench bench_collectives launch report "
-        "plan_flags weights builder config checks api decoding"
+        "plan_flags weights builder config checks api decoding run_setup section_views"
     ).split()
 }
+# The commands themselves: what `spmd COMMAND` runs (spmd.cli's table, read from its source)
+# and the dispatcher. What two commands share lives below them (spmd.run_setup, spmd.checks,
+# spmd.builder, spmd.config, ...), so that no command imports another.
+COMMAND_MODULES = {
+    node.value
+    for node in ast.walk(ast.parse((ROOT / "spmd" / "cli.py").read_text()))
+    if isinstance(node, ast.Constant) and str(node.value).startswith("spmd.")
+} | {"spmd.cli"}
+# What spmd/ may import from models/: the registry and the contract, never a family's own
+# module, so that a family registered in models/family.py needs no edit in spmd/.
+SPMD_MAY_IMPORT_FROM_MODELS = {"models", "models.family", "models.contract"}
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file
 # format the Hugging Face mapping reads, and the shape they describe themselves with.
 MODEL_ALLOWED = {
@@ -83,6 +94,20 @@ def test_models_import_only_the_hooks():
         if name.startswith("models"):
             core = {d for d in deps if d.startswith("spmd")}
             assert core <= MODEL_ALLOWED, f"{name} imports {sorted(core - MODEL_ALLOWED)}"
+
+
+def test_no_command_imports_another_command():
+    assert {"spmd.train", "spmd.plan", "spmd.bench", "spmd.convert"} <= COMMAND_MODULES
+    for name in COMMAND_MODULES:
+        bad = GRAPH[name] & (COMMAND_MODULES - {name})
+        assert not bad, f"{name} imports the commands {sorted(bad)}"
+
+
+def test_spmd_imports_no_model_family_module():
+    for name, deps in GRAPH.items():
+        if name.startswith("spmd"):
+            bad = {d for d in deps if d.startswith("models")} - SPMD_MAY_IMPORT_FROM_MODELS
+            assert not bad, f"{name} imports {sorted(bad)}: ask models.family instead"
 
 
 def test_core_packages_import_no_model_and_no_command():

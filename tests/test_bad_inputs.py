@@ -145,7 +145,10 @@ CASES = [
     *map(report, ["{metrics} --out {tmp}/x.xyz", "{metrics} --out {tmp}/missing/x.png"]),
     # the benchmarks (their checks run before any compile)
     *[Case("bench", f"--model tiny {a}") for a in ("--rounds 0", "--n-layers 0", "--lr nan")],
-    *[Case("bench_collectives", a) for a in ("--devices 0", "--remat bogus", "--bucket-mb nan")],
+    *[
+        Case("bench_collectives", a)
+        for a in ("--devices 0", "--remat bogus", "--compare-bucket-mb nan")
+    ],
 ]
 
 

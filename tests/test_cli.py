@@ -201,16 +201,16 @@ def test_every_flag_of_every_command_has_a_help_text(command, capsys):
 
 
 def test_choice_flags_list_their_choices_in_help(capsys):
-    from spmd import config, train
+    from spmd import config, run_setup, train
     from spmd.sections import literal_choices
 
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    hints = [typing.get_type_hints(cls) for cls in train.SECTIONS.values()]
+    hints = [typing.get_type_hints(cls) for cls in run_setup.sections().values()]
     listed = {f: literal_choices(k) for h in hints for f, k in h.items() if literal_choices(k)}
     assert {"precision", "lr_schedule", "resume", "remat", "on_divergence"} <= set(listed)
     for field, choices in listed.items():
-        flag, shown = config.flag_name(field), "|".join(choices)
+        flag, shown = config.flag_name(field), "|".join(c or '""' for c in choices)
         assert f"{flag} {shown}" in text or f"{flag} [{shown}]" in text, field
     assert "--resume [auto|required|fresh]" in text  # alone, it means required

@@ -12,8 +12,8 @@ from spmd import config, train
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
+from spmd.run_setup import expand_layout, sections
 from spmd.sections import Config, RunConfig, choices
-from spmd.train import SECTIONS, expand_layout
 
 
 def test_mesh_aliases_and_the_rest():
@@ -39,7 +39,7 @@ def test_bad_mesh_strings(spec):
 
 
 def resolve(*argv, **kwargs):
-    return config.resolve(list(argv), SECTIONS, "test", expand=expand_layout, **kwargs)
+    return config.resolve(list(argv), sections(), "test", expand=expand_layout, **kwargs)
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):

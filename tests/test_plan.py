@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from models import llama, moe
-from spmd import config, plan, plan_flags, train
+from spmd import config, plan, plan_flags, run_setup
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     cost,
@@ -477,7 +477,9 @@ def test_the_train_command_runs_the_recommended_layout():
     out = planned("--params", "175e9", "--devices", "1024", "--hbm", "80", "--recommend")
     command = out["recommendation"]["train_command"].split()
     assert command[:3] == ["python", "-m", "spmd.train"]
-    sections = config.resolve(command[3:], train.SECTIONS, "t", expand=train.expand_layout)
+    sections = config.resolve(
+        command[3:], run_setup.sections(), "t", expand=run_setup.expand_layout
+    )
     run = config.flat_values(config.as_dict(sections))
     run = type("Flags", (), run)  # the flat flags, read as attributes
     model = sections["model"]

@@ -179,7 +179,7 @@ def test_prefetch_costs_no_activation_memory_per_layer():
 def test_bench_collectives_times_prefetch_off_and_on(capsys):
     from spmd import bench_collectives
 
-    argv = ["--prefetch", "--remat", "full", "--layouts", "zero3,ddp", "--steps", "1"]
+    argv = ["--compare-prefetch", "--remat", "full", "--layouts", "zero3,ddp", "--steps", "1"]
     assert bench_collectives.main([*argv, "--batch", "8", "--seq-len", "16"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     (zero3,) = [row for row in rows if row[0] == "zero3"]  # ddp gathers no layer: left out

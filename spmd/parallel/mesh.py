@@ -46,6 +46,19 @@ AXIS_ALIASES = {
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def check_section(section: Any) -> None:
+    """UsageError for the values of a mesh section (spmd.sections.MeshConfig: spmd.generate's,
+    spmd.convert's) out of range, before any device work: --devices below 0, a --zero that is
+    no ZeRO stage, a --mesh that does not parse."""
+    from spmd.parallel.rules import ZERO_STAGES
+
+    if section.devices < 0:
+        raise UsageError(f"--devices {section.devices} must be >= 0 (0: as many as the mesh needs)")
+    if section.zero not in ZERO_STAGES:
+        raise UsageError(f"--zero {section.zero} is not a ZeRO stage; use 1, 2 or 3")
+    parse_mesh(section.mesh)
+
+
 def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
     """Parse "dp=2,fsdp=2,tp=2" into {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}.
 
