@@ -45,6 +45,9 @@ class ModelShape:
     pipelines: bool = True
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2): no matmul FLOPs
     qk_norm: bool = False  # a per-head RMS norm scale on q and on k (Qwen3)
+    # RMS norm scales on q and k over all heads' features, [heads, head_dim] and [kv_heads,
+    # head_dim], split with the heads (OLMo 2)
+    whole_qk_norm: bool = False
 
     @property
     def expert_dim(self) -> int:
