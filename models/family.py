@@ -20,7 +20,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from models import hf_config, hf_io, hf_mixtral, llama, llama_decode, moe
+from models import hf_config, hf_io, hf_mixtral, llama, llama_decode, moe, olmo2
 from models.contract import CausalLM, Decoder, Family, HFMapping, ModelConfig
 from spmd.errors import UsageError
 
@@ -73,6 +73,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         LLAMA,
         MOE,
+        olmo2.FAMILY,
     )
 }
 
