@@ -1,11 +1,13 @@
 """Grouped-query causal self-attention, speaking logical axis names only: the layer (q, k, v
-and output projections, optional q/k/v biases (Qwen2) and per-head q/k RMS norms (Qwen3),
-the rotary embedding of models/rope.py) and the attention kernels (causal, optionally within
-documents and within a sliding window (Mistral)).
+and output projections, optional q/k/v biases (Qwen2), q/k RMS norms per head (Qwen3) or over
+all heads' features at once (OLMo 2), the rotary embedding of models/rope.py) and the
+attention kernels (causal, optionally within documents and within a sliding window
+(Mistral)).
 
 The layer is Megatron's column-parallel q, k, v / row-parallel output projection: under tensor
-parallelism each device holds its heads' slices of every projection, their biases and (whole)
-the per-head norms, and `tp_reduce` sums the heads' partial outputs.
+parallelism each device holds its heads' slices of every projection, their biases and of
+OLMo 2's norm scales, (whole) the per-head norms, and `tp_reduce` sums the heads' partial
+outputs. OLMo 2's norms sum their squares over the devices that hold the heads.
 
 A sliding window of w tokens lets query position i see key positions j with i - w < j <= i
 (itself and the w - 1 before it), the band transformers' `sliding_window` masks. The kernels
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import RESIDUAL, WHOLE, RMSNorm, dense, param, zeros
+from models.layers import RESIDUAL, WHOLE, HeadsRMSNorm, RMSNorm, dense, param, zeros
 from models.rope import Rope
 from spmd.model_shape import query_chunks
 from spmd.parallel.hooks import (
@@ -43,8 +45,14 @@ CACHE_NAMES = ("batch", "length", "kv_heads", None)  # of one layer's cached key
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: Any, rngs: nnx.Rngs):
+    """The attention layer of a config with LlamaConfig's attention fields. `whole_qk_norm`:
+    RMS norms of q and of k over all heads' features at once (layers.HeadsRMSNorm, OLMo 2),
+    before rotary, instead of the config's per-head ones (qk_norm, Qwen3)."""
+
+    def __init__(self, cfg: Any, rngs: nnx.Rngs, whole_qk_norm: bool = False):
         e, h, k, d = cfg.embed_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if whole_qk_norm and (cfg.qk_norm or cfg.qkv_bias):
+            raise ValueError("whole_qk_norm goes with neither qk_norm nor qkv_bias")
         std, out_std = 0.02, 0.02 / (2 * cfg.n_layers) ** 0.5
         self.wq = param(rngs, std, (e, h, d), ("embed", "heads", "head_dim"))
         self.wk = param(rngs, std, (e, k, d), ("embed", "kv_heads", "head_dim"))
@@ -57,6 +65,10 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
             self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
+        if whole_qk_norm:
+            self.q_norm = HeadsRMSNorm(h, d, cfg.norm_eps, rngs, "heads")
+            self.k_norm = HeadsRMSNorm(k, d, cfg.norm_eps, rngs, "kv_heads")
+        self.whole_qk_norm = whole_qk_norm
         self.rope = Rope.of(cfg)
         self.window = cfg.sliding_window  # 0: none
         self.group = h // k  # query heads per kv head
@@ -73,19 +85,33 @@ class Attention(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """(q [b, t, heads, d], k and v [b, t, kv_heads, d]) of x [b, t, embed] (whole along
-        length): projected, biased, normed per head and rotated to `positions` [b, t]."""
+        length): projected, biased, normed (per head, or over all heads) and rotated to
+        `positions` [b, t]."""
         dtype = x.dtype
         wq = gather(self.wq)
-        wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
-        q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
+        if self.whole_qk_norm:
+            q, k, v = self._whole_normed(x, wq)
+        else:
+            wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
+            q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
         if hasattr(self, "bq"):
             bk, bv = self._kv_for_local_heads(wq, (gather(self.bk), gather(self.bv)), axis=0)
             q, k, v = (y + b.astype(dtype) for y, b in ((q, gather(self.bq)), (k, bk), (v, bv)))
-        if hasattr(self, "q_norm"):  # Qwen3: RMS norm of each head's features, before rotary
+        if hasattr(self, "q_norm") and not self.whole_qk_norm:  # Qwen3: each head's features
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(self.rope(q, positions), ("batch", "length", "heads", None))
         k = constrain(self.rope(k, positions), ("batch", "length", "kv_heads", None))
         return q, k, constrain(v, ("batch", "length", "kv_heads", None))
+
+    def _whole_normed(self, x: jax.Array, wq: jax.Array) -> tuple[jax.Array, ...]:
+        """(q, k, v) of x with q and k normed over all their heads' features (OLMo 2). The k
+        norm spans every kv head, so k is projected for all the kv heads this device holds and
+        those its query heads read are picked after the norm (v's weights before, as
+        `project` does)."""
+        q = self.q_norm(dense(x, wq))
+        (k,) = self._kv_for_local_heads(wq, (self.k_norm(dense(x, gather(self.wk))),), axis=2)
+        (wv,) = self._kv_for_local_heads(wq, (gather(self.wv),), axis=1)
+        return q, k, dense(x, wv)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segments: jax.Array | None = None

@@ -29,6 +29,7 @@ from models import (
     llama,
     llama_decode,
     moe,
+    olmo2,
     phi3,
     qwen3_moe,
 )
@@ -88,6 +89,7 @@ FAMILIES: dict[str, Family] = {
         gemma3.FAMILY,
         phi3.FAMILY,
         qwen3_moe.FAMILY,
+        olmo2.FAMILY,
     )
 }
 

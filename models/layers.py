@@ -1,6 +1,6 @@
 """The smallest pieces of the decoders: a param with its logical axis names, RMSNorm (and
-Gemma's (1 + scale) form), the dense projection every matmul with a weight goes through, and the
-SwiGLU and GeGLU activations.
+Gemma's (1 + scale) form, and HeadsRMSNorm over all heads' features at once), the dense
+projection every matmul with a weight goes through, and the SwiGLU and GeGLU activations.
 
 Params are created in fp32 (the master copy); callers cast them to the compute dtype.
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.model_shape import REMATS, Remat
-from spmd.parallel.hooks import gather
+from spmd.parallel.hooks import gather, tp_sum
 
 __all__ = ["REMAT_POLICIES", "REMATS", "Remat"]  # re-exported: the families' remat field
 
@@ -67,6 +67,30 @@ class RMSNorm(nnx.Module):
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = gather(self.scale)
         return (normed * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
+
+
+class HeadsRMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last two dims [heads, head_dim] at once: every head's
+    features as one vector of heads x head_dim, with one scale of that shape (OLMo 2's q and k
+    norms over the whole projection; `name` is the heads' logical name, `heads` or
+    `kv_heads`). Computed in fp32.
+
+    Under tensor parallelism a device holds some of the heads (x's heads dim shorter than
+    `heads`), so the sum of squares is summed over the devices that split `name`. Where the
+    heads are replicated instead (kv heads when tensor parallelism exceeds them) x holds all
+    of them and nothing is summed: a sum over devices would count each head several times."""
+
+    def __init__(self, heads: int, dim: int, eps: float, rngs: nnx.Rngs, name: str):
+        self.scale = param(rngs, 0.0, (heads, dim), (name, "head_dim"))
+        self.eps, self.heads, self.name = eps, heads, name
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        squares = jnp.sum(x32 * x32, axis=(-2, -1), keepdims=True)
+        if x.shape[-2] < self.heads:  # this device's heads only (explicit executor)
+            squares = tp_sum(squares, self.name)
+        mean = squares / (self.heads * x.shape[-1])
+        return (x32 * jax.lax.rsqrt(mean + self.eps) * gather(self.scale)).astype(x.dtype)
 
 
 @jax.checkpoint

@@ -48,6 +48,9 @@ class ModelShape:
     # RMSNorm scales [embed] per block: 2 in a Llama (before attention and before the MLP), 4
     # in Gemma's sandwich (after each as well)
     norms_per_block: int = 2
+    # RMS norm scales on q and k over all heads' features, [heads, head_dim] and [kv_heads,
+    # head_dim], split with the heads (OLMo 2)
+    whole_qk_norm: bool = False
 
     @property
     def expert_dim(self) -> int:

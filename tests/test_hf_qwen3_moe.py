@@ -271,7 +271,9 @@ def test_the_planners_train_command_keeps_the_expert_flags(capsys):
     args = ["--model", "moe-tiny", "--family", "qwen3_moe", "--n-experts", "8", "--batch", "8"]
     assert plan.main([*args, "--devices", "4", "--recommend", "--json"]) == 0
     command = json.loads(capsys.readouterr().out)["recommendation"]["train_command"]
-    assert "--family qwen3_moe --n-experts 8" in command
+    assert "--family qwen3_moe" in command and " --n-experts 8 " in command
+    # the family's own defaults that the moe-tiny preset lacks go with it too
+    assert "--norm-topk-prob false" in command and "--qk-norm true" in command
 
 
 def test_the_registry_finds_the_family_by_architecture_model_type_and_saved_section():

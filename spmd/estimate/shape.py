@@ -32,7 +32,7 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
     Every param has an `embed` dim, which ZeRO shards over fsdp, except an MoE's routed
     experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The embedding and head
     stay whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The q, k, v
-    biases and per-head q, k norms have no `embed` dim: ZeRO leaves them whole (NO_FSDP). The
+    biases and q, k norms have no `embed` dim: ZeRO leaves them whole (NO_FSDP). The
     counts add up to n_params()."""
     e, layers = shape.embed_dim, shape.n_layers
     attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
@@ -52,6 +52,9 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
         groups.append((biases, ("tensor", "pipeline", NO_FSDP)))
     if shape.qk_norm:  # two [head_dim] scales per block
         groups.append((layers * 2 * shape.head_dim, ("pipeline", NO_FSDP)))
+    if shape.whole_qk_norm:  # [heads, head_dim] and [kv_heads, head_dim] per block
+        norms = layers * shape.head_dim * (shape.n_heads + shape.n_kv_heads)
+        groups.append((norms, ("tensor", "pipeline", NO_FSDP)))
     if n_experts:  # MoE: each block's router [embed, experts], then the routed experts
         groups.append((layers * e * n_experts, ("pipeline",)))
         groups.append((experts.expert_params(shape), EXPERT_AXES))
