@@ -133,15 +133,54 @@ def test_the_variants_settings_are_checked(change, flag):
         llama.check(dataclasses.replace(preset("tiny", llama.LlamaConfig), **change))
 
 
-@pytest.mark.parametrize("name", ["llama", "moe"])
-def test_each_family_builds_a_model_with_the_pipeline_pieces(name):
-    """The contract's CausalLM: what `create` returns has the three pieces a pipeline runs."""
+# A Hugging Face fixture of each registered family (tests/fixtures/make_hf_*.py): a family
+# registered without one fails test_every_family_keeps_the_contract below.
+FIXTURES = {
+    "llama": "hf_llama_untied",
+    "moe": "hf_mixtral",
+    "gemma2": "hf_gemma2",
+    "gemma3": "hf_gemma3",
+    "qwen3_moe": "hf_qwen3_moe",
+    "olmo2": "hf_olmo2",
+    "phi3": "hf_phi3",
+}
+
+
+@pytest.mark.parametrize("name", sorted(family.FAMILIES))
+def test_every_family_keeps_the_contract(name):
+    """Each registered family, on its Hugging Face fixture: the registry picks it from
+    config.json, its config names it and saves and restores as a checkpoint's [model] section,
+    `create` builds a CausalLM (the three pipeline pieces) whose blocks decode with a cache,
+    and n_params() and the estimators' shape count exactly the params it builds."""
+    import dataclasses
+    import math
+    from pathlib import Path
+
     from flax import nnx
 
-    cfg = preset("tiny" if name == "llama" else "moe-tiny", family.get(name).config)
-    model = nnx.eval_shape(lambda: family.get(name).create(cfg, 0))
-    assert isinstance(model, family.CausalLM)
-    assert family.get(name).hf is not None and family.get(name).decoder is not None
+    from spmd.estimate import shape
+
+    fam = family.get(name)
+    folder = Path(__file__).resolve().parent / "fixtures" / FIXTURES[name]
+    checkpoint = family.open_hf(str(folder))  # headers only
+    cfg = checkpoint.config
+    assert checkpoint.family == name and family.of(cfg) is fam and cfg.family == name
+    assert family.config_from_dict(dataclasses.asdict(cfg)) == cfg
+    model = nnx.eval_shape(lambda: fam.create(cfg, 0))
+    assert isinstance(model, family.CausalLM) and hasattr(model.blocks, "decode")
+    built = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(built))
+    assert count == fam.n_params(cfg) == shape.shape_params(fam.shape(cfg))
+    fam.check(cfg)
+
+
+def test_architectures_belong_to_one_family_each():
+    owners: dict[str, str] = {}
+    for fam in family.FAMILIES.values():
+        assert fam.hf is not None
+        for architecture in fam.hf.architectures:
+            assert owners.setdefault(architecture, fam.name) == fam.name, architecture
+    assert len({f.config for f in family.FAMILIES.values()}) == len(family.FAMILIES)
 
 
 def test_architectures_pick_the_family():
