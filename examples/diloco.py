@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.engine import diloco
     from spmd.estimate import dcn_traffic, hlo
     from spmd.io import data, tokens
-    from spmd.parallel.layout import Layout
 
     batch, seq_len = 16, 32
     cfg = llama.LlamaConfig(**config.preset("tiny"))
@@ -74,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         # threads, and a long queue of steps can leave a device's all-reduce without one.
         jax.block_until_ready(metrics)
 
-    mesh_batch = Layout(mesh).batch_sharding()
     results = {}
     sync = spmd.build(make_model, llama.lm_loss, tx, mesh)
+    mesh_batch = sync.layout.batch_sharding()
     compiled = sync.compile_train_step(batch, seq_len)
     sync_bytes = sum(c.bytes * c.count for c in hlo.collectives(compiled, mesh) if "data" in c.axes)
     state = sync.init()
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     results["synchronous"] = (eval_loss(sync, state.params), sync_bytes)
 
     outer = diloco.Sync(2, args.outer_lr, args.outer_momentum)
-    program = diloco.build(make_model, llama.lm_loss, tx, Layout(mesh), outer)
+    program = spmd.build(make_model, llama.lm_loss, tx, mesh, diloco=outer)
     both = program.compile_train_step(batch, seq_len)  # the local and the synced step
     for every in sorted({int(h) for h in args.every.split(",")} | {10}):
         # The same two compiled programs for every H; only which steps end a round differs.

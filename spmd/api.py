@@ -8,16 +8,16 @@
     for host_batch in batches:
         state, metrics = program.step(state, spmd.put_batch(host_batch, program))
 
-`spmd.train` builds its Llama runs with these same functions. Shardings come from the logical
-axis names the model gives its params (`nnx.Param(..., out_sharding=("embed", "mlp"))`) and the
-rules of `sharding_rules`; a model that names none still runs data-parallel, with fsdp
-splitting each param's largest divisible dimension.
+`build` goes through spmd.builder, the road `spmd.train` and every other command take.
+Shardings come from the logical axis names the model gives its params (`nnx.Param(...,
+out_sharding=("embed", "mlp"))`) and the rules of `sharding_rules`; a model that names none
+still runs data-parallel, with fsdp splitting each param's largest divisible dimension.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import numpy as np
@@ -25,14 +25,20 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from spmd import builder
 from spmd.engine import precision
-from spmd.engine.step import Program, TrainState, build_program
+from spmd.engine.diloco import AnyProgram, DilocoProgram, Sync
+from spmd.engine.options import StepOptions
+from spmd.engine.step import LossFn, Program, TrainState
 from spmd.io import checkpoint
 from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel import rules
 from spmd.parallel.layout import Layout
 from spmd.sections import ParallelConfig
+
+if TYPE_CHECKING:
+    from spmd.parallel.pipeline import Pipeline
 
 
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
@@ -49,9 +55,59 @@ def sharding_rules(zero_stage: int = 3) -> dict[str, dict[str, tuple[str, ...]]]
     return {role: rules.rules_for(zero_stage, role) for role in rules.ROLES}
 
 
+@overload
 def build(
     make_model: Callable[[int], nnx.Module],
-    loss_fn: Callable[[nnx.Module, dict[str, jax.Array]], jax.Array],
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
+    mesh: jax.sharding.Mesh,
+    *,
+    zero_stage: int = ...,
+    executor: str = ...,
+    precision_policy: str = ...,
+    grad_reduce: str = ...,
+    accum: int = ...,
+    seed: int = ...,
+    pipeline: Pipeline | None = ...,
+    sequence_parallel: bool = ...,
+    bucket_mb: float = ...,
+    prefetch: bool = ...,
+    offload: str = ...,
+    diloco: None = None,
+    batch: int | None = ...,
+    seq_len: int | None = ...,
+    check_layout: Callable[[jax.sharding.Mesh, str], None] | None = ...,
+) -> Program: ...
+
+
+@overload
+def build(
+    make_model: Callable[[int], nnx.Module],
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
+    mesh: jax.sharding.Mesh,
+    *,
+    zero_stage: int = ...,
+    executor: str = ...,
+    precision_policy: str = ...,
+    grad_reduce: str = ...,
+    accum: int = ...,
+    seed: int = ...,
+    pipeline: Pipeline | None = ...,
+    sequence_parallel: bool = ...,
+    bucket_mb: float = ...,
+    prefetch: bool = ...,
+    offload: str = ...,
+    diloco: Sync,
+    batch: int | None = ...,
+    seq_len: int | None = ...,
+    check_layout: Callable[[jax.sharding.Mesh, str], None] | None = ...,
+) -> DilocoProgram: ...
+
+
+def build(
+    make_model: Callable[[int], nnx.Module],
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
     mesh: jax.sharding.Mesh,
     *,
@@ -61,13 +117,19 @@ def build(
     grad_reduce: str = "",
     accum: int = 1,
     seed: int = 0,
-    pipeline: Any = None,
+    pipeline: Pipeline | None = None,
     sequence_parallel: bool = False,
     bucket_mb: float = 0.0,
     prefetch: bool = ParallelConfig.prefetch,
-) -> Program:
+    offload: str = "none",
+    diloco: Sync | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    check_layout: Callable[[jax.sharding.Mesh, str], None] | None = None,
+) -> AnyProgram:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
+    Built by spmd.builder, the road every command takes, with the same checks.
 
     - zero_stage 1 / 2 / 3: what the mesh's fsdp axis splits (optimizer state; + gradients;
       + params). The data and fsdp axes split every batch leaf's dimension 0.
@@ -81,34 +143,35 @@ def build(
       gradients are accumulated and reduced in.
     - accum: micro-batches per optimizer step (the batch's dimension 0 split accum ways),
       with one gradient reduction per step.
-
-    - pipeline: a spmd.parallel.pipeline.Pipeline (schedule, micro-batches, virtual stages) used
-    when
-      the mesh's pipeline axis is over 1; the model then provides `embed_tokens(tokens)`,
-      `apply_blocks(x)` (`apply_blocks(x, segments)` for batches with segment ids) and
-      `head_logits(x)`, as models/llama.py does.
-
+    - pipeline: a spmd.parallel.pipeline.Pipeline (schedule, micro-batches, virtual stages)
+      used when the mesh's pipeline axis is over 1; the model then provides
+      `embed_tokens(tokens)`, `apply_blocks(x)` (`apply_blocks(x, segments)` for batches with
+      segment ids) and `head_logits(x)`, as models/llama.py does.
     - bucket_mb: under the explicit executor, reduce the gradients in buckets of about this
       many MiB, one collective each (0: one per param). Under auto XLA's combine thresholds
       decide; they are XLA flags, set before JAX starts (spmd.parallel.xla_flags).
-
     - prefetch: under the explicit executor with ZeRO-3, all-gather each layer's params while
       the layer before it computes, forward and backward (spmd.parallel.layer_scan); False
       gathers each layer's params inside its own iteration.
+    - offload: "none", "optimizer" (the optimizer state with the master weights in host memory
+      between steps) or "params" (the params too); UsageError where it cannot run.
+    - diloco: a spmd.engine.diloco.Sync (inner steps per round, outer lr and momentum) makes
+      every way of the mesh's data axis a replica that syncs once per round; the result is a
+      DilocoProgram, whose `step(state, batch, step)` takes the 1-based step number.
+      UsageError for what DiLoCo does not support (dp=1, the explicit executor, fp16, pp > 1).
+    - batch, seq_len: the global batch (rows) and sequence length the steps will take; when
+      given, checked up front against the data-parallel ways x accum and against context /
+      sequence parallelism (2·cp chunks, tp), as the commands check theirs.
+    - check_layout(mesh, executor): the model's own refusals (UsageError), called before
+      anything is traced.
 
     `optimizer` may be a function of the params' logical names (e.g. for a weight-decay
     mask). `sequence_parallel` (tp > 1): Megatron-SP, the residual stream (embedding output,
     norms, residual adds) split along length over `tensor`. Returns a Program: `init()` ->
-    TrainState sharded on the mesh, `step(state, batch)`
-    -> (state, metrics: loss, grad_norm, loss_scale, skipped_steps), `eval_step(params,
-    batch)` -> loss, `model(params)` -> the NNX module. UsageError up front if an axis does
-    not divide a dimension it must split."""
-    layout = Layout(mesh, zero_stage, sequence_parallel)
-    return build_program(
-        make_model,
-        loss_fn,
-        optimizer,
-        layout,
+    TrainState sharded on the mesh, `step(state, batch)` -> (state, metrics: loss, grad_norm,
+    loss_scale, skipped_steps), `eval_step(params, batch)` -> loss, `model(params)` -> the NNX
+    module. UsageError up front if an axis does not divide a dimension it must split."""
+    options = StepOptions(
         seed=seed,
         accum=accum,
         policy=precision.get(precision_policy, grad_reduce),
@@ -116,10 +179,14 @@ def build(
         pipeline=pipeline,
         bucket_mb=bucket_mb,
         prefetch=prefetch,
+        offload_state=offload,
     )
+    spec = builder.ModelSpec(make_model, loss_fn, check_layout)
+    layout = Layout(mesh, zero_stage, sequence_parallel)
+    return builder.build(spec, optimizer, layout, options, diloco, batch, seq_len)
 
 
-def put_batch(host_batch: dict[str, np.ndarray], program: Program) -> dict[str, jax.Array]:
+def put_batch(host_batch: dict[str, np.ndarray], program: AnyProgram) -> dict[str, jax.Array]:
     """A batch of this process's rows (numpy, leading dimension = this process's share of the
     global batch) as global arrays split over the mesh's data-parallel axes. On one process
     the host batch is the whole global batch."""
@@ -141,7 +208,7 @@ def save(
     step: int,
     state: TrainState,
     metadata: dict[str, Any] | None = None,
-    program: Program | None = None,
+    program: AnyProgram | None = None,
 ) -> float:
     """Start saving `state` as step `step`, with JSON-ready `metadata` (e.g. the data
     position). Returns the seconds the caller was blocked (copy to host memory). Under bf16 /
@@ -155,7 +222,7 @@ def save(
 
 
 def restore(
-    manager: ocp.CheckpointManager, program: Program
+    manager: ocp.CheckpointManager, program: AnyProgram
 ) -> tuple[int, TrainState, dict[str, Any]]:
     """(step, state, metadata) of the newest readable checkpoint, read straight into the
     program's shardings (any mesh restores any checkpoint of the same model). A damaged step is

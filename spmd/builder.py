@@ -1,9 +1,10 @@
 """The one road from a run's config to its Program.
 
-Every command and the library go through `program(cfg, mesh)`: `spmd.train`, `spmd.bench`
-(and its collectives tables), `spmd.plan --measure`, `spmd.generate`, `spmd.convert`,
-`spmd.weights` and `spmd.api.build`. They differ only in what they do with the Program, so a
-benchmark times the step training runs and a dry run reports it.
+Every command goes through `program(cfg, mesh)`: `spmd.train`, `spmd.bench` (and its
+collectives tables), `spmd.plan --measure`, `spmd.generate`, `spmd.convert` and
+`spmd.weights`. They differ only in what they do with the Program, so a benchmark times the
+step training runs and a dry run reports it. `program` ends in `build`, which `spmd.api.build`
+(a library user's own model and loss) calls too: the same checks, offload and DiLoCo.
 
 What the builder decides from the config: the layout (mesh, ZeRO stage, sequence
 parallelism), the pipeline schedule when pp > 1, the precision policy, the model (its family's
@@ -17,20 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
+from flax import nnx
 
 from models import family
 from spmd.checks import check_sequence_split
 from spmd.config import Config
-from spmd.engine import precision
+from spmd.engine import diloco, precision
+from spmd.engine.diloco import AnyProgram
 from spmd.engine.optim import make_optimizer
-from spmd.engine.step import Program, build_program, check_batch
+from spmd.engine.options import TOKENS, StepOptions
+from spmd.engine.step import LossFn, Program, build_program, check_batch
 from spmd.parallel.layout import Layout
 
-TOKENS = ("inputs", "targets")
+if TYPE_CHECKING:
+    from spmd.parallel.pipeline import Pipeline
 
 
 def layout_of(cfg: Config, mesh: jax.sharding.Mesh) -> Layout:
@@ -45,7 +50,7 @@ def optimizer(cfg: Config, lr_factor: float = 1.0) -> Callable[[Any], optax.Grad
     return lambda names: make_optimizer(opt, cfg.run.steps, cfg.run.batch, names)
 
 
-def pipeline_of(cfg: Config, layout: Layout) -> Any:
+def pipeline_of(cfg: Config, layout: Layout) -> Pipeline | None:
     """The spmd.parallel.pipeline.Pipeline of a pp > 1 mesh (None at pp=1). UsageError for a
     schedule that cannot run (layers, micro-batches or batch that do not split)."""
     if layout.mesh.shape["pipeline"] == 1:
@@ -74,62 +79,109 @@ def policy_of(cfg: Config) -> precision.Policy:
     return precision.get(cfg.precision.precision, cfg.precision.grad_reduce)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the builder needs of a model, a family's or a library user's own."""
+
+    make: Callable[[int], nnx.Module]  # seed -> the module, in its compute dtype
+    loss: LossFn  # (model, batch) -> the mean loss of the batch
+    # (mesh, executor) -> None, UsageError for a layout the model cannot run
+    check_layout: Callable[[jax.sharding.Mesh, str], None] | None = None
+    moe: bool = False  # routed experts: no context or sequence parallelism yet
+
+
+def build(
+    spec: ModelSpec,
+    tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
+    layout: Layout,
+    options: StepOptions,
+    sync: diloco.Sync | None = None,
+    batch: int | None = None,
+    seq_len: int | None = None,
+) -> AnyProgram:
+    """The one road's end, shared by every command and `spmd.build`: the checks that refuse a
+    layout before anything compiles (the global `batch` against the data-parallel ways and
+    accum, `seq_len` against context and sequence parallelism, when given; the model's own
+    check_layout), then the Program, or DiLoCo's under `sync` (whose checks refuse what it
+    does not support). Offload is options.offload_state, refused by the engine where it cannot
+    run."""
+    mesh = layout.mesh
+    if batch is not None:
+        check_batch(batch, layout, options.accum)
+    if seq_len is not None:
+        check_sequence_split(
+            seq_len,
+            dict(mesh.shape),
+            layout.sequence_parallel,
+            moe=spec.moe,
+            document_mask="segments" in options.batch_fields,
+        )
+    if spec.check_layout is not None:
+        spec.check_layout(mesh, options.executor)
+    if sync is not None:
+        return diloco.build(spec.make, spec.loss, tx, layout, sync, options)
+    return build_program(spec.make, spec.loss, tx, layout, options)
+
+
+def model_spec(model_cfg: Any, policy: precision.Policy) -> ModelSpec:
+    """The family model of `model_cfg`, made in the policy's compute dtype."""
+    fam = family.of(model_cfg)
+
+    def make(seed: int) -> nnx.Module:
+        model = fam.create(model_cfg, seed, policy.compute_dtype)
+        assert isinstance(model, nnx.Module)  # a family's CausalLM is an NNX module
+        return model
+
+    def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
+        fam.check_layout(model_cfg, mesh, executor)
+
+    return ModelSpec(make, fam.loss, check_layout, moe=bool(fam.shape(model_cfg).n_experts))
+
+
+def options_of(
+    cfg: Config, layout: Layout, batch_fields: tuple[str, ...], train: bool
+) -> StepOptions:
+    """The step options of run `cfg` on `layout` (UsageError for a pipeline that cannot run)."""
+    p = cfg.parallel
+    return StepOptions(
+        seed=cfg.run.seed,
+        accum=cfg.run.accum,
+        policy=policy_of(cfg),
+        executor=p.collectives,
+        pipeline=pipeline_of(cfg, layout),
+        bucket_mb=p.bucket_mb,
+        prefetch=p.prefetch,
+        batch_fields=batch_fields,
+        # a program without an optimizer (loading, converting weights) has no state to offload
+        offload_state=p.offload if train else "none",
+    )
+
+
+def sync_of(cfg: Config) -> diloco.Sync | None:
+    """DiLoCo's outer loop under --dcn-sync diloco, else None (every step synchronous)."""
+    if cfg.parallel.dcn_sync != "diloco":
+        return None
+    p, o = cfg.parallel, cfg.optimizer
+    return diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
+
+
 def program(
     cfg: Config,
     mesh: jax.sharding.Mesh,
     batch_fields: tuple[str, ...] = TOKENS,
     lr_factor: float = 1.0,
     train: bool = True,
-) -> Any:
+) -> AnyProgram:
     """The Program of run `cfg` on `mesh` (a spmd.engine.diloco.DilocoProgram under
     --dcn-sync diloco). `batch_fields` are the keys of the batches the data gives (segment
     ids, loss weights); `train` False builds the same params and forward pass with the
     identity optimizer (no optimizer state), for loading and converting weights. UsageError
     before compiling for a layout the model or the batch cannot use."""
-    fam, layout = family.of(cfg.model), layout_of(cfg, mesh)
-    check_batch(cfg.run.batch, layout, cfg.run.accum)
-    check_sequence_split(
-        cfg.run.seq_len,
-        dict(mesh.shape),
-        cfg.parallel.sequence_parallel,
-        moe=bool(fam.shape(cfg.model).n_experts),
-        document_mask="segments" in batch_fields,
-    )
-    fam.check_layout(cfg.model, mesh, cfg.parallel.collectives)
-    policy = policy_of(cfg)
-
-    def make_model(seed: int) -> Any:
-        return fam.create(cfg.model, seed, policy.compute_dtype)
-
+    layout = layout_of(cfg, mesh)
+    options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
-    common = dict(
-        seed=cfg.run.seed,
-        accum=cfg.run.accum,
-        policy=policy,
-        executor=cfg.parallel.collectives,
-        batch_fields=batch_fields,
-    )
-    # a program without an optimizer (loading, converting weights) has no state to offload
-    offload_state = cfg.parallel.offload if train else "none"
-    if cfg.parallel.dcn_sync == "diloco":
-        from spmd.engine import diloco
-
-        p, o = cfg.parallel, cfg.optimizer
-        sync = diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
-        return diloco.build(
-            make_model, fam.loss, tx, layout, sync, offload_state=offload_state, **common
-        )
-    return build_program(
-        make_model,
-        fam.loss,
-        tx,
-        layout,
-        pipeline=pipeline_of(cfg, layout),
-        bucket_mb=cfg.parallel.bucket_mb,
-        prefetch=cfg.parallel.prefetch,
-        offload_state=offload_state,
-        **common,
-    )
+    spec = model_spec(cfg.model, options.policy)
+    return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)
 
 
 def model_program(model_cfg: Any, layout: Layout) -> Program:
@@ -143,4 +195,6 @@ def model_program(model_cfg: Any, layout: Layout) -> Program:
         ),
         run=dataclasses.replace(cfg.run, batch=layout.data_parallel),
     )
-    return program(cfg, layout.mesh, train=False)
+    built = program(cfg, layout.mesh, train=False)
+    assert isinstance(built, Program)  # the default config synchronises every step
+    return built

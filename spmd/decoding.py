@@ -23,9 +23,12 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.errors import UsageError
+
+if TYPE_CHECKING:
+    from spmd.engine.step import Program
 
 # Positions are int32 in the decoder (jnp.arange, the cache index): the hard upper bound.
 POSITION_LIMIT = 2**31 - 1
@@ -95,7 +98,7 @@ class Decoder:
     The state: {"token", "position", "done"} [b], "index" (tokens sampled so far) and
     "cache"."""
 
-    def __init__(self, program: Any, how: Sampling, chunk: int):
+    def __init__(self, program: Program, how: Sampling, chunk: int):
         import jax
 
         self.program, self.how, self.chunk = program, how, chunk
@@ -183,7 +186,7 @@ class Decoder:
 _DECODERS: dict[tuple, Decoder] = {}  # (id(program), sampling, chunk) -> Decoder
 
 
-def decoder(program: Any, how: Sampling, chunk: int) -> Decoder:
+def decoder(program: Program, how: Sampling, chunk: int) -> Decoder:
     """The Decoder of (program, how, chunk), made once, so repeated calls reuse its compiled
     functions (the entry keeps the program alive, so its id stays unique)."""
     key = (id(program), how, chunk)
@@ -203,7 +206,7 @@ class Clock:
 
 
 def generate(
-    program: Any,
+    program: Program,
     params: Any,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -248,7 +251,7 @@ def generate(
         produced += int(limit)
 
 
-def check(program: Any, prompts: list[list[int]], max_new_tokens: int, how: Sampling) -> None:
+def check(program: Program, prompts: list[list[int]], max_new_tokens: int, how: Sampling) -> None:
     """UsageError for prompts or settings the model cannot take."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UsageError("every prompt needs at least one token; give non-empty text")

@@ -92,7 +92,7 @@ def to_rank_file(message: str, level: int = logging.ERROR) -> None:
     already showed another way: a user error's one line, which the command prints itself)."""
     handler = _FILE["handler"]
     if handler is not None:
-        handler.handle(LOGGER.makeRecord(LOGGER.name, level, __file__, 0, message, None, None))
+        handler.handle(LOGGER.makeRecord(LOGGER.name, level, __file__, 0, message, (), None))
 
 
 def debug(message: str) -> None:

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import spmd
+from spmd.engine.diloco import Sync
 from spmd.errors import UsageError
 
 STEPS, BATCH, FEATURES = 5, 16, 8
@@ -109,3 +110,63 @@ def test_rules_and_mesh_from_strings():
     assert dict(mesh.shape) == want
     with pytest.raises(UsageError, match="multiply to 3"):
         spmd.make_mesh("dp=3")
+
+
+def build_regressor(mesh_spec: str, tx=None, **kwargs):
+    count = int(np.prod([int(part.split("=")[1]) for part in mesh_spec.split(",")]))
+    mesh = spmd.make_mesh(mesh_spec, jax.devices()[:count])
+    make = lambda seed: NamedRegressor(nnx.Rngs(seed))  # noqa: E731
+    return spmd.build(make, mse, tx or optax.adam(3e-2), mesh, **kwargs)
+
+
+def test_diloco_through_the_library_with_one_step_rounds_is_synchronous_training():
+    """H = 1, outer lr 1, no momentum, SGD inside: the replicas' mean update is the update of
+    their mean gradient, so the losses are synchronous data parallelism's."""
+    tx = optax.sgd(0.1)
+    sync = build_regressor("dp=2", tx)
+    rounds = build_regressor("dp=2", tx, diloco=Sync(1, 1.0, 0.0))
+    assert rounds.replicas == 2
+    x = np.random.default_rng(0).normal(size=(BATCH, FEATURES)).astype(np.float32)
+    host = {"x": x, "y": np.sin(x).sum(axis=1).astype(np.float32)}  # one batch, fitted
+    sync_state, rounds_state, got, want = sync.init(), rounds.init(), [], []
+    for step in range(1, STEPS + 1):
+        sync_state, metrics = sync.step(sync_state, spmd.put_batch(host, sync))
+        want.append(float(metrics["loss"]))
+        rounds_state, metrics = rounds.step(rounds_state, spmd.put_batch(host, rounds), step)
+        got.append(float(metrics["loss"]))
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_offload_through_the_library_places_the_optimizer_state_on_the_host():
+    program = build_regressor("fsdp=4", offload="optimizer")
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(program.abstract_opt_state)}
+    params = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(program.abstract_params)}
+    assert kinds == {"pinned_host"} and "pinned_host" not in params
+
+
+def refuse(model_layout: UsageError | None = None):
+    def check_layout(mesh, executor):
+        if model_layout is not None:
+            raise model_layout
+
+    return check_layout
+
+
+@pytest.mark.parametrize(
+    "mesh_spec,kwargs,message",
+    [
+        ("dp=4", {"batch": 6}, "--batch 6 is not divisible by data-parallel size 4"),
+        ("dp=2", {"batch": 8, "accum": 3}, "x accum 3 = 6"),
+        ("dp=2,cp=2", {"seq_len": 30}, "30"),
+        ("fsdp=4", {"diloco": Sync()}, "dp=1"),
+        ("dp=2", {"diloco": Sync(), "executor": "explicit"}, "--collectives explicit"),
+        ("dp=2", {"diloco": Sync(), "offload": "optimizer"}, "--dcn-sync diloco"),
+        ("fsdp=4", {"offload": "params", "zero_stage": 1}, "needs --zero 3"),
+        ("dp=2", {"offload": "disk"}, "--offload 'disk' is not one of"),
+        ("dp=2", {"check_layout": refuse(UsageError("the model says no"))}, "says no"),
+    ],
+)
+def test_library_refuses_what_the_commands_refuse_before_compiling(mesh_spec, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        build_regressor(mesh_spec, **kwargs)

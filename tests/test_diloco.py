@@ -11,10 +11,11 @@ import numpy as np
 import optax
 import pytest
 
+import spmd
 from models import llama
 from spmd.engine import diloco, precision
 from spmd.engine.state_layout import sharded_bytes
-from spmd.engine.step import TrainState, build_program
+from spmd.engine.step import TrainState
 from spmd.errors import UsageError
 from spmd.estimate import hlo
 from spmd.io import checkpoint, data
@@ -34,10 +35,11 @@ def programs():
     """(synchronous program, DiLoCo program with H = 1, outer lr 1, momentum 0) of the tiny
     model with SGD + momentum inside: an update linear in the gradient, so averaging the
     replicas' updates is updating with their averaged gradient."""
-    layout = trainer.layout(MESH)
+    mesh = trainer.layout(MESH).mesh
     tx = optax.sgd(0.2, momentum=0.9)
-    sync = build_program(make_model, llama.lm_loss, tx, layout)
-    program = diloco.build(make_model, llama.lm_loss, tx, layout, diloco.Sync(1, 1.0, 0.0))
+    # the library's road (spmd.builder, as the commands), with and without DiLoCo
+    sync = spmd.build(make_model, llama.lm_loss, tx, mesh)
+    program = spmd.build(make_model, llama.lm_loss, tx, mesh, diloco=diloco.Sync(1, 1.0, 0.0))
     return sync, program
 
 

@@ -10,12 +10,15 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd.builder import optimizer
+from spmd import builder
 from spmd.config import build, flat, preset
-from spmd.engine.step import Program, build_program
+from spmd.engine import precision
+from spmd.engine.options import StepOptions
+from spmd.engine.step import Program
 from spmd.io import data
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
+from spmd.parallel.pipeline import Pipeline
 
 STEPS = 20
 BATCH = 16
@@ -44,29 +47,29 @@ def layout(mesh: str, zero: int = 3, devices: int | None = None) -> Layout:
     return Layout(build_mesh(sizes, jax.devices()[:count]), zero)
 
 
+def model_spec(**model_overrides: object) -> builder.ModelSpec:
+    """The tiny Llama (fields of `model_overrides` changed) as spmd.builder builds a family's
+    model: its create in fp32, its loss and its layout checks."""
+    cfg = dataclasses.replace(tiny_config(), **model_overrides)
+    return builder.model_spec(cfg, precision.POLICIES["fp32"])
+
+
 def program(
     lay: Layout,
     accum: int = 1,
     executor: str = "auto",
-    pipeline: object = None,
+    pipeline: Pipeline | None = None,
     prefetch: bool = True,
     **model_overrides: object,
 ) -> Program:
-    """The tiny model's program on `lay`; `pipeline` (spmd.parallel.pipeline.Pipeline) pipelines
-    it; `prefetch` as build_program's (explicit ZeRO-3)."""
-    cfg = dataclasses.replace(tiny_config(), **model_overrides)
+    """The tiny model's program on `lay`, built by spmd.builder's road for BATCH x SEQ_LEN
+    batches; `pipeline` pipelines it; `prefetch` as StepOptions' (explicit ZeRO-3)."""
     train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
-    return build_program(
-        lambda seed: llama.create(cfg, seed),
-        llama.lm_loss,
-        lambda names: optimizer(train)(names),
-        lay,
-        seed=0,
-        accum=accum,
-        executor=executor,
-        pipeline=pipeline,
-        prefetch=prefetch,
-    )
+    options = StepOptions(accum=accum, executor=executor, pipeline=pipeline, prefetch=prefetch)
+    spec = model_spec(**model_overrides)
+    built = builder.build(spec, builder.optimizer(train), lay, options, None, BATCH, SEQ_LEN)
+    assert isinstance(built, Program)
+    return built
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import optax
 
 from spmd.engine import precision
 from spmd.engine.accumulate import accumulated_grads
+from spmd.engine.options import StepOptions
 from spmd.parallel import traced_layout
 from spmd.parallel.layout import Layout
 
@@ -21,15 +22,15 @@ def auto_steps(
     tx: optax.GradientTransformation,
     layout: Layout,
     shardings: dict[str, Any],
-    accum: int,
-    policy: precision.Policy,
-    exclude: tuple[str, ...] = (),
+    options: StepOptions,
 ) -> tuple[Callable, Callable]:
     """(train_step, eval_step) of the `auto` executor, not yet jitted, for `layout` (a
     spmd.parallel.layout.Layout). `loss_of(params, batch)` is the loss of the global batch; with
-    accum > 1 the step loops over micro-batches. Mesh axes in `exclude` are left out of the
-    activation rules (an enclosing vmap owns them)."""
+    options.accum > 1 the step loops over micro-batches. Mesh axes in options.exclude_axes are
+    left out of the activation rules (an enclosing vmap owns them). The signature is
+    spmd.engine.explicit.explicit_steps's."""
     mesh, zero, sp = layout.mesh, layout.zero_stage, layout.sequence_parallel
+    accum, policy, exclude = options.accum, options.policy, options.exclude_axes
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)

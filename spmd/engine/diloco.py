@@ -33,6 +33,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
+from spmd.engine.options import DEFAULTS, StepOptions
 from spmd.engine.state_layout import optimizer_shardings
 from spmd.engine.step import Program, TrainState, build_program, once_options
 from spmd.errors import UsageError
@@ -60,7 +61,9 @@ def outer_optimizer(sync: Sync) -> optax.GradientTransformation:
     return optax.sgd(sync.outer_lr, momentum=sync.outer_momentum, nesterov=True)
 
 
-def check(sync: Sync, layout: Layout, executor: str, policy: Any, pipeline_stages: int) -> None:
+def check(
+    sync: Sync, layout: Layout, executor: str, policy: precision.Policy, pipeline_stages: int
+) -> None:
     """UsageError for a DiLoCo run that cannot work or that this module does not support."""
     if sync.every < 1:
         raise UsageError(f"--sync-every {sync.every} must be a positive number of inner steps")
@@ -130,7 +133,7 @@ class Compiled:
     """The two compiled programs of a run; `for_step(step)` picks the one of optimizer step
     `step` (1-based): `synced` ends every round. Other attributes are `synced`'s."""
 
-    local: Any
+    local: Any  # jax.stages.Compiled, whose __call__ is untyped
     synced: Any
     every: int
 
@@ -157,9 +160,9 @@ class DilocoProgram:
     init: Callable[[], TrainState]
     start: Callable[[Any], TrainState]  # master weights (unstacked) -> the state of step 0
     from_checkpoint: Callable[[dict], TrainState]
-    local_step: Callable
-    synced_step: Callable
-    eval_step: Callable  # (stacked params, batch) -> loss of the replicas' mean params
+    local_step: jax.stages.Wrapped
+    synced_step: jax.stages.Wrapped
+    eval_step: jax.stages.Wrapped  # (stacked params, batch) -> loss of the replicas' mean params
 
     def __getattr__(self, name: str) -> Any:  # layout, policy, accum, names, graphdef, ...
         return getattr(self.inner, name)
@@ -208,32 +211,18 @@ class DilocoProgram:
 def build(
     make_model: Callable[[int], Any],
     loss_fn: Callable,
-    tx: Any,
+    tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
     layout: Layout,
     sync: Sync,
-    seed: int = 0,
-    accum: int = 1,
-    policy: precision.Policy = precision.POLICIES["fp32"],
-    executor: str = "auto",
-    batch_fields: tuple[str, ...] = ("inputs", "targets"),
-    offload_state: str = "none",
+    options: StepOptions = DEFAULTS,
+    **overrides: Any,
 ) -> DilocoProgram:
     """The DiLoCo program of a model (arguments as spmd.engine.step.build_program's) whose
     replicas are the ways of the layout's data axis (offload refused: build_program says why)."""
-    check(sync, layout, executor, policy, layout.mesh.shape["pipeline"])
-    inner = build_program(
-        make_model,
-        loss_fn,
-        tx,
-        layout,
-        seed,
-        accum,
-        policy,
-        executor,
-        exclude_axes=(AXIS,),
-        batch_fields=batch_fields,
-        offload_state=offload_state,
-    )
+    options = dataclasses.replace(options, **overrides) if overrides else options
+    check(sync, layout, options.executor, options.policy, layout.mesh.shape["pipeline"])
+    inner_options = dataclasses.replace(options, exclude_axes=(AXIS,))
+    inner = build_program(make_model, loss_fn, tx, layout, inner_options)
     outer_tx = outer_optimizer(sync)
     abstract = _abstract_state(inner, outer_tx, layout)
     state_sh = TrainState(*(_shardings(a) for a in abstract))
@@ -378,3 +367,8 @@ def _steps(
         return inner.eval_step(mean, batch)
 
     return local_step, synced_step, eval_step
+
+
+# What the builder returns and the training loop runs: a synchronous Program, or DiLoCo's
+# (whose extra attributes reach the inner Program's through __getattr__).
+AnyProgram = Program | DilocoProgram

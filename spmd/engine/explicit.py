@@ -23,12 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import precision
+from spmd.engine.options import StepOptions
 from spmd.parallel import buckets, collectives, traced_layout
+from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import BATCH_AXES
 
 
@@ -106,32 +107,27 @@ def sliced_update(
 
 
 def explicit_steps(
-    graphdef: Any,
-    loss_fn: Callable,
+    local_loss: Callable,
     tx: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh,
-    zero_stage: int,
+    layout: Layout,
     shardings: dict[str, Any],
-    accum: int,
-    policy: precision.Policy = precision.POLICIES["fp32"],
-    local_loss: Callable | None = None,
-    sequence_parallel: bool = False,
-    bucket_bytes: int = 0,
-    *,
-    prefetch: bool,
+    options: StepOptions,
 ) -> tuple[Callable, Callable]:
-    """(train_step, eval_step) as shard_maps over `mesh`, not yet jitted.
+    """(train_step, eval_step) as shard_maps over the layout's mesh, not yet jitted.
 
-    `shardings` holds the layout's NamedShardings: pytrees "params", "grads", "opt_state" and
-    "opt_state_per_param" (the optimizer state's layout of each param-shaped leaf), and the
-    "batch" sharding of a [batch, ...] array. `policy` sets the accumulation dtype and fp16 loss
-    scaling. `local_loss(params, batch)`, when given, replaces `loss_fn` on each device's local
-    blocks (a pipeline schedule's loss). `sequence_parallel` splits the residual stream along
-    length over `tensor` (the model's tp hooks become all_gather / psum_scatter). `bucket_bytes`
-    > 0 reduces the gradients in buckets of that many bytes (spmd.parallel.buckets); 0: one
-    collective per param. `prefetch`: under ZeRO-3 the model's layer scan gathers each layer's
-    params while the layer before it computes (spmd.parallel.layer_scan). The steps' signatures
-    are those of spmd.engine.step's auto steps."""
+    `local_loss(params, batch)` is the loss of each device's local blocks (the model's loss, or
+    a pipeline schedule's). `shardings` holds the layout's NamedShardings: pytrees "params",
+    "grads", "opt_state" and "opt_state_per_param" (the optimizer state's layout of each
+    param-shaped leaf), and the "batch" sharding of a [batch, ...] array. From `options`:
+    the policy (accumulation dtype, fp16 loss scaling), accum (micro-batches the step loops
+    over), bucket_mb (> 0: the gradients reduced in buckets of about that many MiB,
+    spmd.parallel.buckets; 0: one collective per param) and prefetch (under ZeRO-3 the model's
+    layer scan gathers each layer's params while the layer before it computes,
+    spmd.parallel.layer_scan). The layout's sequence parallelism splits the residual stream
+    along length over `tensor` (the model's tp hooks become all_gather / psum_scatter). The
+    signature and the steps' are spmd.engine.auto.auto_steps's."""
+    mesh, zero_stage, sequence_parallel = layout.mesh, layout.zero_stage, layout.sequence_parallel
+    accum, policy, bucket_bytes = options.accum, options.policy, options.bucket_bytes
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -142,16 +138,13 @@ def explicit_steps(
     # `context` (each of its devices holds a share of every sequence).
     batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
 
-    def model_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(nnx.merge(graphdef, params), batch)
-
-    local_loss = local_loss or model_loss
-
     @contextlib.contextmanager
     def traced_on_devices() -> Iterator[None]:
         # the hooks become collectives; the auto executor's activation constraints are off
         with (
-            traced_layout.explicit_layout(mesh, zero_stage, sequence_parallel, prefetch=prefetch),
+            traced_layout.explicit_layout(
+                mesh, zero_stage, sequence_parallel, prefetch=options.prefetch
+            ),
             traced_layout.no_activation_layout(),
         ):
             yield

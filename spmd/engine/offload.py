@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.engine.state_layout import sharded_bytes, state_bytes_per_device
+from spmd.engine.state_layout import HasAbstractState, sharded_bytes, state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.sections import ParallelConfig, choices
 
@@ -126,10 +126,9 @@ def bytes_by_memory(abstract: Any) -> dict[str, int]:
     return {DEVICE: sharded_bytes(leaves) - host, "host": host}
 
 
-def state_bytes_by_memory(compiled: Any, program: Any) -> dict[str, dict[str, int]]:
+def state_bytes_by_memory(compiled: Any, program: HasAbstractState) -> dict[str, dict[str, int]]:
     """{"params" | "opt_state": {"device": bytes, "host": bytes}} one device holds, read from
-    the shardings (and their memory kinds) the compiled train step takes its state in.
-    `program` is a spmd.engine.step.Program."""
+    the shardings (and their memory kinds) the compiled train step takes its state in."""
     return state_bytes_per_device(compiled, program, bytes_by_memory)
 
 

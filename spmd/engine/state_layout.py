@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +90,18 @@ def sharded_bytes(abstract: Any) -> int:
     return total
 
 
+class HasAbstractState(Protocol):
+    """What a program's state bytes are read from: a Program or a DilocoProgram (declared
+    here, below both, so this module imports neither)."""
+
+    abstract_params: Any  # ShapeDtypeStructs with shardings
+    abstract_opt_state: Any
+
+
 def state_bytes_per_device(
-    compiled: Any, program: Any, measure: Callable[[Any], Any] = sharded_bytes
+    compiled: Any,  # a jax.stages.Compiled, or DiLoCo's pair (spmd.engine.diloco.Compiled)
+    program: HasAbstractState,
+    measure: Callable[[Any], Any] = sharded_bytes,
 ) -> dict[str, Any]:
     """Bytes of params and of optimizer state one device holds, read from the shardings the
     compiled train step takes them in; `measure` sizes each (sharded_bytes: an int)."""

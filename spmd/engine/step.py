@@ -25,6 +25,7 @@ from spmd.engine import offload, precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
 from spmd.engine.explicit import explicit_steps
+from spmd.engine.options import DEFAULTS, TOKENS, StepOptions
 from spmd.errors import UsageError
 from spmd.parallel import hooks
 from spmd.parallel.layout import Layout
@@ -40,7 +41,7 @@ EXECUTORS = choices(ParallelConfig, "collectives")
 ONCE_ON_CPU = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def once_options(mesh: jax.sharding.Mesh) -> dict[str, Any] | None:
+def once_options(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str, Any] | None:
     """jax.jit's compiler_options for a program that runs once per run on `mesh`."""
     return ONCE_ON_CPU if mesh.devices.flat[0].platform == "cpu" else None
 
@@ -71,18 +72,18 @@ class Program:
     # the tree a checkpoint holds -> TrainState (the working params derived from the master)
     from_checkpoint: Callable[[dict], TrainState]
     # (params, opt_state, loss_scale, batch) -> (params, opt_state, loss_scale, metrics)
-    train_step: Callable
-    eval_step: Callable  # (params, batch) -> mean loss
+    train_step: jax.stages.Wrapped
+    eval_step: jax.stages.Wrapped  # (params, batch) -> mean loss
     accum: int
     policy: precision.Policy
-    # the keys of a batch: inputs, targets, and where the data has them "segments" (int32
-    # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
-    batch_fields: tuple[str, ...] = ("inputs", "targets")
-    train_fn: Callable | None = None  # train_step before jit (spmd.engine.diloco vmaps it)
+    train_fn: Callable  # train_step before jit (spmd.engine.diloco vmaps it)
     # init, start and from_checkpoint before jit, for a program that makes this state inside
     # its own (spmd.engine.diloco): the jitted ones carry compiler options, which only a
     # top-level jit may
-    makers: Any = None
+    makers: _StateMakers
+    # the keys of a batch: inputs, targets, and where the data has them "segments" (int32
+    # document ids) and "weights" (float32 loss weights); spmd.io.data.TokenWindows.fields
+    batch_fields: tuple[str, ...] = TOKENS
     # --prefetch asked of the explicit executor: its ZeRO-3 layer scan gathers one layer ahead
     # when the layers are rematerialised (hooks.scan_layers; theory.prefetching)
     prefetch: bool = False
@@ -122,7 +123,7 @@ class Program:
             for key in self.batch_fields
         }
 
-    def lower_train_step(self, global_batch: int, seq_len: int) -> Any:
+    def lower_train_step(self, global_batch: int, seq_len: int) -> jax.stages.Lowered:
         """The train step for a batch shape, traced and lowered (jax.stages.Lowered: the program
         JAX hands XLA, before XLA optimizes it; nothing compiles or runs)."""
         batch = self.abstract_batch(global_batch, seq_len)
@@ -131,7 +132,8 @@ class Program:
         )
 
     def compile_train_step(self, global_batch: int, seq_len: int) -> Any:
-        """Lower and compile the train step for a batch shape (AOT; nothing runs)."""
+        """Lower and compile the train step for a batch shape (AOT; nothing runs): a
+        jax.stages.Compiled (Any here: its __call__ is untyped, and callers call it)."""
         return self.lower_train_step(global_batch, seq_len).compile()
 
 
@@ -168,89 +170,56 @@ def build_program(
     loss_fn: LossFn,
     tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
     layout: Layout,
-    seed: int = 0,
-    accum: int = 1,
-    policy: precision.Policy = precision.POLICIES["fp32"],
-    executor: str = "auto",
-    pipeline: Any = None,
-    exclude_axes: tuple[str, ...] = (),
-    bucket_mb: float = 0.0,
-    prefetch: bool = ParallelConfig.prefetch,
-    batch_fields: tuple[str, ...] = ("inputs", "targets"),
-    offload_state: str = "none",
+    options: StepOptions = DEFAULTS,
+    **overrides: Any,
 ) -> Program:
-    """Shardings and jitted steps for a model built by `make_model(seed)` (an NNX module whose
-    params carry logical axis names), trained with `loss_fn(model, batch)` and `tx` (or
-    `tx(names)`, given the logical names of every param, e.g. for a weight-decay mask).
+    """Shardings and jitted steps for a model built by `make_model(options.seed)` (an NNX
+    module whose params carry logical axis names), trained with `loss_fn(model, batch)` and `tx`
+    (or `tx(names)`, given the logical names of every param, e.g. for a weight-decay mask).
 
-    `policy` sets the master-weight dtype, the gradient accumulation/reduction dtype and fp16
-    loss scaling; the model's compute dtype is `make_model`'s to set (pass
-    `policy.compute_dtype` to it).
+    `options` (spmd.engine.options.StepOptions; `overrides` replace its fields by name, e.g.
+    `accum=4`) says the rest: the policy sets the master-weight dtype, the gradient
+    accumulation / reduction dtype and fp16 loss scaling, while the model's compute dtype is
+    `make_model`'s to set (pass `policy.compute_dtype` to it); the executor "auto" lets XLA's
+    partitioner insert the collectives, "explicit" runs the steps under shard_map with the
+    hand-written collectives of spmd.engine.explicit, both taking and returning the same
+    pytrees with the same shardings; with a pipeline and a `pipeline` mesh axis over 1 the loss
+    and its gradients come from that schedule instead of `loss_fn`; offload_state keeps state
+    in host memory between steps (spmd.engine.offload).
 
-    `executor` "auto" lets XLA's partitioner insert the collectives; "explicit" runs the steps
-    under shard_map with the hand-written collectives of spmd.engine.explicit. Both take and
-    return the same pytrees with the same shardings.
-
-    With a `pipeline` (spmd.parallel.pipeline.Pipeline) and a `pipeline` mesh axis over 1, the
-    loss and its gradients come from that pipeline schedule instead of `loss_fn`.
-
-    `exclude_axes`: mesh axes that the auto executor's activation rules leave to an enclosing
-    vmap (spmd.engine.diloco); `Program.train_fn` is then the step to vmap.
-
-    `bucket_mb` > 0: the explicit executor reduces the gradients in buckets of about that many
-    MiB, one collective each (spmd.parallel.buckets); the auto executor ignores it (there
-    XLA's combine thresholds decide, spmd.parallel.xla_flags).
-
-    `prefetch`: the explicit executor's ZeRO-3 gathers each layer's params while the layer
-    before it computes (spmd.parallel.layer_scan); the auto executor leaves that to XLA.
-
-    `batch_fields`: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields).
-
-    `offload_state`: "optimizer" keeps the optimizer state (with the master weights) in host
-    memory between steps, "params" the params too (spmd.engine.offload); both executors.
+    This is the engine's part of the one road: the commands and `spmd.build` reach it through
+    spmd.builder, which checks the batch and the layout first.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
-    check_executor(executor)
-    pipelined = pipeline is not None and layout.mesh.shape["pipeline"] > 1
-    offload.check(offload_state, layout.zero_stage, pipelined, vmapped=bool(exclude_axes))
-    graphdef, names, shapes = abstract_model(make_model, seed, layout, policy, executor)
+    options = dataclasses.replace(options, **overrides) if overrides else options
+    check_executor(options.executor)
+    pipelined = options.pipeline is not None and layout.mesh.shape["pipeline"] > 1
+    vmapped = bool(options.exclude_axes)
+    offload.check(options.offload_state, layout.zero_stage, pipelined, vmapped=vmapped)
+    policy, executor = options.policy, options.executor
+    graphdef, names, shapes = abstract_model(make_model, options.seed, layout, policy, executor)
     loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(names)
     shardings, opt_shapes = state_layout.state_shardings(tx, names, shapes, layout, policy)
-    losses = _losses(graphdef, names, loss_fn, layout, executor, policy, accum, pipeline)
-    if executor == "explicit":
-        train_step, eval_step = explicit_steps(
-            graphdef,
-            loss_fn,
-            tx,
-            layout.mesh,
-            layout.zero_stage,
-            shardings,
-            losses.step_accum,
-            policy,
-            losses.local_loss,
-            sequence_parallel=layout.sequence_parallel,
-            bucket_bytes=int(bucket_mb * 2**20),
-            prefetch=prefetch,
-        )
-    else:
-        train_step, eval_step = auto_steps(
-            losses.global_loss, tx, layout, shardings, losses.step_accum, policy, exclude_axes
-        )
-    placed = offload.placed(shardings, offload_state)
+    losses = _losses(graphdef, names, loss_fn, layout, options)
+    executor_steps = explicit_steps if executor == "explicit" else auto_steps
+    loss = losses.local_loss if executor == "explicit" else losses.global_loss
+    in_step = dataclasses.replace(options, accum=losses.step_accum)
+    train_step, eval_step = executor_steps(loss, tx, layout, shardings, in_step)
+    placed = offload.placed(shardings, options.offload_state)
     abstract = state_layout.abstract_state(shapes, opt_shapes, placed, layout, policy)
-    makers = _state_makers(make_model, seed, tx, policy)
+    makers = _state_makers(make_model, options.seed, tx, policy)
     return Program(
         layout=layout,
         graphdef=graphdef,
         names=names,
-        accum=accum,
+        accum=options.accum,
         policy=policy,
         train_fn=train_step,
         makers=makers,
-        prefetch=prefetch and executor == "explicit",
-        batch_fields=batch_fields,
+        prefetch=options.prefetch and executor == "explicit",
+        batch_fields=options.batch_fields,
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )
@@ -258,23 +227,17 @@ def build_program(
 
 class _Losses(NamedTuple):
     global_loss: Callable  # (params, batch) -> mean loss, for the auto executor's jit
-    local_loss: Callable | None  # the explicit executor's per-device loss, when not loss_fn's
+    local_loss: Callable  # the explicit executor's per-device loss
     step_accum: int  # micro-batches the step itself loops over
 
 
 def _losses(
-    graphdef: Any,
-    names: Any,
-    loss_fn: Callable,
-    layout: Layout,
-    executor: str,
-    policy: precision.Policy,
-    accum: int,
-    pipeline: Any,
+    graphdef: Any, names: Any, loss_fn: Callable, layout: Layout, options: StepOptions
 ) -> _Losses:
-    """The losses the executors differentiate: `loss_fn` on the merged model, or with pp > 1
-    the pipeline schedule's (which accumulates the micro-batches itself)."""
-    mesh = layout.mesh
+    """The losses the executors differentiate: `loss_fn` on the merged model (the same
+    function on each device's blocks), or with pp > 1 the pipeline schedule's (which
+    accumulates the micro-batches itself)."""
+    mesh, executor, accum, pipeline = layout.mesh, options.executor, options.accum, options.pipeline
 
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
@@ -283,11 +246,11 @@ def _losses(
     if executor == "auto" and accum > 1 and mesh.shape["context"] > 1 and not pipelined:
         # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
         raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")
-    if not pipelined:
-        return _Losses(loss_of, None, accum)
+    if pipeline is None or not pipelined:
+        return _Losses(loss_of, loss_of, accum)
     from spmd.parallel import pipeline as pp
 
-    pp.check_composition(executor, policy, pipeline)
+    pp.check_composition(executor, options.policy, pipeline)
     # Accumulation happens inside the schedule: accum x M micro-batches in one pass.
     pipeline = pp.with_accumulation(pipeline, mesh.shape["pipeline"], accum)
     return _Losses(
@@ -336,7 +299,7 @@ def _jitted(
     eval_step: Callable,
     batch_sharding: NamedSharding,
     replicated: NamedSharding,
-) -> dict[str, Callable]:
+) -> dict[str, jax.stages.Wrapped]:
     """The Program's jitted functions: the state comes back in the shardings of `abstract`
     (state_layout.abstract_state), and the train step donates the state buffers. State that
     `abstract` puts in host memory is streamed to the devices inside the steps."""

@@ -21,6 +21,7 @@ import math
 
 from spmd.engine import offload as engine_offload
 from spmd.engine import precision
+from spmd.engine.precision import Policy  # the Setup field `precision` shadows the module
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence, volumes
 from spmd.estimate.pipeline_figures import pipeline_ticks
@@ -105,7 +106,7 @@ class Setup:
         return self.batch // (self.data_parallel * self.micro_steps)
 
     @functools.cached_property
-    def policy(self) -> precision.Policy:
+    def policy(self) -> Policy:
         """The --precision policy with this run's --grad-reduce (UsageError when invalid)."""
         return precision.get(self.precision, self.grad_reduce)
 

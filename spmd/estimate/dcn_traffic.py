@@ -5,13 +5,16 @@ figures the train command prints at compile time, logs as `dcn_traffic` and repo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import hlo
 from spmd.parallel import rules
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import DilocoProgram
 
 AXIS = "data"  # the replicas' mesh axis (spmd.engine.diloco.AXIS)
 
@@ -21,7 +24,7 @@ def cross_replica_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> int:
     return sum(c.bytes * c.count for c in hlo.collectives(compiled, mesh) if AXIS in c.axes)
 
 
-def traffic(program: Any, compiled: Any) -> dict[str, Any]:
+def traffic(program: DilocoProgram, compiled: Any) -> dict[str, Any]:
     """Cross-replica (cross-host) bytes per device, read from the compiled programs: per local
     step, per synced step, averaged per optimizer step, and what synchronous data parallelism
     would all-reduce every step instead (the gradients, in the reduce dtype, per device)."""

@@ -11,7 +11,7 @@ figures are bytes per device.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.engine import offload as engine_offload
 from spmd.errors import UsageError
@@ -19,6 +19,9 @@ from spmd.estimate import cost, memory
 from spmd.estimate import offload as offload_model
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -87,7 +90,7 @@ def check_engine_can_build(s: cost.Setup) -> None:
         )
 
 
-def measure(s: cost.Setup, program: Any, mesh: Any, executor: str = "auto") -> dict:
+def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto") -> dict:
     """Compile `program`'s train step (built for layout `s` on `mesh`, by spmd.builder) and
     compare it with the analytic figures of `s`.
 
@@ -193,13 +196,13 @@ def state_against_formula(
     )
     state = memory.model_state_bytes(s)
     parts = []
-    for name, formula, compiled in (
+    for name, formula_bytes, held_bytes in (
         ("params", state["params"], held["params"]),
         ("master + optimizer", state["optimizer"], held["opt_state"]),
     ):
         parts.append(
-            f"{name} {compiled / 2**20:.2f} MiB compiled vs {formula / 2**20:.2f} MiB formula "
-            f"(x{compiled / formula:.3f})"
+            f"{name} {held_bytes / 2**20:.2f} MiB compiled vs {formula_bytes / 2**20:.2f} MiB "
+            f"formula (x{held_bytes / formula_bytes:.3f})"
         )
     per_param = memory.bytes_per_param(s)
     line = (

@@ -354,6 +354,7 @@ def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
     fitting.sort(key=lambda c: (float(f"{c.step_s / c.setup.batch:.3g}"), simplicity(c)))
     if fitting:
         smallest = min(fitting, key=lambda c: c.memory["total"])
+    assert smallest is not None  # something was considered: it fits, or it is the smallest
     return Result(fitting, considered, smallest)
 
 

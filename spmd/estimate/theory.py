@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -63,8 +63,11 @@ from spmd.model_shape import ModelShape
 from spmd.parallel import rules
 from spmd.parallel.mesh import BATCH_AXES
 
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
-def activation_bytes(program: Any) -> int:
+
+def activation_bytes(program: AnyProgram) -> int:
     """Bytes per element of the program's compute dtype (activations)."""
     return np.dtype(program.policy.compute_dtype).itemsize
 
@@ -92,7 +95,7 @@ def expert_all_to_all(
 
 
 def report(
-    program: Any,
+    program: AnyProgram,
     compiled: Any,
     model: ModelShape,
     global_batch: int,
@@ -133,7 +136,7 @@ def report(
     return text
 
 
-def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
+def expert_summary(program: AnyProgram, all_to_all: dict[str, int]) -> str:
     """One line: the MoE all-to-all bytes per layer and the experts' params per device."""
     names = jax.tree.leaves(program.names, is_leaf=lambda x: isinstance(x, tuple))
     leaves = jax.tree.leaves(program.abstract_params)
@@ -149,7 +152,7 @@ def expert_summary(program: Any, all_to_all: dict[str, int]) -> str:
 
 
 def pipeline_sends(
-    program: Any, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
+    program: AnyProgram, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the schedule's messages per device per step: each tick every
     stage sends one micro-batch's residual activations [rows, length, embed] forward and their
@@ -201,7 +204,7 @@ def _specs(tree: Any) -> list[PartitionSpec]:
     return [s.spec for s in leaves]
 
 
-def collectives(program: Any, model: ModelShape, global_batch: int, seq_len: int) -> dict:
+def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_len: int) -> dict:
     """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
     mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
     names_tree, shapes_tree = program.names, program.abstract_params
@@ -284,7 +287,7 @@ def ring_sends(
 
 
 def pipelined_ring_sends(
-    program: Any, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
+    program: AnyProgram, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
 ) -> dict[str, int]:
     """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
     pipeline schedule (`pipeline`: its summary) as spmd.estimate.hlo counts them: per tick a
@@ -335,7 +338,7 @@ def _tensor_parallel(
         out["all-reduce"]["bytes"] += accum * model.n_layers * kv_bytes
 
 
-def prefetching(program: Any, model: ModelShape) -> bool:
+def prefetching(program: AnyProgram, model: ModelShape) -> bool:
     """Whether the program's ZeRO-3 layer scan prefetches (hooks.scan_layers): the explicit
     executor with --prefetch 1 and rematerialised layers. Pipelined programs keep the count of
     gathering in place: theory does not model ZeRO-3 per pipeline chunk."""
@@ -343,7 +346,7 @@ def prefetching(program: Any, model: ModelShape) -> bool:
     return bool(program.prefetch) and remat and program.layout.mesh.shape["pipeline"] == 1
 
 
-def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:
+def memory(program: AnyProgram, global_batch: int, seq_len: int) -> dict[str, int]:
     """Per-device bytes: the compiled step's arguments (params + optimizer state + batch, each
     leaf split the ways its layout says) and, for ZeRO-3, the largest layer gathered whole."""
     mesh = program.layout.mesh
@@ -357,7 +360,7 @@ def memory(program: Any, global_batch: int, seq_len: int) -> dict[str, int]:
     return {"argument": state, "gathered_layer": gathered_layer_bytes(program)}
 
 
-def gathered_layer_bytes(program: Any) -> int:
+def gathered_layer_bytes(program: AnyProgram) -> int:
     """Bytes of one layer's params as the compute uses them (ZeRO-3's fsdp shards gathered;
     tensor shards stay split); 0 when the params are not gathered per layer."""
     mesh = program.layout.mesh

@@ -42,7 +42,7 @@ def device_capacity(devices: list[Any]) -> Capacity | None:
     limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
     if not all(limits):
         return None
-    limit = min(limits)
+    limit = min(int(b) for b in limits if b)
     return Capacity(limit, f"{devices[0].device_kind} memory limit {binary(limit)}")
 
 

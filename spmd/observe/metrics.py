@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import IO, Any
 
 from spmd import paths
@@ -35,7 +36,7 @@ class MetricsLog:
     record also goes to each of `trackers` (spmd.observe.trackers); a tracker that raises is
     dropped with one warning line, and the run and the other trackers go on."""
 
-    def __init__(self, path: str = "", append: bool = False, trackers: list[Any] = ()) -> None:
+    def __init__(self, path: str = "", append: bool = False, trackers: Sequence[Any] = ()) -> None:
         self._file: IO[str] | None = None
         if path and is_primary():
             self._file = paths.open_file(path, "a" if append else "w")

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.estimate import flops
 from spmd.log import say
 from spmd.observe import profile, stragglers
 from spmd.observe.metrics import MetricsLog, device_memory
 from spmd.sections import ObserveConfig, RunConfig
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 
 @dataclasses.dataclass
@@ -134,7 +137,7 @@ def make_observer(
     )
 
 
-def model_metrics(program: Any, metrics_fn: Any) -> Any:
+def model_metrics(program: AnyProgram, metrics_fn: Any) -> Any:
     """jitted (params, batch) -> metrics_fn(model, batch): a forward pass under the auto layout
     of the program's mesh (the same math under either executor), metrics replicated."""
     import jax

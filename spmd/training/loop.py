@@ -13,7 +13,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.io import data
 from spmd.log import say
@@ -21,6 +21,9 @@ from spmd.observe.metrics import MetricsLog, progress_line
 from spmd.sections import Config
 from spmd.training import divergence
 from spmd.training.resume import finish_stopped, run_data_state
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 
 def train_record(
@@ -52,7 +55,7 @@ class Run:
     """What the step loop works with, built once by `python -m spmd.train`."""
 
     cfg: Config  # the resolved config, saved with each checkpoint
-    program: Any  # spmd.engine.step.Program
+    program: AnyProgram
     compiled: Any  # the compiled train step
     log: MetricsLog
     windows: Any  # spmd.io.data.TokenWindows, or a spmd.io.mixture.Mixture of several
@@ -263,7 +266,8 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     A rollback restores a checkpoint and goes on from the step after it."""
     run.guard = run.guard or divergence.Guard(run.cfg.divergence, run.cfg.precision.precision)
     evaluate, progress = make_evaluator(run), Progress(run, first)
-    eval_loss, pending, stop_reason, saved = None, None, None, False
+    eval_loss, stop_reason, saved = None, None, False
+    pending: tuple[int, dict] | None = None  # a step whose metrics are still on the device
     step, last = first, run.cfg.run.stop_after or run.cfg.run.steps
     if run.evaluates and run.cfg.data.eval_at_start and first == 1:
         evaluate(state["params"], 0)
@@ -285,7 +289,8 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
         saving = run.manager is not None and bool(
             stop_reason or periodic or step == run.cfg.run.steps
         )
-        due, pending = ([pending] if pending else []), (step, metrics)
+        due: list[tuple[int, dict]] = [pending] if pending else []
+        pending = (step, metrics)
         if evaluating or saving or stop_reason or step == last:  # they wait for the step anyway
             due, pending = [*due, pending], None
         # What a save would write: the master weights (the working params under bf16 / fp16).
@@ -294,6 +299,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
         if response.action == "stop":
             return divergence.DIVERGED_EXIT
         if response.action == "rollback":
+            assert response.state is not None  # a rollback brings the restored state
             state, step, pending = response.state, response.step + 1, None
             progress.rewind(response.step)
             continue

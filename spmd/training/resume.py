@@ -8,7 +8,7 @@ them (with this run's shardings), so new state such as a loss scale joins there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd import sections
 from spmd.errors import UsageError
@@ -16,6 +16,9 @@ from spmd.io import data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog
 from spmd.sections import Config
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
@@ -42,7 +45,9 @@ BOOKKEEPING_FIELDS = (
 )
 
 
-def open_checkpoints(cfg: Config, program: Any, fingerprint: str, resumes: bool) -> tuple[Any, Any]:
+def open_checkpoints(
+    cfg: Config, program: AnyProgram, fingerprint: str, resumes: bool
+) -> tuple[Any, Any]:
     """(the checkpoint manager, the restored checkpoint or None): when the run `resumes`
     (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
@@ -89,7 +94,7 @@ def open_checkpoints(cfg: Config, program: Any, fingerprint: str, resumes: bool)
     return manager, restored
 
 
-def program_state_target(program: Any) -> dict[str, Any]:
+def program_state_target(program: AnyProgram) -> dict[str, Any]:
     """What a checkpoint holds (params = the fp32 master weights, the optimizer's own state,
     the loss scale) as ShapeDtypeStructs with this run's shardings."""
     return program.abstract_checkpoint()
