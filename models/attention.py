@@ -62,6 +62,8 @@ class Attention(nnx.Module):
             self.bq = zeros((h, d), ("heads", "head_dim"))
             self.bk = zeros((k, d), ("kv_heads", "head_dim"))
             self.bv = zeros((k, d), ("kv_heads", "head_dim"))
+        self.q_norm: RMSNorm | HeadsRMSNorm  # where the config asks for q and k norms
+        self.k_norm: RMSNorm | HeadsRMSNorm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
             self.k_norm = RMSNorm(d, cfg.norm_eps, rngs, ("head_dim",))
@@ -165,7 +167,7 @@ def causal_attention(
     ...)` for the run's report."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
     static = isinstance(window, int)
-    band = (window - 1, 0) if static and window else None
+    band = (window - 1, 0) if isinstance(window, int) and window else None
     if softcap:  # cuDNN's kernel has no soft-capping
         note("attention", "xla (soft-capping)")
     elif not static:  # nor a window known only inside the layer scan

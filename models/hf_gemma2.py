@@ -61,15 +61,20 @@ TENSORS: tuple[Rule, ...] = (
 )
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 MODEL_TYPES = {"gemma2": GEMMA2, "gemma3_text": GEMMA3}
-SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-SIZES += ("num_attention_heads",)
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def fields(hf: dict[str, Any], where: str, remat: str, architecture: str) -> dict[str, Any]:
     """The Gemma2Config / Gemma3Config fields of config.json `hf` read as `architecture`;
     UsageError naming any field whose value the model does not compute."""
-    names = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), "")]
+    names = hf.get("architectures") or [MODEL_TYPES.get(str(hf.get("model_type")), "")]
     if list(names) != [architecture]:
         raise UsageError(f"{where}: architectures {names} is not [{architecture!r}]")
     gemma3 = architecture == GEMMA3
@@ -203,7 +208,8 @@ def gemma3_rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     local_fields = rope_fields({"rope_parameters": {"rope_theta": 1e4, **local}}, where)
     if not positive_number(local_fields["rope_theta"]):
         raise UsageError(f"{where}: the sliding_attention rope_theta must be a positive number")
-    kept = {k: out[k] for k in ("rope_theta", "rope_scaling", "rope_factor") if k in out}
+    names = ("rope_theta", "rope_scaling", "rope_factor")
+    kept: dict[str, Any] = {k: out[k] for k in names if k in out}
     return {**kept, "rope_local_theta": float(local_fields["rope_theta"])}
 
 

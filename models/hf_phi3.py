@@ -105,7 +105,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
     shared = {k: v for k, v in hf.items() if k not in ("attention_bias", "mlp_bias")}
     shared.update(sliding_window=None, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
     if rope:  # the Llama reads theta and partial_rotary_factor of a default rope
-        rotary = hf.get("rope_parameters") or hf.get("rope_scaling")
+        rotary = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         theta = rotary.get("rope_theta", hf.get("rope_theta", 10000.0))
         partial = rotary.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         shared.update(rope_scaling=None, partial_rotary_factor=partial)
@@ -129,13 +129,15 @@ def longrope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}: rope type {rope_type!r} (rope scaling) is not supported for "
             f"{ARCHITECTURE}; it computes rope_type 'default' or 'longrope'"
         )
-    lists = {key: rope.get(key) for key in ("short_factor", "long_factor")}
-    for key, values in lists.items():
+    lists: dict[str, list] = {}
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
         if not (isinstance(values, list) and values and all(map(positive_number, values))):
             raise UsageError(
                 f"{where}: rope type {rope_type!r} needs {key}, a list of positive numbers, in "
                 f"rope_parameters / rope_scaling, not {values!r}"
             )
+        lists[key] = values
     original = hf.get("original_max_position_embeddings", 4096)
     factor = rope.get("factor") or hf.get("max_position_embeddings", 4096) / original
     attention = rope.get("attention_factor")

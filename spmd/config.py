@@ -334,7 +334,8 @@ def as_dict(sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         name: dataclasses.asdict(value)
         for name, value in sections.items()
-        if dataclasses.is_dataclass(value)  # not the extras: "given", a positional, ...
+        # not the extras: "given", a positional, ...
+        if dataclasses.is_dataclass(value) and not isinstance(value, type)
     }
 
 
