@@ -11,6 +11,10 @@ adding one.
                         three pipeline pieces
     HFMapping           Hugging Face config.json and tensors, both ways
     Decoder             the key/value-cache forward pass that spmd.generate runs
+
+A family's params carry their logical axis names themselves (`nnx.Param(...,
+out_sharding=("embed", "mlp"))`, models/layers.param): the engine reads them from the model
+`create` builds (spmd.engine.abstract), so the contract needs no separate table of axes.
 """
 
 from __future__ import annotations
