@@ -39,7 +39,7 @@ from spmd.errors import UsageError, run_command
 from spmd.io import run_data
 from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
-from spmd.training import run_folder
+from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
 
 
@@ -96,6 +96,7 @@ def run(argv: list[str] | None) -> int:
             to_rank_file(f"error: {e}")
             raise
         finally:  # the process may go on (a notebook, the tests): as it was before the run
+            run_folder.release()  # the folder locks, after the last save was written
             close_rank_file()
             set_level("info")
 
@@ -150,8 +151,8 @@ def start_and_train(cfg: Config, signals: Any) -> int:
             manager.close()
         return 0
     log = MetricsLog(
-        cfg.observe.metrics,
-        append=restored is not None,
+        cfg.observe.metrics,  # this run's (spmd.training.claims): never truncated, appended to
+        append=restored is not None or claims.holds_records(cfg.observe.metrics),
         trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)

@@ -20,6 +20,7 @@ from spmd.sections import Config
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
     "resume",
+    "allow_unverified",
     "stop_after",
     "checkpoint_dir",
     "checkpoint_every",
@@ -55,7 +56,11 @@ def open_checkpoints(cfg: Config, program: Any, fingerprint: str, resumes: bool)
         return manager, None
     try:
         restored = checkpoint.restore_newest(
-            manager, program_state_target(program), dataclasses.asdict(cfg.model), say
+            manager,
+            program_state_target(program),
+            dataclasses.asdict(cfg.model),
+            say,
+            cfg.checkpoint.allow_unverified,
         )
         current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)

@@ -54,6 +54,8 @@ LOGS = "logs"
 REPORT_FILE = "report.png"
 FOLDER_KEY = "spmd/run_folder"
 FOLDER_WAIT_MS = 600_000  # how long a process waits for process 0 to name the folder
+CONFIG_HEADER = "# the resolved config of this run: "  # how a config.toml spmd wrote begins
+_HELD: list[Any] = []  # the folder locks of the run in progress (spmd.training.claims)
 
 
 def makes_folder(cfg: Config) -> bool:
@@ -174,7 +176,7 @@ def write_config(folder: str, text: str) -> str:
 
     path = join(folder, CONFIG_FILE)
     header = (
-        "# the resolved config of this run: `python -m spmd.train --config THIS_FILE` trains\n"
+        f"{CONFIG_HEADER}`python -m spmd.train --config THIS_FILE` trains\n"
         "# it again into a new run folder; add --run-dir of this folder to continue it\n"
     )
     paths.write_text(path, header + text + "\n")
@@ -187,24 +189,34 @@ def log_file(folder: str, rank: int) -> str:
 
 
 def open_folder(cfg: Config, config_text: str) -> tuple[Config, str | None]:
-    """Agree on the run folder, open this process's log file in it (a local folder) and, on
-    process 0, write `config_text` as its config.toml; (`cfg` with its empty paths in the
-    folder, the folder or None)."""
+    """Agree on the run folder, check that it and the checkpoint folder hold nothing spmd did
+    not write and lock them (spmd.training.claims; `release` unlocks), open this process's log
+    file in it (a local folder) and, on process 0, write `config_text` as its config.toml;
+    (`cfg` with its empty paths in the folder, the folder or None)."""
     from spmd import paths
     from spmd.log import is_primary, open_rank_file, say
     from spmd.parallel import distributed
+    from spmd.training import claims
 
     rank = distributed.process_id()
     folder = agreed_folder(cfg, distributed.client(), rank)
+    folder = paths.local(folder) if folder is not None else None
+    if not cfg.run.dry_run:  # before anything is written into the folders
+        _HELD.append(claims.claim(with_paths(cfg, folder), folder))
     if folder is None:
         return cfg, None
-    folder = paths.local(folder)
     if not paths.is_url(folder):
         open_rank_file(log_file(folder, rank), rank)
     if is_primary():
         write_config(folder, config_text)
     say(f"run folder {folder}")
     return with_paths(cfg, folder), folder
+
+
+def release() -> None:
+    """Unlock the folders the run locked (every way out of a run calls this)."""
+    while _HELD:
+        _HELD.pop().release()
 
 
 def trackers_of(cfg: Config, folder: str | None, require_tensorboard: bool) -> list[Any]:
