@@ -96,7 +96,7 @@ def run(argv: list[str] | None) -> int:
             to_rank_file(f"error: {e}")
             raise
         finally:  # the process may go on (a notebook, the tests): as it was before the run
-            run_folder.release()  # the folder locks, after the last save was written
+            claims.release()  # the folder locks, after the last save was written
             close_rank_file()
             set_level("info")
 
@@ -110,7 +110,8 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
     config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
-    cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
+    # one folder per run, its log files; it and the checkpoint folder checked and locked first
+    cfg, folder = run_folder.open_folder(cfg, config_text, claims.claim)
     say(config_text)
     say(xla_flags.describe(flags))
     check_paths(cfg)  # the run folder's paths, now that its name is agreed

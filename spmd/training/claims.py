@@ -39,6 +39,7 @@ RANK_LOG = re.compile(r"rank-\d{5}\.log")
 SET_ASIDE = re.compile(r"\d+\.(damaged|diverged|unverified)\d*")
 PARTIAL = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
 SHOWN = 5  # foreign names listed in the error
+_HELD: list[FolderLocks] = []  # the locks of the run in progress, until `release`
 
 
 def foreign_in_checkpoints(directory: Any) -> list[str]:
@@ -202,7 +203,14 @@ def claim(cfg: Config, folder: str | None) -> FolderLocks:
             refusal = "" if told == "ok" else told
     if refusal:
         raise UsageError(refusal)
+    _HELD.append(locks)
     return locks
+
+
+def release() -> None:
+    """Unlock the folders the run locked (every way out of a run calls this)."""
+    while _HELD:
+        _HELD.pop().release()
 
 
 def holds_records(path: str) -> bool:

@@ -8,6 +8,7 @@ on it.
                  checkpoints/     the orbax checkpoint steps
                  profile/         --profile traces
                  report.png       `python -m spmd.report <run folder>`
+                 .spmd-lock       the lock of the run writing it (spmd.training.claims)
 
 The folder is `--run-dir`, else `$SPMD_RUNS_DIR/<run name>` (`runs/<run name>` without that
 variable), and the run name is `--run-name`, else `<model>-<mesh>-<stamp>`. The stamp is the
@@ -55,7 +56,6 @@ REPORT_FILE = "report.png"
 FOLDER_KEY = "spmd/run_folder"
 FOLDER_WAIT_MS = 600_000  # how long a process waits for process 0 to name the folder
 CONFIG_HEADER = "# the resolved config of this run: "  # how a config.toml spmd wrote begins
-_HELD: list[Any] = []  # the folder locks of the run in progress (spmd.training.claims)
 
 
 def makes_folder(cfg: Config) -> bool:
@@ -188,21 +188,22 @@ def log_file(folder: str, rank: int) -> str:
     return join(join(folder, LOGS), f"rank-{rank:05d}.log")
 
 
-def open_folder(cfg: Config, config_text: str) -> tuple[Config, str | None]:
-    """Agree on the run folder, check that it and the checkpoint folder hold nothing spmd did
-    not write and lock them (spmd.training.claims; `release` unlocks), open this process's log
-    file in it (a local folder) and, on process 0, write `config_text` as its config.toml;
-    (`cfg` with its empty paths in the folder, the folder or None)."""
+def open_folder(
+    cfg: Config, config_text: str, claim: Any = lambda cfg, folder: None
+) -> tuple[Config, str | None]:
+    """Agree on the run folder, let `claim(cfg with the folder's paths, folder)` check and lock
+    it and the checkpoint folder before anything is written (spmd.training.claims), open this
+    process's log file in it (a local folder) and, on process 0, write `config_text` as its
+    config.toml; (`cfg` with its empty paths in the folder, the folder or None)."""
     from spmd import paths
     from spmd.log import is_primary, open_rank_file, say
     from spmd.parallel import distributed
-    from spmd.training import claims
 
     rank = distributed.process_id()
     folder = agreed_folder(cfg, distributed.client(), rank)
     folder = paths.local(folder) if folder is not None else None
-    if not cfg.run.dry_run:  # before anything is written into the folders
-        _HELD.append(claims.claim(with_paths(cfg, folder), folder))
+    if not cfg.run.dry_run:
+        claim(with_paths(cfg, folder), folder)
     if folder is None:
         return cfg, None
     if not paths.is_url(folder):
@@ -211,12 +212,6 @@ def open_folder(cfg: Config, config_text: str) -> tuple[Config, str | None]:
         write_config(folder, config_text)
     say(f"run folder {folder}")
     return with_paths(cfg, folder), folder
-
-
-def release() -> None:
-    """Unlock the folders the run locked (every way out of a run calls this)."""
-    while _HELD:
-        _HELD.pop().release()
 
 
 def trackers_of(cfg: Config, folder: str | None, require_tensorboard: bool) -> list[Any]:
