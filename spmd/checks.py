@@ -208,7 +208,7 @@ def checkpoint_resumes(cfg: Config) -> bool:
     from spmd.io.params_io import refuse_resume
 
     directory, resume = cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume
-    resumes = checkpoint.check_directory(directory, resume)
+    resumes = checkpoint.check_directory(directory, resume, cfg.checkpoint.allow_unverified)
     if resumes:
         refuse_resume(directory)
         return True

@@ -170,8 +170,13 @@ class CheckpointConfig:
     keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
     # auto: continue from the newest complete checkpoint in checkpoint_dir when there is one,
     # else start fresh; required: continue, exit 2 when there is none (`--resume` alone);
-    # fresh: start at step 1, exit 2 when the folder holds checkpoints (they would be mixed)
+    # fresh: start at step 1, exit 2 when the folder holds checkpoints (they would be mixed;
+    # also `never`, the way to start again a run whose every step was set aside as damaged)
     resume: Literal["auto", "required", "fresh"] = "auto"
+    # resume from a step without a manifest.json (an spmd older than manifests, or a kill
+    # before it was written): without this, a newer such step is set aside to <step>.unverified
+    # and the newest verified one is used, and a folder of only such steps exits 2
+    allow_unverified: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +217,16 @@ class ObserveConfig:
 # The value a flag given alone means (`--resume` is `--resume required`, as when it was a bool).
 BARE_FLAG_VALUES: dict[str, str] = {"resume": "required"}
 # Values a field took before it changed type, read as the value meaning the same now: old TOML
-# files' `resume = true / false`, old command lines' `--resume true / false`.
+# files' `resume = true / false`, old command lines' `--resume true / false`; `--resume never`
+# is another name of fresh.
 FORMER_VALUES: dict[str, dict[Any, str]] = {
-    "resume": {True: "required", False: "fresh", "true": "required", "false": "fresh"}
+    "resume": {
+        True: "required",
+        False: "fresh",
+        "true": "required",
+        "false": "fresh",
+        "never": "fresh",
+    }
 }
 
 # section name -> its dataclass, in the order a resolved config is printed

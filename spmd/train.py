@@ -39,7 +39,7 @@ from spmd.errors import UsageError, run_command
 from spmd.io import run_data
 from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
-from spmd.training import run_folder
+from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
 
 
@@ -96,6 +96,7 @@ def run(argv: list[str] | None) -> int:
             to_rank_file(f"error: {e}")
             raise
         finally:  # the process may go on (a notebook, the tests): as it was before the run
+            claims.release()  # the folder locks, after the last save was written
             close_rank_file()
             set_level("info")
 
@@ -109,7 +110,8 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
     config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
-    cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
+    # one folder per run, its log files; it and the checkpoint folder checked and locked first
+    cfg, folder = run_folder.open_folder(cfg, config_text, claims.claim)
     say(config_text)
     say(xla_flags.describe(flags))
     check_paths(cfg)  # the run folder's paths, now that its name is agreed
@@ -150,8 +152,8 @@ def start_and_train(cfg: Config, signals: Any) -> int:
             manager.close()
         return 0
     log = MetricsLog(
-        cfg.observe.metrics,
-        append=restored is not None,
+        cfg.observe.metrics,  # this run's (spmd.training.claims): never truncated, appended to
+        append=restored is not None or claims.holds_records(cfg.observe.metrics),
         trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)

@@ -46,6 +46,10 @@ def train(args: str) -> Case:
     return Case("train", args, TRAIN)
 
 
+def started(args: str) -> Case:
+    return Case("train", args, ("--model", "tiny"))  # no --dry-run: checked as the run starts
+
+
 def plan(args: str) -> Case:
     return Case("plan", args)
 
@@ -90,6 +94,11 @@ CASES = [
     *map(train, ["--log-every 0", "--profile bogus", "--comm-warn 2", "--peak-tflops inf"]),
     *map(train, ["--straggler-threshold nan", "--metrics {tmp}", "--tensorboard {binary}"]),
     *map(train, ["--data-cache {binary}", "--profile-dir {binary}"]),
+    # what spmd did not write, and folders in use (a real run's start: refused before the mesh)
+    *map(started, ["--run-dir {foreign_run}", "--run-dir {foreign_config}", "--metrics {text}"]),
+    *map(started, ["--checkpoint-dir {user_steps}", "--checkpoint-dir {all_damaged}"]),
+    *map(started, ["--checkpoint-dir {locked}", "--checkpoint-dir {unverified_only}"]),
+    started("--metrics {other_run_metrics} --checkpoint-dir {tmp}/ck"),
     # data and config files
     *map(train, ["--data {binary}", "--data {latin1}", "--eval-data {binary}"]),
     *map(train, ["--data {tmp}/missing.txt", "--tokenize-workers -1", "--document-mask maybe"]),
@@ -185,12 +194,37 @@ def files(tmp_path_factory) -> dict[str, str]:
         text = "[1, 2]" if change is None else json.dumps(hf | change)
         (folder / "config.json").write_text(text)
         paths[name] = folder
+    made_folders(root, paths)
     from spmd import convert as convert_command  # a good checkpoint (this is device work)
 
     paths["checkpoint"] = root / "converted"
     argv = ["--from-hf", str(UNTIED), "--to", str(paths["checkpoint"]), "--mesh", "dp=1"]
     assert convert_command.main(argv) == 0
     return {name: str(path) for name, path in paths.items()}
+
+
+def made_folders(root: Path, paths: dict[str, Path]) -> None:
+    """Folders a run must refuse: the user's files in a run or checkpoint folder, steps all set
+    aside as damaged or without manifests, a lock of a live run on another host; and another
+    run's metrics file."""
+    from spmd.training.folder_lock import LOCK_FILE, Holder
+
+    tree = {
+        "foreign_run": {"notes.txt": "mine"},
+        "foreign_config": {"config.toml": "[mine]\n", "metrics.jsonl": "my notes\n"},
+        "user_steps": {str(i): f"file {i}" for i in range(1, 6)},
+        "all_damaged": {"3.damaged/x": ""},
+        "locked": {LOCK_FILE: Holder("another-host", 4242, 0.0, 4e9).text()},  # beats until 2096
+        "unverified_only": {"1/_CHECKPOINT_METADATA": "{}"},
+    }
+    for name, files in tree.items():
+        for relative, text in files.items():
+            (root / name / relative).parent.mkdir(parents=True, exist_ok=True)
+            (root / name / relative).write_text(text)
+        paths[name] = root / name
+    other = {"kind": "config", "config": {"checkpoint": {"checkpoint_dir": "/elsewhere/ck"}}}
+    paths["other_run_metrics"] = root / "other.jsonl"
+    paths["other_run_metrics"].write_text(json.dumps(other) + "\n")
 
 
 def run_command(command: str, argv: list[str]) -> int:

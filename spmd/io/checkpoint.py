@@ -30,7 +30,12 @@ deleted) and the next older complete step is used instead.
 Each step also holds `manifest.json` (spmd.io.manifest): every file's size and CRC-32, written
 once orbax has committed the step. orbax itself keeps no checksums, so bytes flipped in a data
 file would restore as garbage; a step is checked against its manifest before it is read, and
-one that fails is damaged like an unreadable one. A step without a manifest is read unverified.
+one that fails is damaged like an unreadable one. A step without a manifest is not trusted
+silently: a resume takes the newest verified step and sets a newer unverified one aside to
+`<step>.unverified`; only `--allow-unverified` reads it (a folder of an spmd older than
+manifests). Whatever is restored is checked for finite values and its saved norms
+(spmd.io.state_check) before training continues. Rotation deletes only steps that hold both
+orbax's metadata and the manifest: a folder named like a step that spmd did not write is kept.
 """
 
 from __future__ import annotations
@@ -48,14 +53,16 @@ import orbax.checkpoint as ocp
 
 from spmd import paths
 from spmd.errors import UsageError
-from spmd.io import manifest
+from spmd.io import manifest, state_check
 from spmd.io.stray_reads import quiet_stray_reads
 from spmd.log import warn
 
 STATE, DATA, CONFIG = "state", "data", "config"
+ORBAX_METADATA = "_CHECKPOINT_METADATA"  # the file orbax writes into every step it commits
 PARTIAL_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a step still being written
 DAMAGED_SUFFIX = ".damaged"
 DIVERGED_SUFFIX = ".diverged"  # a step whose params the next step's loss showed diverged
+UNVERIFIED_SUFFIX = ".unverified"  # a step without a manifest, newer than a verified one
 MIN_KEEP = 2  # see the module docstring
 _ASIDE = itertools.count()  # set_aside's calls, the same on every process: unique barrier names
 
@@ -79,14 +86,23 @@ def complete_steps(directory: str) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(folder))
 
 
-def check_directory(directory: str, resume: str) -> bool:
+def check_directory(directory: str, resume: str, allow_unverified: bool = False) -> bool:
     """Whether a run with `--resume resume` continues from the checkpoints of `directory`:
     "auto" when it holds a complete one, "required" always (UsageError when it holds none),
-    "fresh" never (UsageError when it holds one: a fresh run would mix with or delete it)."""
+    "fresh" never (UsageError when it holds one: a fresh run would mix with or delete it).
+    Under auto and required, UsageError too when every step was set aside as damaged (a fresh
+    start would bury the run) or none has a manifest and `allow_unverified` is not given."""
     folder = paths.epath(directory)
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--checkpoint-dir {directory} is a file; give a folder")
     steps = complete_steps(directory)
+    damaged = set_aside_steps(directory, DAMAGED_SUFFIX) if resume != "fresh" else []
+    if not steps and damaged:
+        raise UsageError(
+            f"--checkpoint-dir {directory} holds no readable checkpoint: every step was set "
+            f"aside as damaged ({', '.join(damaged)}); restore one from a copy, or start this "
+            f"run again at step 1 with --resume fresh"
+        )
     if resume == "required" and not steps:
         partial = interrupted_saves(directory)
         found = f" (only {len(partial)} interrupted save(s))" if partial else ""
@@ -100,7 +116,22 @@ def check_directory(directory: str, resume: str) -> bool:
             f"step {steps[-1]}); continue from it with --resume auto, or give an empty or new "
             f"folder"
         )
+    verified = [s for s in steps if (folder / str(s) / manifest.MANIFEST).exists()]
+    if steps and resume != "fresh" and not verified and not allow_unverified:
+        raise UsageError(
+            f"--checkpoint-dir {directory}: no step has a {manifest.MANIFEST} to verify it "
+            f"(steps {', '.join(map(str, steps))}: an spmd older than manifests, or stopped "
+            f"before writing one); resume from them unverified with --allow-unverified"
+        )
     return bool(steps) and resume != "fresh"
+
+
+def set_aside_steps(directory: str, suffix: str) -> list[str]:
+    """The names of the steps of `directory` set aside with `suffix` (<step><suffix>[n])."""
+    folder = paths.epath(directory)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.glob(f"*{suffix}*") if p.name.split(".")[0].isdigit())
 
 
 def interrupted_saves(directory: str) -> list[str]:
@@ -110,6 +141,16 @@ def interrupted_saves(directory: str) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(p.name for p in folder.glob(f"*{PARTIAL_SUFFIX}"))
+
+
+def is_own_step(step_dir: Any) -> bool:
+    """Whether a step folder is surely one orbax wrote for spmd: it holds orbax's metadata file
+    and spmd's manifest. Only such steps are ever deleted (by rotation)."""
+    return (
+        step_dir.is_dir()
+        and (step_dir / ORBAX_METADATA).exists()
+        and (step_dir / manifest.MANIFEST).exists()
+    )
 
 
 class Manager(ocp.CheckpointManager):
@@ -135,6 +176,13 @@ class Manager(ocp.CheckpointManager):
             )
             self._manifest_thread.start()
         return saved
+
+    def _get_old_steps_to_remove(self) -> list[int]:
+        """orbax's choice of steps to delete, less any step that is not surely spmd's (a folder
+        named like a step without orbax's metadata and a manifest: the user's, or unverified)."""
+        return [
+            s for s in super()._get_old_steps_to_remove() if is_own_step(self.directory / str(s))
+        ]
 
     def wait_until_finished(self) -> None:
         super().wait_until_finished()
@@ -197,12 +245,16 @@ def restore_newest(
     abstract_state: dict[str, Any],
     model_config: dict[str, Any],
     say: Callable[[str], None],
+    allow_unverified: bool = False,
 ) -> Restored:
-    """Restore the newest readable checkpoint into `abstract_state` (ShapeDtypeStructs with the
-    current shardings). A damaged step (one that fails its manifest or cannot be read) is moved
-    aside (`say` tells why, in one line) and the next older one is tried; UsageError if the
+    """Restore the newest verified, readable and plausible checkpoint into `abstract_state`
+    (ShapeDtypeStructs with the current shardings). A damaged step (one that fails its
+    manifest, cannot be read, or restores to values unlike those saved: spmd.io.state_check)
+    is moved aside (`say` tells why, in one line) and the next older one is tried; so is a step
+    without a manifest when an older one has one, unless `allow_unverified`. UsageError if the
     shapes differ from the model's or no step can be read."""
     quiet_stray_reads()  # before any read: the stray ones come back after the failing one
+    manager.wait_until_finished()  # a rollback's newest step may still be getting its manifest
     directory = manager.directory
     steps = sorted(manager.all_steps(), reverse=True)
     problems = []
@@ -212,6 +264,22 @@ def restore_newest(
             problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
             continue
         if verdict.status == "unverified":
+            older = [
+                s for s in steps if s < step and (directory / str(s) / manifest.MANIFEST).exists()
+            ]
+            if older and not allow_unverified:
+                target = set_aside(manager, step, UNVERIFIED_SUFFIX)
+                say(
+                    f"checkpoint step {step} has {verdict.why}: set it aside to {target}, "
+                    f"trying the older verified step {older[0]} (to read it, rename it back and "
+                    f"give --allow-unverified)"
+                )
+                continue
+            if not allow_unverified:
+                raise UsageError(
+                    f"--resume: checkpoint step {step} in {directory} has {verdict.why}; resume "
+                    f"from it unverified with --allow-unverified"
+                )
             say(f"checkpoint step {step} has {verdict.why}: reading it unverified")
         try:
             saved_shapes = _saved_shapes(manager, step)
@@ -236,9 +304,14 @@ def restore_newest(
         except Exception as e:
             problems.append(_set_aside(manager, step, error_line(e), say))
             continue
+        state, data = dict(restored[STATE]), restored[DATA]
+        wrong = state_check.implausible(state, data.get(state_check.NORMS))
+        if wrong is not None:
+            problems.append(_set_aside(manager, step, f"restored, {wrong}", say))
+            continue
         if problems:
             say(f"resuming from step {step}, the newest readable checkpoint in {directory}")
-        return Restored(step, dict(restored[STATE]), restored[DATA], saved_config)
+        return Restored(step, state, data, saved_config)
     raise UsageError(
         f"--resume: no checkpoint in {directory} could be read ({'; '.join(problems)}); "
         f"the damaged steps were moved aside to <step>{DAMAGED_SUFFIX}"

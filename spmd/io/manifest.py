@@ -14,8 +14,8 @@ metadata). It is written to a temporary name and renamed, so it is either whole 
 Verifying a step compares every size first (a missing or truncated file is found without
 reading any data), then every checksum, and names the first file that differs. A step without a
 manifest (saved before spmd wrote them, or by a process killed between orbax's commit and the
-manifest) is "unverified": it is read as before, never counted as damage. Files the manifest
-does not list are not judged.
+manifest) is "unverified": never counted as damage, but read by a resume only with
+--allow-unverified (spmd.io.checkpoint). Files the manifest does not list are not judged.
 
 Step folders are pathlib or etils.epath paths alike (a checkpoint folder may be a gs:// or s3://
 URL, spmd.paths): only their common methods are used.

@@ -298,6 +298,7 @@ class Guard:
             program_state_target(run.program),
             dataclasses.asdict(run.cfg.model),
             say,
+            run.cfg.checkpoint.allow_unverified,
         )
         undone = [self.data_step(t) for t in range(restored.step + 1, anomaly.step + 1)]
         saved = restored.data.get("skipped_data_steps", [])

@@ -185,7 +185,7 @@ class Progress:
 def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> bool:
     """Save `state` at `step` with the data state and config (async; returns once queued), or
     refuse (and report) when the step was not finite. Returns whether it saved."""
-    from spmd.io import checkpoint
+    from spmd.io import checkpoint, state_check
 
     refusal = run.guard.refusal(step)
     if refusal is not None:
@@ -194,10 +194,12 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
         return False
     data_state = run_data_state(run.cfg, step, run.token_file.fingerprint)
     data_state.update(run.guard.saved_fields(step))
+    view = run.program.checkpoint_view(state)
+    data_state[state_check.NORMS] = state_check.state_norms(view)  # what a restore must find
     blocked = checkpoint.save(
         run.manager,
         step,
-        run.program.checkpoint_view(state),
+        view,
         data_state,
         run.cfg.as_dict(),
     )

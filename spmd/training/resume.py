@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
     "resume",
+    "allow_unverified",
     "stop_after",
     "checkpoint_dir",
     "checkpoint_every",
@@ -60,7 +61,11 @@ def open_checkpoints(
         return manager, None
     try:
         restored = checkpoint.restore_newest(
-            manager, program_state_target(program), dataclasses.asdict(cfg.model), say
+            manager,
+            program_state_target(program),
+            dataclasses.asdict(cfg.model),
+            say,
+            cfg.checkpoint.allow_unverified,
         )
         current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)

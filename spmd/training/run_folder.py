@@ -8,6 +8,7 @@ on it.
                  checkpoints/     the orbax checkpoint steps
                  profile/         --profile traces
                  report.png       `python -m spmd.report <run folder>`
+                 .spmd-lock       the lock of the run writing it (spmd.training.claims)
 
 The folder is `--run-dir`, else `$SPMD_RUNS_DIR/<run name>` (`runs/<run name>` without that
 variable), and the run name is `--run-name`, else `<model>-<mesh>-<stamp>`. The stamp is the
@@ -54,6 +55,7 @@ LOGS = "logs"
 REPORT_FILE = "report.png"
 FOLDER_KEY = "spmd/run_folder"
 FOLDER_WAIT_MS = 600_000  # how long a process waits for process 0 to name the folder
+CONFIG_HEADER = "# the resolved config of this run: "  # how a config.toml spmd wrote begins
 
 
 def makes_folder(cfg: Config) -> bool:
@@ -174,7 +176,7 @@ def write_config(folder: str, text: str) -> str:
 
     path = join(folder, CONFIG_FILE)
     header = (
-        "# the resolved config of this run: `python -m spmd.train --config THIS_FILE` trains\n"
+        f"{CONFIG_HEADER}`python -m spmd.train --config THIS_FILE` trains\n"
         "# it again into a new run folder; add --run-dir of this folder to continue it\n"
     )
     paths.write_text(path, header + text + "\n")
@@ -186,19 +188,24 @@ def log_file(folder: str, rank: int) -> str:
     return join(join(folder, LOGS), f"rank-{rank:05d}.log")
 
 
-def open_folder(cfg: Config, config_text: str) -> tuple[Config, str | None]:
-    """Agree on the run folder, open this process's log file in it (a local folder) and, on
-    process 0, write `config_text` as its config.toml; (`cfg` with its empty paths in the
-    folder, the folder or None)."""
+def open_folder(
+    cfg: Config, config_text: str, claim: Any = lambda cfg, folder: None
+) -> tuple[Config, str | None]:
+    """Agree on the run folder, let `claim(cfg with the folder's paths, folder)` check and lock
+    it and the checkpoint folder before anything is written (spmd.training.claims), open this
+    process's log file in it (a local folder) and, on process 0, write `config_text` as its
+    config.toml; (`cfg` with its empty paths in the folder, the folder or None)."""
     from spmd import paths
     from spmd.log import is_primary, open_rank_file, say
     from spmd.parallel import distributed
 
     rank = distributed.process_id()
     folder = agreed_folder(cfg, distributed.client(), rank)
+    folder = paths.local(folder) if folder is not None else None
+    if not cfg.run.dry_run:
+        claim(with_paths(cfg, folder), folder)
     if folder is None:
         return cfg, None
-    folder = paths.local(folder)
     if not paths.is_url(folder):
         open_rank_file(log_file(folder, rank), rank)
     if is_primary():
