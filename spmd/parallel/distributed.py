@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import jax
 
@@ -43,9 +44,10 @@ def process_id() -> int:
     return _JOB["process_id"]
 
 
-def client() -> object | None:
+def client() -> Any:
     """The distributed runtime's client (its key-value store reaches every process of the job)
-    in a multi-process job; None in a single process. JAX keeps it in a private module."""
+    in a multi-process job; None in a single process. JAX keeps it in a private module, untyped
+    (Any: its methods are the key-value store's)."""
     if num_processes() == 1:
         return None
     from jax._src import distributed
