@@ -26,7 +26,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from spmd.errors import UsageError
-from spmd.io import checkpoint, manifest, stray_reads
+from spmd.io import checkpoint, checkpoint_shapes, manifest, stray_reads
 from spmd.log import warn
 
 CONVERTED_FROM = "converted_from"  # config key of a converted checkpoint: the source folder
@@ -102,8 +102,9 @@ def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
 
 
 def _check_shapes(saved: Any, abstract_params: Any, where: str) -> None:
-    want, have = checkpoint.tree_shapes(abstract_params), checkpoint.tree_shapes(saved)
-    difference = checkpoint.shape_difference(have, want)
+    want = checkpoint_shapes.tree_shapes(abstract_params)
+    have = checkpoint_shapes.tree_shapes(saved)
+    difference = checkpoint_shapes.shape_difference(have, want)
     if difference is None:
         return
     name, kind = difference
