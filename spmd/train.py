@@ -109,7 +109,8 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
     config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
-    cfg, folder = run_folder.open_folder(cfg, config_text)  # one folder per run, its log files
+    rerun_text = config.format_config(run_folder.rerun_config(cfg).sections())
+    cfg, folder = run_folder.open_folder(cfg, rerun_text)  # one folder per run, its log files
     say(config_text)
     say(xla_flags.describe(flags))
     check_paths(cfg)  # the run folder's paths, now that its name is agreed
