@@ -71,13 +71,23 @@ def test_default_tracker_is_a_core_dependency():
 def test_readme_runs_write_what_it_says_and_continue_as_printed(
     corpus, tmp_path, monkeypatch, capsys
 ):
+    """The quick start (shrunk, and stopped after step 1), the command its stop prints, then
+    the folder's config.toml: three runs of one compiled step."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(run_folder.RUNS_ENV, str(tmp_path / "runs"))
     (quick_start,) = readme_commands("python -m spmd.train")[:1]
     assert quick_start == []  # the quick start: the command alone
-    out = train_main([*quick_start, *SHRINK, *corpus], capsys)
+    out = train_main([*quick_start, *SHRINK, *corpus, "--stop-after", "1"], capsys)
     assert "warning" not in out.lower()  # the default tracker starts from the core install
     (folder,) = (tmp_path / "runs").iterdir()
+    # a stop prints the command that continues the run, which does (with --run-dir)
+    command = out.split("to continue: ")[1].splitlines()[0]
+    assert command == f"python -m spmd.train --config {folder}/config.toml --run-dir {folder}"
+    out = train_main(shlex.split(command)[3:], capsys)
+    assert f"resumed from step 1 in {folder}/checkpoints" in out and "done: 2 steps" in out
+    assert "warning" not in out.lower()
+    report_line = f"python -m spmd.report {folder}  (matplotlib: pip install -e '.[report]')"
+    assert f"its curves: {report_line}" in out
     # README: "its config as TOML, metrics JSONL, per-rank logs, TensorBoard events ... and
     # checkpoints"
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -91,24 +101,13 @@ def test_readme_runs_write_what_it_says_and_continue_as_printed(
     for claim, pattern in claims.items():
         assert claim in readme
         assert list(folder.glob(pattern)), f"README says {claim}; {folder} has no {pattern}"
-    assert (
-        f"its curves: python -m spmd.report {folder}  (matplotlib: pip install -e '.[report]')"
-        in out
-    )
-
-    # a run stopped by --stop-after prints the command that continues it, which does
-    out = train_main([*SHRINK, *corpus, "--run-dir", "ck", "--stop-after", "1"], capsys)
-    command = out.split("to continue: ")[1].splitlines()[0]
-    assert command == "python -m spmd.train --config ck/config.toml --run-dir ck"
-    out = train_main(shlex.split(command)[3:], capsys)
-    assert "resumed from step 1 in ck/checkpoints" in out and "done: 2 steps" in out
-    # config.toml of a --run-dir run trains the same run into a new folder
-    out = train_main(["--config", "ck/config.toml"], capsys)
+    # config.toml, last written by a start with --run-dir, trains the run again in a new folder
+    out = train_main(["--config", str(folder / "config.toml")], capsys)
     (again,) = set((tmp_path / "runs").iterdir()) - {folder}
     assert "resumed" not in out
     losses = [
         {r["step"]: r["loss"] for r in records(f / "metrics.jsonl") if r["kind"] == "train"}
-        for f in (again, tmp_path / "ck")
+        for f in (again, folder)
     ]
     assert sorted(losses[0]) == [1, 2] and losses[0] == losses[1]  # stopped + continued: same
 
