@@ -16,6 +16,7 @@ still runs data-parallel, with fsdp splitting each param's largest divisible dim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, overload
 
@@ -30,6 +31,7 @@ from spmd.engine import precision
 from spmd.engine.diloco import AnyProgram, DilocoProgram, Sync
 from spmd.engine.options import StepOptions
 from spmd.engine.step import LossFn, Program, TrainState
+from spmd.errors import UsageError
 from spmd.io import checkpoint
 from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
@@ -44,9 +46,21 @@ if TYPE_CHECKING:
 def make_mesh(spec: str, devices: list | None = None) -> jax.sharding.Mesh:
     """A mesh with axes (data, pipeline, fsdp, tensor) from a string such as "dp=2,tp=4"
     (aliases dp/data, fsdp, tp/tensor, pp/pipeline; one size may be -1: the rest; absent
-    axes have size 1) over `devices` (default: every device of every process).
-    UsageError if the sizes do not multiply to the device count."""
-    return mesh_lib.build_mesh(mesh_lib.parse_mesh(spec), devices)
+    axes have size 1) over `devices` (default: the first jax.devices() the sizes need, all of
+    them with a -1). UsageError if the sizes do not fit the devices."""
+    sizes = mesh_lib.parse_mesh(spec, flag="make_mesh: spec")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    rest = -1 in sizes.values()
+    if devices is None:  # a mesh of fixed sizes takes the first devices it needs
+        devices = jax.devices() if rest else jax.devices()[:fixed]
+    n = len(devices)
+    if (n % fixed) if rest else (n != fixed):
+        need = f"a multiple of {fixed}" if rest else str(fixed)
+        raise UsageError(
+            f"make_mesh({spec!r}) needs {need} devices and has {n} (jax.devices() holds "
+            f"{len(jax.devices())}); change the sizes or the devices you pass"
+        )
+    return mesh_lib.build_mesh(sizes, devices)
 
 
 def sharding_rules(zero_stage: int = 3) -> dict[str, dict[str, tuple[str, ...]]]:

@@ -82,12 +82,12 @@ def check_parallel(cfg: Config) -> None:
     the pipeline schedule, --bucket-mb."""
     from spmd.engine.step import check_executor
     from spmd.parallel import rules, schedules
-    from spmd.parallel.mesh import parse_mesh
+    from spmd.parallel.mesh import check_stage_zero, parse_mesh
 
     p = cfg.parallel
     if p.zero not in rules.ZERO_STAGES:
-        raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use 1, 2 or 3")
-    parse_mesh(p.mesh)
+        raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use {rules.ZERO_CHOICES}")
+    check_stage_zero(p.zero, parse_mesh(p.mesh))
     if p.dcn_mesh and -1 in parse_mesh(p.dcn_mesh, "--dcn-mesh").values():
         raise UsageError(f"--dcn-mesh {p.dcn_mesh}: give each axis's host count; -1 is for --mesh")
     check_executor(p.collectives)

@@ -17,6 +17,7 @@ COMMANDS = {
     "plan": ("spmd.plan", "choose a layout for a model and cluster before renting it"),
     "bench": ("spmd.bench", "time the train step beside a bare jax.jit step"),
     "bench-collectives": ("spmd.bench_collectives", "compare executors, buckets, prefetch"),
+    "data": ("spmd.data", "look at the training data: windows as text, counts per source"),
     "generate": ("spmd.generate", "sample text from a checkpoint or a Hugging Face folder"),
     "convert": ("spmd.convert", "Hugging Face folders <-> spmd checkpoints"),
     "checkpoint": ("spmd.checkpoint", "verify a checkpoint folder's steps against their manifests"),

@@ -109,10 +109,13 @@ def build_parser(
     description: str = "",
     short: dict[str, str] | None = None,
     defaults: dict[str, Any] | None = None,
+    show_defaults: bool = True,
 ) -> _Parser:
     """A parser with --config plus one flag per field of every section (default: not given),
-    each with its field's help (`field_help`); `short` adds short forms ({field: "-n"}); the
-    command's own `defaults` ({field: value}) are said beside their fields' help."""
+    each with its field's help (`field_help`) and, with `show_defaults`, its default (the
+    command's own `defaults`, {field: value}, over the section's); `short` adds short forms
+    ({field: "-n"}). A flag's choices show as its metavar (a `Literal`'s values; the presets
+    for --model)."""
     parser = _Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
         "--config", help=f"TOML file with a table per section: [{'], ['.join(sections)}]"
@@ -122,14 +125,33 @@ def build_parser(
         helps = field_help(cls)
         for name, kind in _field_types(cls).items():
             text = helps.get(name, "")
-            if name in (defaults or {}):
-                text += f" (this command's default: {defaults[name]})"  # type: ignore[index]
+            if show_defaults and section == "model":  # the preset's value, whichever it is
+                text += " (default: the --model preset's)"
+            elif show_defaults:
+                text += _default_text(cls, name, defaults or {})
             text = text.replace("%", "%%")  # argparse formats help with %
             names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
-            group.add_argument(
-                *names, dest=name, default=argparse.SUPPRESS, help=text, **_takes(name, kind)
-            )
+            takes = _takes(name, kind)
+            if name == "model" and kind is str:  # the run's preset: list the shipped ones
+                takes["metavar"] = "|".join(preset_names())
+            group.add_argument(*names, dest=name, default=argparse.SUPPRESS, help=text, **takes)
     return parser
+
+
+def _default_text(cls: type, name: str, defaults: dict[str, Any]) -> str:
+    """ " (default: VALUE)" for field `name` of section `cls`: the command's own default, else
+    the field's; "" for a field without one."""
+    if name in defaults:
+        value = defaults[name]
+    else:
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        if field.default is dataclasses.MISSING:
+            return ""
+        value = field.default
+    shown = _toml_value(value, name) if isinstance(value, str) and not value else value
+    if isinstance(value, bool):
+        shown = str(value).lower()
+    return f" (default: {shown})"
 
 
 def _takes(name: str, kind: Any) -> dict[str, Any]:
@@ -153,11 +175,16 @@ def _shown(choice: Any) -> str:
     return str(choice) if choice != "" else '""'
 
 
-def preset(name: str, section: str = "model") -> dict[str, Any]:
-    """The `[section]` table of the shipped preset configs/<name>.toml."""
-    available = sorted(
+def preset_names() -> list[str]:
+    """The shipped presets (configs/<name>.toml), sorted."""
+    return sorted(
         p.name[: -len(".toml")] for p in _configs_dir().iterdir() if p.name.endswith(".toml")
     )
+
+
+def preset(name: str, section: str = "model") -> dict[str, Any]:
+    """The `[section]` table of the shipped preset configs/<name>.toml."""
+    available = preset_names()
     if name not in available:
         raise UsageError(f"--model {name!r} is not a preset; choose one of {', '.join(available)}")
     return load_toml(_configs_dir().joinpath(f"{name}.toml")).get(section, {})

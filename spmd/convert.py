@@ -12,7 +12,12 @@ spmd -> HF reads the params of a checkpoint's newest step (or `--step`) and writ
 and safetensors (`--hf-dtype float32` by default, so the round trip is bit-exact; `bfloat16`
 halves the size), sharded at `--max-shard-mb`, with the run's `--tokenizer` file copied beside
 them as tokenizer.json. Neither direction overwrites an existing checkpoint. Both directions
-run in one process (the export gathers each tensor to that host)."""
+run in one process (the export gathers each tensor to that host).
+
+The text files of a Hugging Face folder (TEXT_FILES: the tokenizer, its config with the chat
+template, the generation config) travel both ways: --from-hf copies them into the checkpoint's
+`tokenizer/` folder, whose tokenizer.json the checkpoint names relative to itself (so the
+checkpoint can move), and --to-hf writes them back beside the weights."""
 
 from __future__ import annotations
 
@@ -42,6 +47,17 @@ class ConvertConfig:
     hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
 
+
+# The files of a Hugging Face folder that describe its text rather than its tensors, which a
+# round trip keeps; a converted checkpoint holds them in its TEXT_FOLDER.
+TEXT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",  # the special tokens and the chat template
+    "chat_template.jinja",  # where newer transformers save the template instead
+    "special_tokens_map.json",
+    "generation_config.json",  # eos, bos and sampling defaults of transformers' generate
+)
+TEXT_FOLDER = "tokenizer"
 
 # spmd.convert's own default of a MeshConfig field: the params sharded over every device on
 # the way, the least memory per device (training's and generate's default is "dp=-1").
@@ -83,17 +99,22 @@ def run(argv: list[str] | None) -> int:
         folder = family.open_hf(cfg.from_hf)  # every error before any device work
         layout = weights.setup_layout(where.mesh, where.devices, where.zero)
         loaded = weights.from_hf(cfg.from_hf, layout)
-        tokenizer = Path(cfg.from_hf) / "tokenizer.json"
+        text_files = [
+            Path(cfg.from_hf) / n for n in TEXT_FILES if (Path(cfg.from_hf) / n).is_file()
+        ]
+        tokenizer = f"{TEXT_FOLDER}/tokenizer.json"  # relative to the checkpoint folder
         saved = {
             "model": dataclasses.asdict(loaded.model),
-            "tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "",
+            "tokenizer": tokenizer if (Path(cfg.from_hf) / "tokenizer.json").is_file() else "",
             # what config.json declares, so that spmd.generate bounds the checkpoint alike
             weights.MAX_POSITIONS: folder.raw_config.get("max_position_embeddings"),
             eos.KEY: eos.declared(cfg.from_hf),  # where spmd.generate stops
         }
         source = str(Path(cfg.from_hf).absolute())
         params_io.save_converted(cfg.to, loaded.params, saved, source)
-        target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only)"
+        copy_files(text_files, Path(cfg.to) / TEXT_FOLDER)
+        kept = f", {len(text_files)} tokenizer files" if text_files else ""
+        target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only{kept})"
     else:
         family.check_new_folder(cfg.to_hf)
         params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
@@ -108,17 +129,44 @@ def run(argv: list[str] | None) -> int:
             cfg.max_shard_mb << 20,
             max_positions=seq_len,
         )
-        tokenizer = config.flat_values(loaded.run_config).get("tokenizer", "")
-        if tokenizer and Path(tokenizer).is_file():  # the run's tokenizer goes with its weights
-            shutil.copyfile(tokenizer, Path(cfg.to_hf) / "tokenizer.json")
-            files.append(Path(cfg.to_hf) / "tokenizer.json")
-        files += write_generation_config(Path(cfg.to_hf), eos.ids(loaded.run_config.get(eos.KEY)))
+        files += export_text_files(cfg.checkpoint, loaded.run_config, Path(cfg.to_hf))
         target = f"Hugging Face folder {cfg.to_hf} ({len(files)} files, {cfg.hf_dtype})"
     print(
         f"converted {loaded.source} ({loaded.model.n_params() / 1e6:.2f} M params) to {target} "
         f"in {time.perf_counter() - started:.1f} s"
     )
     return 0
+
+
+def copy_files(files: list[Path], folder: Path) -> list[Path]:
+    """Copy `files` into `folder` (made), keeping their names; the copies."""
+    if files:
+        folder.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copyfile(path, folder / path.name)) for path in files]
+
+
+def checkpoint_tokenizer(checkpoint_dir: str, run_config: dict) -> Path | None:
+    """The tokenizer.json of a checkpoint: a training run's --tokenizer (a file or its folder),
+    or a converted checkpoint's, relative to `checkpoint_dir`; None without one."""
+    named = config.flat_values(run_config).get("tokenizer") or run_config.get("tokenizer") or ""
+    path = Path(checkpoint_dir) / named if named else None  # an absolute one stays itself
+    if path is not None and path.is_dir():
+        path = path / "tokenizer.json"
+    return path if path is not None and path.is_file() else None
+
+
+def export_text_files(checkpoint_dir: str, run_config: dict, folder: Path) -> list[Path]:
+    """Write the checkpoint's text files beside exported weights: its tokenizer.json and the
+    TEXT_FILES beside it (the chat template's config, a kept generation_config.json), else a
+    generation_config.json of the checkpoint's end-of-sequence ids."""
+    tokenizer = checkpoint_tokenizer(checkpoint_dir, run_config)
+    found = [tokenizer.parent / n for n in TEXT_FILES] if tokenizer is not None else []
+    files = copy_files([p for p in found if p.is_file() and p != tokenizer], folder)
+    if tokenizer is not None:  # a run's tokenizer file may have any name; HF's is this one
+        files.append(Path(shutil.copyfile(tokenizer, folder / "tokenizer.json")))
+    if not (folder / "generation_config.json").is_file():
+        files += write_generation_config(folder, eos.ids(run_config.get(eos.KEY)))
+    return files
 
 
 def write_generation_config(folder: Path, eos_ids: list[int]) -> list[Path]:

@@ -123,11 +123,10 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
     Hugging Face folder's tokenizer.json; bytes if none."""
     from spmd.io.tokens import _load_tokenizer
 
-    path = (
-        cfg.tokenizer
-        or config.flat_values(run_config).get("tokenizer", "")
-        or run_config.get("tokenizer", "")  # a converted checkpoint's
-    )
+    converted = run_config.get("tokenizer", "")  # a converted checkpoint's, relative to it
+    if converted and cfg.checkpoint:
+        converted = str(Path(cfg.checkpoint) / converted)
+    path = cfg.tokenizer or config.flat_values(run_config).get("tokenizer", "") or converted
     beside = Path(cfg.from_hf) / "tokenizer.json" if cfg.from_hf else None
     if not path and beside is not None and beside.is_file():
         path = str(beside)

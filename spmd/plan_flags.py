@@ -143,7 +143,7 @@ def help_parser(description: str) -> argparse.ArgumentParser:
     view = dataclasses.make_dataclass("TrainFlags", fields)
     sections = {"plan": PLAN_SECTION, "training run (every spmd.train flag is accepted)": view}
     sections["model (with --params only --remat applies)"] = model_section()
-    parser = config.build_parser("python -m spmd.plan", sections, description)
+    parser = config.build_parser("python -m spmd.plan", sections, description, show_defaults=False)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     defaults = {
         f.name: f.default
@@ -152,8 +152,13 @@ def help_parser(description: str) -> argparse.ArgumentParser:
         if f.default is not dataclasses.MISSING
     }
     defaults |= PLANNING_DEFAULTS
+    shape = {
+        f.name for f in dataclasses.fields(sections["model (with --params only --remat applies)"])
+    }
     for action in parser._actions:
         action.help = HELP.get(action.dest, action.help)
         if action.dest in defaults and action.dest not in ("mesh", "devices", "batch"):
             action.help = f"{action.help or ''} (default {defaults[action.dest]!r})".lstrip()
+        elif action.dest in shape:  # a shape field without a default of its own
+            action.help = f"{action.help or ''} (default: the --model preset's)".lstrip()
     return parser

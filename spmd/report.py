@@ -1,11 +1,14 @@
 """`python -m spmd.report RUN [MORE ...] [--out report.png]`: runs side by side.
 
 Each RUN is a run folder of spmd.train (its metrics.jsonl is read, spmd.training.run_folder) or
-a metrics JSONL file, a local path or a URL (spmd.paths). Draws loss, throughput (tokens/s) and
-step time against step from the train records of each (spmd.observe.metrics), one line per
-run, labelled with its mesh and ZeRO stage, so layouts can be compared at a glance. The picture
-goes to --out, by default the run folder's report.png when one run folder is given, else
-./report.png. Needs matplotlib (the optional extra `report`).
+a metrics JSONL file, a local path or a URL (spmd.paths). Draws loss, eval loss, learning
+rate, throughput (tokens/s) and step time against step from the records of each
+(spmd.observe.metrics), one line per run and mesh, labelled with its mesh and ZeRO stage, so
+layouts can be compared at a glance. A run resumed on another mesh has a line per mesh (each
+start's config record begins a segment); dotted vertical lines mark each resume, dashed red
+ones each rollback. The picture goes to --out, by default the run folder's report.png when one
+run folder is given, else ./report.png. Needs matplotlib (the optional extra `report`:
+pip install -e '.[report]').
 """
 
 from __future__ import annotations
@@ -20,16 +23,35 @@ from spmd.config import flat_values
 from spmd.errors import UsageError, run_command
 from spmd.training.run_folder import METRICS_FILE, REPORT_FILE, join
 
-PANELS = (  # (train record field, axis label, scale applied to the values)
-    ("loss", "loss (nats/token)", 1.0),
-    ("tokens_per_s", "throughput (tokens/s)", 1.0),
-    ("step_time_s", "step time (ms)", 1e3),
+PANELS = (  # (record kind, field, axis label, scale applied to the values)
+    ("train", "loss", "loss (nats/token)", 1.0),
+    ("eval", "loss", "eval loss (nats/token)", 1.0),
+    ("train", "lr", "learning rate", 1.0),
+    ("train", "tokens_per_s", "throughput (tokens/s)", 1.0),
+    ("train", "step_time_s", "step time (ms)", 1e3),
 )
+MARKERS = {"resume": ("grey", ":"), "rollback": ("red", "--")}  # kind -> (colour, line style)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What one metrics file draws: a segment per start (a resume may change the mesh)."""
+
+    label: str  # the first segment's mesh label
+    segments: list[tuple[str, list[dict]]]  # (mesh label, the train and eval records it wrote)
+    markers: list[tuple[int, str]]  # (step, "resume" or "rollback")
 
 
 def load_run(path: str | Path) -> tuple[str, list[dict]]:
     """(label, train records) of one metrics JSONL; the label says the mesh (and the ZeRO
-    stage where an fsdp axis makes it matter)."""
+    stage where an fsdp axis makes it matter) of its first start."""
+    run = load_segments(path)
+    return run.label, [r for _, records in run.segments for r in records if r["kind"] == "train"]
+
+
+def load_segments(path: str | Path) -> Run:
+    """The Run of one metrics JSONL: its records split at each config record (each start of
+    the run), labelled with that start's mesh, and its resume and rollback steps."""
     try:
         lines = paths.read_text(str(path)).splitlines()
     except OSError as e:
@@ -47,22 +69,37 @@ def load_run(path: str | Path) -> tuple[str, list[dict]]:
         if not isinstance(record, dict) or not _fields_ok(record):
             raise UsageError(f"{path}: line {number} is not a metrics record; expected a JSONL")
         records.append(record)
-    config = next((r for r in records if r.get("kind") == "config"), None)
-    train = [r for r in records if r.get("kind") == "train"]
-    if config is None or not train:
+    segments: list[tuple[str, list[dict]]] = []
+    markers: list[tuple[int, str]] = []
+    for record in records:
+        kind = record.get("kind")
+        if kind == "config":
+            segments.append((mesh_label(record), []))
+        elif kind in ("train", "eval") and segments:
+            segments[-1][1].append(record)
+        elif kind == "resume" or (kind == "anomaly" and record.get("action") == "rollback"):
+            step = record.get("restored_step", record.get("step"))
+            if isinstance(step, int):  # a record without a step has nowhere to be drawn
+                markers.append((step, "resume" if kind == "resume" else "rollback"))
+    if not any(r["kind"] == "train" for _, rs in segments for r in rs):
         raise UsageError(f"{path}: no config and train records; is it a spmd.train --metrics file?")
+    return Run(segments[0][0], segments, markers)
+
+
+def mesh_label(config: dict) -> str:
+    """A config record's mesh, with the ZeRO stage where an fsdp axis makes it matter."""
     zero = flat_values(config.get("config", {})).get("zero")
     label = config.get("mesh_text") or str(config.get("mesh"))
     sharded = config.get("mesh", {}).get("fsdp", 1) > 1  # the stage means nothing otherwise
-    return (f"{label} zero{zero}" if sharded and zero is not None else label), train
+    return f"{label} zero{zero}" if sharded and zero is not None else label
 
 
 def _fields_ok(record: dict) -> bool:
     """Whether a record's fields that draw() and the label read have their types: a train
     record's step and panels are numbers (or null), a config record's tables objects."""
     number = (int, float, type(None))
-    if record.get("kind") == "train":
-        panels = [record.get(field) for field, _, _ in PANELS]
+    if record.get("kind") in ("train", "eval"):
+        panels = [record.get(field) for kind, field, _, _ in PANELS if kind == record["kind"]]
         step = record.get("step")
         return isinstance(step, int | float) and all(isinstance(v, number) for v in panels)
     if record.get("kind") == "config":
@@ -100,8 +137,9 @@ def check_out(out: str) -> None:
         raise UsageError(f"--out {out}: the folder {Path(out).parent} does not exist")
 
 
-def draw(runs: list[tuple[str, list[dict]]], out: str | Path) -> None:
-    """Write one PNG (or any format matplotlib infers from `out`) with a panel per metric."""
+def draw(runs: list[tuple[str, Run]], out: str | Path) -> None:
+    """Write one PNG (or any format matplotlib infers from `out`) with a panel per metric: a
+    line per (run, mesh segment), the resume and rollback steps as vertical lines."""
     try:
         import matplotlib
     except ImportError:
@@ -112,14 +150,23 @@ def draw(runs: list[tuple[str, list[dict]]], out: str | Path) -> None:
     from matplotlib import pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
-    for ax, (field, title, scale) in zip(axes, PANELS, strict=True):
-        for label, records in runs:
-            points = [(r["step"], r[field] * scale) for r in records if r.get(field) is not None]
-            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=label)
+    for ax, (kind, field, title, scale) in zip(axes, PANELS, strict=True):
+        for name, run in runs:
+            for mesh, records in run.segments:
+                points = [
+                    (r["step"], r[field] * scale)
+                    for r in records
+                    if r["kind"] == kind and r.get(field) is not None
+                ]
+                label = name if len(run.segments) == 1 else f"{name}: {mesh}"
+                ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=label)
+            for step, what in run.markers:
+                colour, style = MARKERS[what]
+                ax.axvline(step, color=colour, linestyle=style, linewidth=1, label=f"_{what}")
         ax.set_xlabel("step")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(title="mesh")
+    axes[0].legend(title="mesh (: resumed, - - rolled back)")
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
@@ -155,15 +202,25 @@ def run(argv: list[str] | None) -> int:
     if not out:
         out = join(folders[0], REPORT_FILE) if len(given) == 1 and folders[0] else REPORT_FILE
     check_out(out)
-    runs = [load_run(path) for path in files]
-    labels = [label for label, _ in runs]
+    loaded = [load_segments(path) for path in files]
+    labels = [run.label for run in loaded]
     runs = [  # two runs of one layout: tell them apart by file name
-        (f"{label} ({Path(path).stem})" if labels.count(label) > 1 else label, records)
-        for path, (label, records) in zip(given, runs, strict=True)
+        (f"{run.label} ({Path(path).stem})" if labels.count(run.label) > 1 else run.label, run)
+        for path, run in zip(given, loaded, strict=True)
     ]
     draw(runs, out)
-    print(f"wrote {out}: {len(runs)} run(s): {', '.join(label for label, _ in runs)}")
+    print(f"wrote {out}: {len(runs)} run(s): {', '.join(describe(n, r) for n, r in runs)}")
     return 0
+
+
+def describe(name: str, run: Run) -> str:
+    """A run in the closing line: its name, and its meshes and markers where it has more."""
+    meshes = [mesh for mesh, _ in run.segments]
+    more = [f"meshes {' -> '.join(meshes)}"] if len(set(meshes)) > 1 else []
+    for what in MARKERS:
+        count = sum(1 for _, kind in run.markers if kind == what)
+        more += [f"{count} {what}(s)"] if count else []
+    return name + (f" ({', '.join(more)})" if more else "")
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ class MeshConfig:
 
     mesh: str = "dp=-1"  # e.g. "dp=2,fsdp=2,tp=2"; one axis may be -1 (the rest)
     devices: int = 0  # simulate this many CPU devices per process (0: what the mesh needs)
-    # what the fsdp axis shards: 1 optimizer state, 2 + gradients, 3 + params (a command that
-    # only holds params, generate or convert: 1 and 2 replicate them, 3 splits them)
+    # what the fsdp axis shards: 0 nothing (plain DDP: a mesh without fsdp), 1 optimizer
+    # state, 2 + gradients, 3 + params (a command that only holds params, generate or convert:
+    # 0, 1 and 2 replicate them, 3 splits them)
     zero: int = 3
 
 

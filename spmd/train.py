@@ -110,8 +110,9 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
     config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
+    rerun_text = config.format_config(run_folder.rerun_config(cfg).sections())
     # one folder per run, its log files; it and the checkpoint folder checked and locked first
-    cfg, folder = run_folder.open_folder(cfg, config_text, claims.claim)
+    cfg, folder = run_folder.open_folder(cfg, rerun_text, claims.claim)
     say(config_text)
     say(xla_flags.describe(flags))
     check_paths(cfg)  # the run folder's paths, now that its name is agreed

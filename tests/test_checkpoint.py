@@ -284,7 +284,7 @@ def test_the_same_command_twice_continues_where_the_first_stopped(workdir, capsy
     assert sorted(os.listdir(unbroken)) == ["4", "8"]  # the partial step 8 was replaced
 
     assert main(command("twice", "--stop-after", "6")) == 0
-    assert "the same command continues from it" in capsys.readouterr().out
+    assert "the same command without --stop-after continues from it" in capsys.readouterr().out
     assert main(command("twice")) == 0
     assert "resumed from step 6 in" in capsys.readouterr().out
     expected = losses(workdir / "unbroken.jsonl")

@@ -172,9 +172,7 @@ def _cut_line(best: search.Scored, cluster: search.Cluster) -> str:
 
 def train_flags(s: cost.Setup) -> list[str]:
     """The `python -m spmd.train` flags (besides the model's) that run layout `s`."""
-    flags = ["--mesh", format_mesh(s.mesh)]
-    if s.mesh["fsdp"] > 1 or s.offload == "params":
-        flags += ["--zero", str(s.zero)]
+    flags = ["--mesh", format_mesh(s.mesh), "--zero", str(s.zero)]  # 0: plain DDP, as in train
     if s.offload != "none":
         flags += ["--offload", s.offload]
     if s.sequence_parallel:

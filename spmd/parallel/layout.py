@@ -12,6 +12,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.errors import UsageError
 from spmd.parallel.mesh import BATCH_AXES
 
 
@@ -21,8 +22,16 @@ class Layout:
     whether the residual stream is split along length over `tensor` (sequence parallelism)."""
 
     mesh: jax.sharding.Mesh
-    zero_stage: int = 3
+    zero_stage: int = 3  # 0: plain replication (DDP), which needs a mesh without an fsdp axis
     sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage == 0 and self.mesh.shape.get("fsdp", 1) > 1:
+            fsdp = self.mesh.shape["fsdp"]
+            raise UsageError(
+                f"ZeRO stage 0 (plain DDP) shards nothing over fsdp, but the mesh has fsdp="
+                f"{fsdp}: put those devices on dp (make_mesh('dp={fsdp}')) or use stage 1, 2 or 3"
+            )
 
     @property
     def data_parallel(self) -> int:

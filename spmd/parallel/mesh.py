@@ -50,13 +50,23 @@ def check_section(section: Any) -> None:
     """UsageError for the values of a mesh section (spmd.sections.MeshConfig: spmd.generate's,
     spmd.convert's) out of range, before any device work: --devices below 0, a --zero that is
     no ZeRO stage, a --mesh that does not parse."""
-    from spmd.parallel.rules import ZERO_STAGES
+    from spmd.parallel.rules import ZERO_CHOICES, ZERO_STAGES
 
     if section.devices < 0:
         raise UsageError(f"--devices {section.devices} must be >= 0 (0: as many as the mesh needs)")
     if section.zero not in ZERO_STAGES:
-        raise UsageError(f"--zero {section.zero} is not a ZeRO stage; use 1, 2 or 3")
-    parse_mesh(section.mesh)
+        raise UsageError(f"--zero {section.zero} is not a ZeRO stage; use {ZERO_CHOICES}")
+    check_stage_zero(section.zero, parse_mesh(section.mesh))
+
+
+def check_stage_zero(zero: int, sizes: dict[str, int], flag: str = "--mesh") -> None:
+    """UsageError for ZeRO stage 0 (plain DDP: nothing sharded over fsdp) with an fsdp axis,
+    which would only replicate: its devices belong on dp."""
+    if zero == 0 and sizes.get("fsdp", 1) != 1:
+        raise UsageError(
+            f"--zero 0 (plain DDP) shards nothing over fsdp, but {flag} has fsdp="
+            f"{sizes['fsdp']}: put those devices on dp (dp={sizes['fsdp']}) or use --zero 1, 2 or 3"
+        )
 
 
 def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:

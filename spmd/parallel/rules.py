@@ -8,6 +8,10 @@ shards the `embed` dimension, and that is exactly what the ZeRO stage says:
 
     zero 1: optimizer state sharded over fsdp;  zero 2: + gradients;  zero 3: + parameters.
 
+Stage 0 is plain replication (DDP): nothing is sharded over fsdp, so a layout of stage 0 has
+no fsdp axis (spmd.parallel.layout.Layout says so); it is the planner's name for its `dp=`
+layouts, and the same value everywhere (`--zero 0`, `spmd.build(zero_stage=0)`).
+
 Every dimension an axis splits must be divisible by that axis; otherwise `UsageError` names the
 param, the dimension and the sizes that would work. Nothing is silently replicated.
 """
@@ -25,7 +29,8 @@ from spmd.errors import UsageError
 
 Rules = dict[str, tuple[str, ...]]
 ROLES = ("params", "grads", "opt_state", "activations")
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)  # 0: plain replication (DDP), no fsdp axis
+ZERO_CHOICES = "0 (plain DDP, no fsdp axis), 1, 2 or 3"
 
 # The default rules (docs/architecture.md). `embed` is handled per role below.
 BASE_RULES: Rules = {
@@ -60,10 +65,10 @@ _FSDP_FROM_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 
 def rules_for(zero_stage: int, role: str, sequence_parallel: bool = False) -> Rules:
     """The logical -> mesh-axes table for one role ("params", "grads", "opt_state",
-    "activations") at a ZeRO stage (1, 2 or 3). With `sequence_parallel` (Megatron-SP) the
+    "activations") at a ZeRO stage (0, 1, 2 or 3). With `sequence_parallel` (Megatron-SP) the
     activations' `residual_length` is split over `tensor` as well as wherever `length` is."""
     if zero_stage not in ZERO_STAGES:
-        raise UsageError(f"--zero {zero_stage} is not a ZeRO stage; use 1, 2 or 3")
+        raise UsageError(f"ZeRO stage {zero_stage} is not one; use {ZERO_CHOICES}")
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
     rules = dict(BASE_RULES)

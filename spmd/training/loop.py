@@ -346,6 +346,11 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
         f"{eval_loss if eval_loss is None else round(eval_loss, 4)}, median "
         f"{median_step * 1e3:.1f} ms/step, {tokens_per_step / median_step:,.0f} tokens/s"
     )
+    from spmd.training.run_folder import report_command
+
+    drawn = report_command(run.cfg)
+    if drawn:
+        say(f"its curves: {drawn}")
 
 
 def throughput_text(record: dict) -> str:

@@ -134,7 +134,6 @@ def finish_stopped(
         if saved
         else f"its state was not finite, so not saved: {folder} keeps older steps"
     )
-    say(
-        f"stopped after step {step} ({reason}); {what}; the same command continues from it "
-        f"(--resume auto, the default, or required)"
-    )
+    from spmd.training.run_folder import continue_command
+
+    say(f"stopped after step {step} ({reason}); {what}; to continue: {continue_command(cfg)}")

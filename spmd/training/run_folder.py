@@ -24,9 +24,10 @@ checkpoint costs seconds, 39 s for the 64-device CPU test); `--run-dir` still ma
 Each path flag given (`--checkpoint-dir`, `--metrics`, `--tensorboard`, `--profile-dir`) wins
 over the folder's. `--dry-run` and `--run-dir none` make no folder: only the path flags write.
 
-config.toml holds the config as the command resolved it, before the folder filled in its paths:
-`python -m spmd.train --config <folder>/config.toml` runs the same training into a new folder
-(with `--run-dir <folder>` it continues this one instead, as the same command does).
+config.toml holds the config as the command resolved it, before the folder filled in its paths,
+without what only this start asked for (`rerun_config`: the folder it names, --stop-after,
+--resume): `python -m spmd.train --config <folder>/config.toml` runs the same training into a
+new folder, and with `--run-dir <folder>` it continues this one (`continue_command`).
 
 In a job of several processes every process must use the same folder, but their clocks and
 start times differ: process 0 names it and publishes the name in the distributed runtime's
@@ -170,14 +171,51 @@ def agreed_folder(cfg: Config, client: Any, process_id: int) -> str | None:
     return client.blocking_key_value_get(FOLDER_KEY, FOLDER_WAIT_MS)
 
 
+# The fields of one start of a run, not of the training: config.toml leaves them at their
+# defaults, so that it trains again into a new folder and continues to the end.
+ONE_START_FIELDS = {"run": ("run_dir", "run_name", "stop_after"), "checkpoint": ("resume",)}
+
+
+def rerun_config(cfg: Config) -> Config:
+    """`cfg` without what only this start asked for (ONE_START_FIELDS at their defaults): what
+    the run folder's config.toml holds."""
+    for section, names in ONE_START_FIELDS.items():
+        value = getattr(cfg, section)
+        defaults = type(value)()
+        kept = {name: getattr(defaults, name) for name in names}
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(value, **kept)})
+    return cfg
+
+
+def continue_command(cfg: Config) -> str:
+    """The command line that continues this run after a stop: its folder's config.toml into
+    its folder (`cfg.run.run_dir`, as `open_folder` set it); without a folder, in words."""
+    folder = cfg.run.run_dir
+    if not folder or folder == NO_FOLDER:
+        again = " without --stop-after" if cfg.run.stop_after else ""
+        return f"the same command{again} continues from it (--resume auto, the default)"
+    return f"python -m spmd.train --config {join(folder, CONFIG_FILE)} --run-dir {folder}"
+
+
+def report_command(cfg: Config) -> str:
+    """The command that draws this run's curves (spmd.report, which needs the `report` extra's
+    matplotlib), "" when it writes no metrics file."""
+    folder, metrics = cfg.run.run_dir, cfg.observe.metrics
+    what = folder if folder and folder != NO_FOLDER else metrics
+    if not what:
+        return ""
+    return f"python -m spmd.report {what}  (matplotlib: pip install -e '.[report]')"
+
+
 def write_config(folder: str, text: str) -> str:
     """Write the run's config TOML into `folder` (created); returns its path."""
     from spmd import paths
 
     path = join(folder, CONFIG_FILE)
     header = (
-        f"{CONFIG_HEADER}`python -m spmd.train --config THIS_FILE` trains\n"
-        "# it again into a new run folder; add --run-dir of this folder to continue it\n"
+        f"{CONFIG_HEADER}`python -m spmd.train --config THIS_FILE` trains it again\n"
+        "# into a new run folder (it holds no --run-dir, --run-name, --stop-after or --resume);\n"
+        "# add --run-dir of this folder to continue it\n"
     )
     paths.write_text(path, header + text + "\n")
     return path
@@ -204,13 +242,14 @@ def open_folder(
     folder = paths.local(folder) if folder is not None else None
     if not cfg.run.dry_run:
         claim(with_paths(cfg, folder), folder)
-    if folder is None:
-        return cfg, None
+    if folder is None:  # the path flags alone; --checkpoint-dir none still means none
+        return with_paths(cfg, None), None
     if not paths.is_url(folder):
         open_rank_file(log_file(folder, rank), rank)
     if is_primary():
         write_config(folder, config_text)
     say(f"run folder {folder}")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=folder))
     return with_paths(cfg, folder), folder
 
 
