@@ -50,6 +50,9 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backend now: a test whose first JAX work is an in-process command with
+# `--devices 2` would otherwise start it with 2 devices for every later test of its worker.
+jax.devices()
 
 # Python's cyclic garbage collector, tuned for a process that traces hundreds of programs:
 # tracing makes millions of short-lived objects, and at the default thresholds (700, 10, 10)
