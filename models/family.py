@@ -31,6 +31,7 @@ from models import (
     lora,
     moe,
     olmo2,
+    peft,
     phi3,
     qwen3_moe,
 )
@@ -114,6 +115,15 @@ def lora_spec(
     return lora.spec_of(
         family.lora_targets, family.lora_default, family.name, rank, alpha, dropout, targets
     )
+
+
+def save_peft(adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str):
+    """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
+    for base `base`; UsageError for a family with no Hugging Face Linear names."""
+    fam = of(cfg)
+    if fam.hf is None:
+        raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
+    return peft.save(adapters, spec, fam.hf.tensors, directory, base)
 
 
 def get(name: str) -> Family:

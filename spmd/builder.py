@@ -209,9 +209,12 @@ def program(
     return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)
 
 
-def model_program(model_cfg: Any, layout: Layout) -> Program:
+def model_program(
+    model_cfg: Any, layout: Layout, adapters: family.LoraSpec | None = None
+) -> Program:
     """The Program of a model alone on `layout` (params, shardings and forward pass; identity
-    optimizer), as `spmd.generate` and `spmd.convert` load weights into it."""
+    optimizer), as `spmd.generate` and `spmd.convert` load weights into it; with `adapters`
+    the LoRA model's (frozen base and adapters)."""
     cfg = Config(model=model_cfg)
     cfg = dataclasses.replace(
         cfg,
@@ -220,6 +223,12 @@ def model_program(model_cfg: Any, layout: Layout) -> Program:
         ),
         run=dataclasses.replace(cfg.run, batch=layout.data_parallel),
     )
+    if adapters is not None:
+        lay, options = layout_of(cfg, layout.mesh), options_of(cfg, layout, TOKENS, False)
+        spec = model_spec(model_cfg, options.policy, adapters)
+        built = build(spec, optax.identity(), lay, options, None, cfg.run.batch, None)
+        assert isinstance(built, Program)
+        return built
     built = program(cfg, layout.mesh, train=False)
     assert isinstance(built, Program)  # the default config synchronises every step
     return built

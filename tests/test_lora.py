@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from models import family, llama
-from spmd import builder
+from models import peft as models_peft
+from spmd import builder, weights
 from spmd.config import flat
 from spmd.engine import frozen, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.errors import UsageError
-from spmd.io import data
+from spmd.io import data, safetensors_io
 from spmd.parallel.pipeline import Pipeline
 from spmd.sections import LoraConfig
 from tests import trainer
@@ -152,3 +155,60 @@ def test_every_family_declares_targets_and_a_default_among_them():
     assert len(phi3["qkv"]) == 3  # one adapter on the fused projection, as peft's
     moe = family.get("moe").lora_targets
     assert set(moe) == {"q", "k", "v", "o"}  # experts are not targets
+
+
+# --- Hugging Face: the fixture as the base, merged export, peft's format ----------------
+
+UNTIED = Path(__file__).resolve().parent / "fixtures" / "hf_llama_untied"
+
+
+@functools.cache
+def fixture_run() -> tuple[Program, dict]:
+    """A LoRA program on the untied Llama fixture, started from its weights, after 3 steps on
+    one batch of random tokens (so B is no longer zero), and its params (on the device)."""
+    cfg = family.open_hf(str(UNTIED)).config
+    adapters = builder.lora_spec(cfg, LORA)
+    train = flat(None, steps=3, batch=8, seq_len=16, warmup=1, lr=1e-2)
+    spec = builder.model_spec(cfg, precision.POLICIES["fp32"], adapters)
+    prog = builder.build(spec, builder.optimizer(train), trainer.layout("dp=1"), StepOptions())
+    assert isinstance(prog, Program)
+    state = weights.init_from_hf(str(UNTIED), prog)
+    rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 17), np.int32)
+    batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    for _ in range(3):
+        *state, _ = prog.train_step(*state, batch)
+    return prog, state[0]
+
+
+def test_the_merged_export_gives_the_lora_models_logits(tmp_path):
+    prog, params = fixture_run()
+    base = builder.model_program(prog.model(params).cfg, prog.layout)
+    merged = weights.merge_lora(prog, base, params)
+    family.save_hf(jax.device_get(merged), base.model(merged).cfg, str(tmp_path / "hf"))
+    exported = weights.from_hf(str(tmp_path / "hf"), prog.layout)
+    tokens = np.random.default_rng(1).integers(0, 128, (2, 16), np.int32)
+    want = np.asarray(prog.model(params)(tokens))
+    got = np.asarray(exported.program.model(exported.params)(tokens))
+    assert np.max(np.abs(got - want)) < 1e-5
+    base_logits = np.asarray(prog.model(params).frozen(tokens))
+    assert np.max(np.abs(want - base_logits)) > 1e-3  # the adapters changed the model
+
+
+def test_the_peft_export_has_peft_names_and_reads_back(tmp_path):
+    prog, params = fixture_run()
+    cfg, adapters = prog.model(params).cfg, jax.device_get(params["lora"])
+    spec = builder.lora_spec(cfg, LORA)
+    folder = tmp_path / "peft"
+    family.save_peft(adapters, spec, cfg, str(folder), "org/base")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert config["base_model_name_or_path"] == "org/base"
+    assert set(config["target_modules"]) == {f"{t}_proj" for t in spec.targets}
+    found, _ = safetensors_io.read_header(folder / "adapter_model.safetensors")
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    assert found[f"{q}.lora_A.weight"].shape == (4, cfg.embed_dim)
+    assert found[f"{q}.lora_B.weight"].shape == (cfg.n_heads * cfg.head_dim, 4)
+    assert len(found) == 2 * cfg.n_layers * len(spec.targets)
+    back = models_peft.load(str(folder), spec, family.get("llama").hf.tensors, adapters)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(adapters), strict=True):
+        assert np.array_equal(a, b)
