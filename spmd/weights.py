@@ -77,7 +77,8 @@ def merge_lora(lora_program: Program, program: Program, params: Any) -> Any:
     shardings = jax.tree.map(lambda s: s.sharding, program.abstract_params)
 
     def merged(p: Any) -> Any:
-        return nnx.to_pure_dict(nnx.state(lora_program.model(p).merged()))
+        model: Any = lora_program.model(p)  # a models.lora.LoraModel
+        return nnx.to_pure_dict(nnx.state(model.merged()))
 
     return jax.jit(merged, out_shardings=shardings)(params)
 

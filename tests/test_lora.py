@@ -212,3 +212,18 @@ def test_the_peft_export_has_peft_names_and_reads_back(tmp_path):
     back = models_peft.load(str(folder), spec, family.get("llama").hf.tensors, adapters)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(adapters), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_under_bf16_the_base_is_held_in_bf16_only_and_the_adapters_have_an_fp32_master():
+    cfg = model_cfg()
+    policy = precision.POLICIES["bf16"]
+    spec = builder.model_spec(cfg, policy, builder.lora_spec(cfg, LORA))
+    train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=1e-2)
+    options = StepOptions(policy=policy)
+    prog = builder.build(spec, builder.optimizer(train), trainer.layout("dp=1"), options)
+    assert isinstance(prog, Program)
+    base = jax.tree.leaves(prog.abstract_params["frozen"])
+    assert {x.dtype for x in base} == {np.dtype("bfloat16")}
+    master = prog.abstract_opt_state["master"]
+    assert set(master) == {"lora"}  # no fp32 copy of the base
+    assert {x.dtype for x in jax.tree.leaves(master)} == {np.dtype("float32")}
