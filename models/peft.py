@@ -91,41 +91,6 @@ def save(
     return [folder / WEIGHTS, folder / CONFIG]
 
 
-def read_config(directory: str, table: dict[str, tuple[tuple[str, ...], ...]]) -> dict[str, Any]:
-    """The LoRA settings of a peft folder: {"rank", "alpha", "targets" (spmd names, comma
-    list), "base"}; UsageError for what spmd does not compute (rslora, DoRA, per-module ranks,
-    bias, a module the family has no target for)."""
-    path = Path(directory) / CONFIG
-    if not path.is_file():
-        raise UsageError(f"--init-from-peft {directory}: no {CONFIG} there")
-    raw = json.loads(path.read_text())
-    if raw.get("peft_type") != "LORA":
-        raise UsageError(f"{path}: peft_type {raw.get('peft_type')!r} is not LORA")
-    for key, off in (("use_rslora", False), ("use_dora", False), ("bias", "none")):
-        if raw.get(key, off) != off:
-            raise UsageError(f"{path}: {key} {raw[key]!r} is not supported (only {off!r})")
-    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise UsageError(f"{path}: per-module ranks or alphas are not supported")
-    return {
-        "rank": int(raw["r"]),
-        "alpha": float(raw["lora_alpha"]),
-        "modules": list(raw.get("target_modules") or []),
-        "base": raw.get("base_model_name_or_path") or "",
-    }
-
-
-def targets_of(modules_named: list[str], spec_modules: dict[str, str]) -> list[str]:
-    """spmd target names of peft's target_modules (HF module short names, q_proj, ...)."""
-    short = {m.format(0).rsplit(".", 1)[-1]: n for n, m in spec_modules.items()}
-    unknown = [m for m in modules_named if m not in short]
-    if unknown:
-        raise UsageError(
-            f"peft target_modules {', '.join(unknown)} are not LoRA targets of this family "
-            f"({', '.join(short)})"
-        )
-    return [short[m] for m in modules_named]
-
-
 def load(directory: str, spec: Spec, tensors: tuple[Rule, ...], like: dict[str, Any]) -> dict:
     """spmd adapters (a pure dict of numpy arrays shaped as `like`'s) from a peft folder."""
     found, _ = safetensors_io.read_header(Path(directory) / WEIGHTS)
