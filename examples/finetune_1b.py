@@ -1,7 +1,7 @@
 """The seed exercise, worked: a sharded fine-tune of a 1B-parameter model (Llama-3.2-1B's shape),
 with the memory per device before and after sharding and the held-out loss before and after.
 
-Three parts, each through the commands a user runs (in-process here, on 8 simulated CPU devices
+Four parts, each through the commands a user runs (in-process here, on 8 simulated CPU devices
 unless real accelerators are present):
 
 1. memory per device: 1 device against fsdp=8 under ZeRO-1, 2 and 3, bf16, from the planner's
@@ -11,7 +11,9 @@ unless real accelerators are present):
    hours?", answered with `spmd.plan --recommend` for a 16 GB GPU sustaining --tflops;
 3. a short SFT run (prompt/response pairs, the loss on responses only) on fsdp=8 ZeRO-3 in bf16:
    from the real weights when `--hf` names a folder or a Hub id in the local cache, else from a
-   random initialisation, with the held-out loss before the first step and after the last.
+   random initialisation, with the held-out loss before the first step and after the last;
+4. the same SFT with LoRA (`--lora-rank 16`: a frozen base in bf16, adapters on every
+   projection with an fp32 master; docs/strategies/lora.md).
 
     python examples/finetune_1b.py                           # the 1B shape (slow on a CPU)
     python examples/finetune_1b.py --hf meta-llama/Llama-3.2-1B --steps 200
@@ -136,16 +138,22 @@ def cached_hf(name: str) -> str:
         return ""
 
 
-def fine_tune(args: argparse.Namespace, folder: Path) -> list[str]:
-    """Run the SFT and print the held-out loss before and after; return the failures."""
+def fine_tune(args: argparse.Namespace, folder: Path, lora_rank: int = 0) -> list[str]:
+    """Run the SFT (with `lora_rank` > 0: LoRA adapters on a frozen base, at --lora-lr) and
+    print the held-out loss before and after; return the failures."""
     from spmd import train
 
+    folder = folder / f"lora{lora_rank}"
+    folder.mkdir()
     data, char_tokenizer = write_sft(folder)
     hf = cached_hf(args.hf)
     source = ["--init-from-hf", hf] if hf else ["--model", args.model]
     tokenizer = hf or str(char_tokenizer)  # --tokenizer takes the model's folder too
     what = f"the weights of {args.hf}" if hf else f"a random {args.model} initialisation"
-    print(f"\n3. SFT on fsdp=8 ZeRO-3 in bf16, from {what}")
+    lora = ["--lora-rank", str(lora_rank)] if lora_rank else []
+    lr, label = (args.lora_lr, f"LoRA r={lora_rank} ") if lora_rank else (args.lr, "")
+    part = f"4. {label}" if lora_rank else "3. "
+    print(f"\n{part}SFT on fsdp=8 ZeRO-3 in bf16, from {what}")
     metrics = folder / "metrics.jsonl"
     argv = [
         *source,
@@ -154,7 +162,7 @@ def fine_tune(args: argparse.Namespace, folder: Path) -> list[str]:
         *("--mesh", "fsdp=8", "--zero", "3", "--precision", "bf16"),
         *("--seq-len", str(args.sft_seq_len), "--batch", str(args.batch)),
         *("--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10))),
-        *("--lr", str(args.lr), "--log-every", str(max(1, args.steps // 5))),
+        *("--lr", str(lr), "--log-every", str(max(1, args.steps // 5)), *lora),
         *("--eval-at-start", "--eval-every", "0", "--eval-batches", "2"),
         *("--metrics", str(metrics), "--run-dir", str(folder / "run"), "--checkpoint-dir", "none"),
     ]
@@ -163,8 +171,11 @@ def fine_tune(args: argparse.Namespace, folder: Path) -> list[str]:
         return [f"the trainer exited with status {code}"]
     evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "eval"]
     before, after = evals[0]["loss"], evals[-1]["loss"]
-    print(f"held-out loss: {before:.4f} before fine-tuning, {after:.4f} after {args.steps} steps")
-    return [] if after < before else ["fine-tuning did not lower the held-out loss"]
+    print(
+        f"{label}held-out loss: {before:.4f} before fine-tuning, {after:.4f} after "
+        f"{args.steps} steps"
+    )
+    return [] if after < before else [f"{label}fine-tuning did not lower the held-out loss"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="SFT optimizer steps")
     parser.add_argument("--sft-seq-len", type=int, default=128, help="SFT sequence length")
     parser.add_argument("--lr", type=float, default=3e-4, help="SFT peak learning rate")
+    parser.add_argument("--lora-rank", type=int, default=16, help="part 4's LoRA rank (0: skip)")
+    parser.add_argument("--lora-lr", type=float, default=3e-3, help="part 4's peak LR")
     args = parser.parse_args(argv)
 
     import spmd
@@ -186,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds_question(args.model, args.tflops)
     with tempfile.TemporaryDirectory() as tmp:
         failures += fine_tune(args, Path(tmp))
+        if args.lora_rank:
+            failures += fine_tune(args, Path(tmp), args.lora_rank)
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0

@@ -111,6 +111,11 @@ class Family:
     decoder: Decoder
     hf: HFMapping | None = None  # None: no Hugging Face architecture
     step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
+    # LoRA (models/lora.py): target name (peft's short form: q, k, v, o, gate, up, down) -> the
+    # param paths it adapts (several: one fused projection sharing the adapter's A); empty: the
+    # family offers no LoRA
+    lora_targets: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(default_factory=dict)
+    lora_default: tuple[str, ...] = ()  # the targets --lora-targets "" picks
 
     def shape(self, cfg: Any) -> ModelShape:
         """The sizes spmd.estimate reads."""

@@ -28,8 +28,10 @@ from models import (
     hf_mixtral,
     llama,
     llama_decode,
+    lora,
     moe,
     olmo2,
+    peft,
     phi3,
     qwen3_moe,
 )
@@ -57,6 +59,8 @@ LLAMA = Family(
         config_to_hf=hf_config.hf_config,
         tensors=hf_config.TENSORS,
     ),
+    lora_targets=lora.DENSE,
+    lora_default=lora.DEFAULT,
 )
 MOE = Family(
     name="moe",
@@ -77,6 +81,9 @@ MOE = Family(
         tensors=hf_config.TENSORS + hf_mixtral.TENSORS,
     ),
     step_metrics=moe.router_stats,
+    # adapters on attention: the experts' weights are not targets
+    lora_targets=lora.ATTENTION,
+    lora_default=tuple(lora.ATTENTION),
 )
 
 # The registry: one line per family.
@@ -92,6 +99,31 @@ FAMILIES: dict[str, Family] = {
         olmo2.FAMILY,
     )
 }
+
+
+# LoRA (models/lora.py), for the commands, which import only this module and the contract
+LoraSpec = lora.Spec
+with_lora = lora.wrap  # (base model, spec, HF tensor table, seed) -> a LoraModel
+lora_loss = lora.merged_loss  # a family's loss -> the loss of a LoraModel's merged model
+
+
+def lora_spec(
+    family: Family, rank: int, alpha: float, dropout: float, targets: str
+) -> lora.Spec | None:
+    """The adapters the --lora-* flags ask of `family` (None at rank 0); UsageError naming a
+    bad value or a target the family lacks, with the valid ones."""
+    return lora.spec_of(
+        family.lora_targets, family.lora_default, family.name, rank, alpha, dropout, targets
+    )
+
+
+def save_peft(adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str):
+    """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
+    for base `base`; UsageError for a family with no Hugging Face Linear names."""
+    fam = of(cfg)
+    if fam.hf is None:
+        raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
+    return peft.save(adapters, spec, fam.hf.tensors, directory, base)
 
 
 def get(name: str) -> Family:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hf_gemma2, llama, llama_decode
+from models import hf_gemma2, llama, llama_decode, lora
 from models.attention import (
     CACHE_NAMES,
     Attention,
@@ -378,4 +378,6 @@ FAMILY = Family(
         config_to_hf=hf_gemma2.config_to_hf,
         tensors=hf_gemma2.TENSORS,
     ),
+    lora_targets=lora.DENSE,
+    lora_default=lora.DEFAULT,
 )

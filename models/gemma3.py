@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import gemma2, hf_gemma2, llama
+from models import gemma2, hf_gemma2, llama, lora
 from models.contract import Family, HFMapping
 
 
@@ -62,4 +62,6 @@ FAMILY = Family(
         config_to_hf=hf_gemma2.config_to_hf,
         tensors=hf_gemma2.TENSORS,
     ),
+    lora_targets=lora.DENSE,
+    lora_default=lora.DEFAULT,
 )

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hf_olmo2, llama, llama_decode
+from models import hf_olmo2, llama, llama_decode, lora
 from models.attention import Attention
 from models.contract import Decoder, Family, HFMapping
 from models.layers import RESIDUAL, RMSNorm
@@ -153,4 +153,6 @@ FAMILY = Family(
         config_to_hf=hf_olmo2.olmo2_hf_config,
         tensors=hf_olmo2.TENSORS,
     ),
+    lora_targets=lora.DENSE,
+    lora_default=lora.DEFAULT,
 )

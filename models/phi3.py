@@ -40,7 +40,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from models import hf_phi3, llama, llama_decode
+from models import hf_phi3, llama, llama_decode, lora
 from models.contract import Decoder, Family, HFMapping
 from models.llama import LlamaConfig
 from models.rope import factors
@@ -154,6 +154,14 @@ def from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Phi3Config:
     return cfg
 
 
+# Phi-3's fused projections: one adapter each (one A, the parts' B's concatenated), as peft
+# adapts its qkv_proj and gate_up_proj Linears
+LORA_TARGETS = {
+    "qkv": lora.ATTENTION["q"] + lora.ATTENTION["k"] + lora.ATTENTION["v"],
+    "o": lora.ATTENTION["o"],
+    "gate_up": lora.MLP["gate"] + lora.MLP["up"],
+    "down": lora.MLP["down"],
+}
 FAMILY = Family(
     name="phi3",
     config=Phi3Config,
@@ -171,4 +179,6 @@ FAMILY = Family(
         config_to_hf=hf_phi3.hf_config,
         tensors=hf_phi3.TENSORS,
     ),
+    lora_targets=LORA_TARGETS,
+    lora_default=tuple(LORA_TARGETS),
 )

@@ -33,7 +33,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hf_config, hf_qwen3_moe, llama, llama_decode, moe
+from models import hf_config, hf_qwen3_moe, llama, llama_decode, lora, moe
 from models.contract import Decoder, Family, HFMapping
 from spmd.errors import UsageError
 
@@ -103,4 +103,6 @@ FAMILY = Family(
         tensors=hf_config.TENSORS + hf_qwen3_moe.TENSORS,
     ),
     step_metrics=moe.router_stats,
+    lora_targets=lora.ATTENTION,
+    lora_default=tuple(lora.ATTENTION),
 )

@@ -32,7 +32,9 @@ from spmd.engine.diloco import AnyProgram
 from spmd.engine.optim import make_optimizer
 from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
+from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
+from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
     from spmd.parallel.pipeline import Pipeline
@@ -88,6 +90,7 @@ class ModelSpec:
     # (mesh, executor) -> None, UsageError for a layout the model cannot run
     check_layout: Callable[[jax.sharding.Mesh, str], None] | None = None
     moe: bool = False  # routed experts: no context or sequence parallelism yet
+    frozen: bool = False  # part of the model is frozen (LoRA's base): spmd.engine.frozen
 
 
 def build(
@@ -119,23 +122,45 @@ def build(
     if spec.check_layout is not None:
         spec.check_layout(mesh, options.executor)
     if sync is not None:
+        if spec.frozen:
+            raise UsageError("LoRA (--lora-rank > 0) does not run under --dcn-sync diloco yet")
         return diloco.build(spec.make, spec.loss, tx, layout, sync, options)
     return build_program(spec.make, spec.loss, tx, layout, options)
 
 
-def model_spec(model_cfg: Any, policy: precision.Policy) -> ModelSpec:
-    """The family model of `model_cfg`, made in the policy's compute dtype."""
+def lora_spec(model_cfg: Any, cfg: LoraConfig) -> family.LoraSpec | None:
+    """The adapters `cfg` asks of the family of `model_cfg` (None: no LoRA); UsageError for a
+    bad rank, alpha, dropout or target."""
     fam = family.of(model_cfg)
+    return family.lora_spec(
+        fam,
+        cfg.lora_rank,
+        cfg.lora_alpha,
+        cfg.lora_dropout,
+        cfg.lora_targets,
+    )
+
+
+def model_spec(
+    model_cfg: Any, policy: precision.Policy, adapters: family.LoraSpec | None = None
+) -> ModelSpec:
+    """The family model of `model_cfg`, made in the policy's compute dtype; with `adapters`
+    its base frozen under LoRA adapters (models/lora.py), the family's loss run on the merged
+    model."""
+    fam = family.of(model_cfg)
+    tensors = fam.hf.tensors if fam.hf else ()
 
     def make(seed: int) -> nnx.Module:
         model = fam.create(model_cfg, seed, policy.compute_dtype)
         assert isinstance(model, nnx.Module)  # a family's CausalLM is an NNX module
-        return model
+        return model if adapters is None else family.with_lora(model, adapters, tensors, seed)
 
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
         fam.check_layout(model_cfg, mesh, executor)
 
-    return ModelSpec(make, fam.loss, check_layout, moe=bool(fam.shape(model_cfg).n_experts))
+    loss = fam.loss if adapters is None else family.lora_loss(fam.loss)
+    moe = bool(fam.shape(model_cfg).n_experts)
+    return ModelSpec(make, loss, check_layout, moe=moe, frozen=adapters is not None)
 
 
 def options_of(
@@ -180,13 +205,16 @@ def program(
     layout = layout_of(cfg, mesh)
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
-    spec = model_spec(cfg.model, options.policy)
+    spec = model_spec(cfg.model, options.policy, lora_spec(cfg.model, cfg.lora))
     return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)
 
 
-def model_program(model_cfg: Any, layout: Layout) -> Program:
+def model_program(
+    model_cfg: Any, layout: Layout, adapters: family.LoraSpec | None = None
+) -> Program:
     """The Program of a model alone on `layout` (params, shardings and forward pass; identity
-    optimizer), as `spmd.generate` and `spmd.convert` load weights into it."""
+    optimizer), as `spmd.generate` and `spmd.convert` load weights into it; with `adapters`
+    the LoRA model's (frozen base and adapters)."""
     cfg = Config(model=model_cfg)
     cfg = dataclasses.replace(
         cfg,
@@ -195,6 +223,12 @@ def model_program(model_cfg: Any, layout: Layout) -> Program:
         ),
         run=dataclasses.replace(cfg.run, batch=layout.data_parallel),
     )
+    if adapters is not None:
+        lay, options = layout_of(cfg, layout.mesh), options_of(cfg, layout, TOKENS, False)
+        spec = model_spec(model_cfg, options.policy, adapters)
+        built = build(spec, optax.identity(), lay, options, None, cfg.run.batch, None)
+        assert isinstance(built, Program)
+        return built
     built = program(cfg, layout.mesh, train=False)
     assert isinstance(built, Program)  # the default config synchronises every step
     return built

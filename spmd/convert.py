@@ -43,7 +43,10 @@ class ConvertConfig:
     to: str = ""  # the spmd checkpoint folder to write (with --from-hf)
     checkpoint: str = ""  # an spmd checkpoint folder to read (with --to-hf)
     step: int = 0  # its step to read (0: the newest)
-    to_hf: str = ""  # the Hugging Face folder to write (with --checkpoint)
+    to_hf: str = ""  # the Hugging Face folder to write (with --checkpoint; LoRA: merged)
+    # a peft LoRA folder (adapter_config.json, adapter_model.safetensors) to write of a LoRA
+    # checkpoint's adapters (with --checkpoint)
+    to_peft: str = ""
     hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
 
@@ -76,11 +79,12 @@ def run(argv: list[str] | None) -> int:
     )
     cfg, where = resolved["convert"], resolved["mesh"]
     to_spmd = bool(cfg.from_hf) and bool(cfg.to) and not (cfg.checkpoint or cfg.to_hf)
-    to_hf = bool(cfg.checkpoint) and bool(cfg.to_hf) and not (cfg.from_hf or cfg.to)
+    exports = bool(cfg.to_hf) + bool(cfg.to_peft)
+    to_hf = bool(cfg.checkpoint) and exports == 1 and not (cfg.from_hf or cfg.to)
     if to_spmd == to_hf:
         raise UsageError(
             "give either --from-hf DIR --to CKPT_DIR (HF -> spmd) or --checkpoint CKPT_DIR "
-            "--to-hf DIR (spmd -> HF)"
+            "--to-hf DIR (spmd -> HF) or --checkpoint CKPT_DIR --to-peft DIR (LoRA adapters)"
         )
     check_choices(cfg, where, to_spmd)
     cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
@@ -115,6 +119,15 @@ def run(argv: list[str] | None) -> int:
         copy_files(text_files, Path(cfg.to) / TEXT_FOLDER)
         kept = f", {len(text_files)} tokenizer files" if text_files else ""
         target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only{kept})"
+    elif cfg.to_peft:
+        params_io.pick_step(cfg.checkpoint, cfg.step)
+        layout = weights.setup_layout(where.mesh, where.devices, where.zero)
+        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
+        if loaded.lora is None:
+            raise UsageError(f"--to-peft: {cfg.checkpoint} is not a LoRA run (--lora-rank 0)")
+        base = config.flat_values(loaded.run_config).get("init_from_hf", "")
+        files = family.save_peft(loaded.adapters, loaded.lora, loaded.model, cfg.to_peft, base)
+        target = f"peft adapter {cfg.to_peft} ({len(files)} files, rank {loaded.lora.rank})"
     else:
         family.check_new_folder(cfg.to_hf)
         params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh

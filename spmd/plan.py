@@ -93,6 +93,11 @@ def run(argv: list[str]) -> int:
         defaults=plan_flags.DEFAULTS,
     )
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
+    if cfg.lora.lora_rank:  # refused rather than planned as full fine-tuning
+        raise UsageError(
+            f"--lora-rank {cfg.lora.lora_rank}: spmd.plan does not model LoRA yet; "
+            f"spmd.train --dry-run --lora-rank {cfg.lora.lora_rank} gives the compiled figures"
+        )
     given = sections["given"]  # the flags and file keys given (--layout's mesh and zero too)
     if "mesh" not in given and cfg.parallel.zero == 0:  # plain DDP: every device on dp
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="dp=-1"))

@@ -230,7 +230,22 @@ FORMER_VALUES: dict[str, dict[Any, str]] = {
     }
 }
 
+
 # section name -> its dataclass, in the order a resolved config is printed
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA fine-tuning (docs/strategies/lora.md): a frozen base and low-rank adapters on the
+    family's projections (models/lora.py), trained alone."""
+
+    lora_rank: int = 0  # rank r of each adapter (0: no LoRA, every param is trained)
+    lora_alpha: float = 0.0  # the adapters' scale is alpha / rank, as in peft (0: 2 x rank)
+    # dropout on the adapters' input (only 0: the adapters are merged into the weights)
+    lora_dropout: float = 0.0
+    # comma list of the family's projections to adapt, e.g. q,k,v,o,gate,up,down (empty: the
+    # family's default; an unknown name lists the valid ones)
+    lora_targets: str = ""
+
+
 SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "data": DataConfig,
@@ -240,6 +255,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "divergence": DivergenceConfig,
     "observe": ObserveConfig,
+    "lora": LoraConfig,
 }
 
 
@@ -256,6 +272,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     divergence: DivergenceConfig = DivergenceConfig()
     observe: ObserveConfig = ObserveConfig()
+    lora: LoraConfig = LoraConfig()
 
     @classmethod
     def of(cls, sections: dict[str, Any]) -> Config:

@@ -10,11 +10,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+from flax import nnx
+
 from models import family
 from spmd import builder
+from spmd.engine import frozen
 from spmd.engine.step import Program
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
+from spmd.sections import LoraConfig
 
 
 @dataclasses.dataclass
@@ -26,6 +31,10 @@ class Loaded:
     params: Any
     run_config: dict[str, Any]  # the config saved with the checkpoint ({} for HF folders)
     source: str  # for people: where the params came from
+    # a LoRA checkpoint's adapters (host arrays) and their spec; `params` are then the merged
+    # model's (base + scale * A @ B)
+    adapters: Any = None
+    lora: Any = None  # family.LoraSpec
 
 
 def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
@@ -50,8 +59,28 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     run_config = params_io.saved_config(directory, step)
     cfg = family.config_from_dict(run_config.get("model", {}))
     program = model_program(cfg, layout)
-    params = params_io.restore_params(directory, step, program.abstract_params)
-    return Loaded(cfg, program, params, run_config, f"{directory} step {step}")
+    source = f"{directory} step {step}"
+    adapters = builder.lora_spec(cfg, LoraConfig(**run_config.get("lora", {})))
+    if adapters is None:
+        params = params_io.restore_params(directory, step, program.abstract_params)
+        return Loaded(cfg, program, params, run_config, source)
+    lora_program = builder.model_program(cfg, layout, adapters)
+    params = params_io.restore_params(directory, step, lora_program.abstract_params)
+    merged = merge_lora(lora_program, program, params)
+    host = jax.device_get(frozen.trainable(params)["lora"])
+    return Loaded(cfg, program, merged, run_config, source, host, adapters)
+
+
+def merge_lora(lora_program: Program, program: Program, params: Any) -> Any:
+    """The params of `program` (the base model) holding LoRA model `params` merged once:
+    every target's W + scale * A @ B, on the base program's shardings."""
+    shardings = jax.tree.map(lambda s: s.sharding, program.abstract_params)
+
+    def merged(p: Any) -> Any:
+        model: Any = lora_program.model(p)  # a models.lora.LoraModel
+        return nnx.to_pure_dict(nnx.state(model.merged()))
+
+    return jax.jit(merged, out_shardings=shardings)(params)
 
 
 # The key of a converted checkpoint's config that keeps config.json's max_position_embeddings
@@ -93,8 +122,12 @@ def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
     folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the
     working params derived in the policy's dtype)."""
     checkpoint = family.open_hf(directory)
-    master = family.load_hf(checkpoint, program.abstract_master)
-    return tuple(program.start(master))
+    if not frozen.has_frozen(program.abstract_master):
+        return tuple(program.start(family.load_hf(checkpoint, program.abstract_master)))
+    # LoRA: the folder is the frozen base; the adapters start fresh (A random, B zero)
+    base = family.load_hf(checkpoint, program.abstract_master[frozen.FROZEN])
+    fresh = frozen.trainable(program.checkpoint_view(program.init())["params"])
+    return tuple(program.start(frozen.join(fresh, base)))
 
 
 def from_hf(directory: str, layout: Layout) -> Loaded:

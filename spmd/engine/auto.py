@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import optax
 
-from spmd.engine import precision
+from spmd.engine import frozen, precision
 from spmd.engine.accumulate import accumulated_grads
 from spmd.engine.options import StepOptions
 from spmd.parallel import traced_layout
@@ -33,7 +33,9 @@ def auto_steps(
     accum, policy, exclude = options.accum, options.policy, options.exclude_axes
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
-        grad_fn = precision.scaled_value_and_grad(loss_of, loss_scale, policy)
+        # frozen params (spmd.engine.frozen) are constants here: no gradients, no update
+        params, fixed = frozen.split(params)
+        grad_fn = precision.scaled_value_and_grad(frozen.bind(loss_of, fixed), loss_scale, policy)
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
@@ -62,7 +64,7 @@ def auto_steps(
             "loss_scale": loss_scale["scale"],
             "skipped_steps": loss_scale["skipped_steps"],
         }
-        return params, opt_state, loss_scale, metrics
+        return frozen.join(params, fixed), opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         with traced_layout.activation_layout(mesh, zero, sequence_parallel=sp):

@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.engine import precision
+from spmd.engine import frozen, precision
 from spmd.engine.options import StepOptions
 from spmd.parallel import buckets, collectives, traced_layout
 from spmd.parallel.layout import Layout
@@ -137,6 +137,8 @@ def explicit_steps(
     # Gradients are averaged over every axis that splits the tokens: the batch axes and
     # `context` (each of its devices holds a share of every sequence).
     batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
+    # what the gradients and the update see: the trainable params (spmd.engine.frozen)
+    trained = specs | {"params": frozen.trainable(specs["params"])}
 
     @contextlib.contextmanager
     def traced_on_devices() -> Iterator[None]:
@@ -151,21 +153,23 @@ def explicit_steps(
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         with traced_on_devices():
+            params, fixed = frozen.split(params)  # frozen params: constants, passed through
             loss, grads = reduced_grads(
-                local_loss,
+                frozen.bind(local_loss, fixed),
                 params,
                 loss_scale,
                 batch,
                 accum,
                 policy,
-                specs,
+                trained,
                 batch_axes,
                 bucket_bytes,
             )
             grad_norm = collectives.global_norm(grads)
             params, opt_state, loss_scale = sliced_update(
-                tx, params, grads, opt_state, loss_scale, grad_norm, specs, policy
+                tx, params, grads, opt_state, loss_scale, grad_norm, trained, policy
             )
+            params = frozen.join(params, fixed)
             metrics = {
                 "loss": loss.astype(policy.output_dtype),
                 "grad_norm": grad_norm,

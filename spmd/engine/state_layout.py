@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from spmd.engine import precision
+from spmd.engine import frozen, precision
 from spmd.parallel import rules
 from spmd.parallel.layout import Layout
 
@@ -28,15 +28,17 @@ def state_shardings(
 ) -> tuple[dict[str, Any], Any]:
     """(the layout's shardings by role, the optimizer state's ShapeDtypeStructs): "params",
     "grads", "opt_state", "opt_state_per_param" (the optimizer layout of each param-shaped
-    leaf) and "batch" (a prefix sharding splitting dim 0 of any batch leaf)."""
+    leaf) and "batch" (a prefix sharding splitting dim 0 of any batch leaf). Gradients and
+    optimizer state are the trainable params' only (spmd.engine.frozen)."""
     mesh, zero = layout.mesh, layout.zero_stage
-    master_shapes = master_like(shapes, policy)
-    opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, names, layout, policy)
+    t_names, t_shapes = frozen.trainable(names), frozen.trainable(shapes)
+    master_shapes = master_like(t_shapes, policy)
+    opt_shapes, opt_sh = opt_state_shardings(tx, master_shapes, t_names, layout, policy)
     shardings = {
         "params": rules.tree_shardings(names, shapes, mesh, zero, "params"),
-        "grads": rules.tree_shardings(names, shapes, mesh, zero, "grads"),
+        "grads": rules.tree_shardings(t_names, t_shapes, mesh, zero, "grads"),
         "opt_state": opt_sh,
-        "opt_state_per_param": rules.tree_shardings(names, shapes, mesh, zero, "opt_state"),
+        "opt_state_per_param": rules.tree_shardings(t_names, t_shapes, mesh, zero, "opt_state"),
         "batch": layout.batch_sharding(ndim=1),
     }
     return shardings, opt_shapes

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from spmd.engine import offload, precision, state_layout
+from spmd.engine import frozen, offload, precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
 from spmd.engine.explicit import explicit_steps
@@ -99,6 +99,8 @@ class Program:
         from them on restore), "opt_state" the optimizer's own state, and "loss_scale"."""
         state = state if isinstance(state, dict) else TrainState(*state)._asdict()
         master, inner = precision.split_opt_state(state["params"], state["opt_state"], self.policy)
+        # frozen params (a LoRA base) are saved as held: in the working dtype
+        master = frozen.join(frozen.trainable(master), frozen.split(state["params"])[1])
         return {"params": master, "opt_state": inner, "loss_scale": state["loss_scale"]}
 
     def abstract_checkpoint(self) -> dict[str, Any]:
@@ -200,7 +202,7 @@ def build_program(
     graphdef, names, shapes = abstract_model(make_model, options.seed, layout, policy, executor)
     loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
-        tx = tx(names)
+        tx = tx(frozen.trainable(names))  # the optimizer sees the trainable params only
     shardings, opt_shapes = state_layout.state_shardings(tx, names, shapes, layout, policy)
     losses = _losses(graphdef, names, loss_fn, layout, options)
     executor_steps = explicit_steps if executor == "explicit" else auto_steps
@@ -276,7 +278,8 @@ def _state_makers(
 
     def start(master: Any) -> TrainState:
         master = precision.cast(master, policy.master_dtype)
-        opt_state = precision.init_opt_state(tx, master, policy)
+        # the optimizer (and the master copy) holds the trainable params only
+        opt_state = precision.init_opt_state(tx, frozen.trainable(master), policy)
         params = precision.cast(master, policy.param_dtype)
         return TrainState(params, opt_state, precision.init_loss_scale(policy))
 
@@ -285,7 +288,8 @@ def _state_makers(
             return start(nnx.to_pure_dict(nnx.state(make_model(seed))))
 
     def from_checkpoint(saved: dict) -> TrainState:
-        opt_state = precision.join_opt_state(saved["params"], saved["opt_state"], policy)
+        master = frozen.trainable(saved["params"])
+        opt_state = precision.join_opt_state(master, saved["opt_state"], policy)
         params = precision.cast(saved["params"], policy.param_dtype)
         return TrainState(params, opt_state, saved["loss_scale"])
 

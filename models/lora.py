@@ -1,0 +1,207 @@
+"""LoRA: low-rank adapters beside a frozen base model (Hu et al. 2021, in Hugging Face peft's
+form).
+
+A target is a projection a family names in its contract (`Family.lora_targets`: "q" -> the
+param paths it adapts). For a base weight W [*in, *out] (its first `in_dims` dims contracted)
+the adapter is A [*in, r] and one B [r, *out] per path: the effective weight is
+W + (alpha / r) * A @ B. A target with several paths (Phi-3's fused qkv_proj) shares one A, as
+peft's one Linear does, and its B's concatenated along the output are peft's lora_B. Stacked
+params (under `blocks`) carry the `layers` dim on A and B too, so a pipeline stage holds its
+layers' adapters.
+
+A follows the base weight's input logical axes, B its output axes, the rank dim has no name
+(replicated): under every layout each device's block of A @ B is exactly the block of W it
+holds, so merging needs no collective. A starts as peft's kaiming-uniform (a = sqrt(5):
+U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B at zeros: the model starts as the base, exactly.
+
+`LoraModel` holds the base under `frozen` (the engine differentiates and optimizes everything
+else: spmd.engine.frozen) and the adapters under `lora`; `merged()` is the base model with every
+target's weight W + scale * A @ B, which the family's own loss and pipeline pieces run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.hf_tensors import STACKED, Rule
+from spmd.errors import UsageError
+
+# The projections of a Llama-shaped block (its param paths), by peft's short names.
+ATTENTION: dict[str, tuple[tuple[str, ...], ...]] = {
+    "q": ((STACKED, "attn", "wq"),),
+    "k": ((STACKED, "attn", "wk"),),
+    "v": ((STACKED, "attn", "wv"),),
+    "o": ((STACKED, "attn", "wo"),),
+}
+MLP: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gate": ((STACKED, "mlp", "w_gate"),),
+    "up": ((STACKED, "mlp", "w_up"),),
+    "down": ((STACKED, "mlp", "w_down"),),
+}
+DENSE = ATTENTION | MLP
+# peft's default for Llama-shaped models is q_proj and v_proj; the usual fine-tuning recipes
+# (QLoRA) adapt every projection, which is what spmd does unless told
+DEFAULT = tuple(DENSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One run's adapters: rank r (count), alpha (scale = alpha / r) and the targets, each
+    name -> its param paths (the family's table, narrowed to the chosen names)."""
+
+    rank: int
+    alpha: float
+    targets: dict[str, tuple[tuple[str, ...], ...]]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def spec_of(
+    table: dict[str, tuple[tuple[str, ...], ...]],
+    default: tuple[str, ...],
+    family: str,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: str,
+) -> Spec | None:
+    """The adapters of flags --lora-rank, --lora-alpha (0: 2 x rank), --lora-dropout and
+    --lora-targets (comma list; empty: the family's default) for a family whose targets are
+    `table`; None at rank 0. UsageError (one line) for a value that is not valid."""
+    if rank < 0:
+        raise UsageError(f"--lora-rank {rank} must be 0 (no LoRA) or a positive rank")
+    if rank == 0:
+        if targets:
+            raise UsageError(f"--lora-targets {targets!r} needs --lora-rank > 0")
+        return None
+    if not table:
+        raise UsageError(f"model family {family!r} declares no LoRA targets")
+    if not 0 <= alpha < math.inf:  # 0: the default, 2 x rank
+        raise UsageError(f"--lora-alpha {alpha} must be positive and finite (0: 2 x rank)")
+    if not 0 <= dropout < 1:
+        raise UsageError(f"--lora-dropout {dropout} must be in [0, 1)")
+    if dropout > 0:
+        raise UsageError(
+            f"--lora-dropout {dropout}: spmd merges the adapters into the weights each step, "
+            f"which has no dropout on the adapters' input; use --lora-dropout 0"
+        )
+    names = [n.strip() for n in targets.split(",") if n.strip()] if targets else list(default)
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        raise UsageError(
+            f"--lora-targets {targets!r}: {', '.join(unknown) or 'no name'} is not a target of "
+            f"the {family} family; valid: {', '.join(table)}"
+        )
+    chosen = {n: table[n] for n in dict.fromkeys(names)}
+    return Spec(rank, float(alpha) if alpha > 0 else 2.0 * rank, chosen)
+
+
+def in_dims_of(tensors: tuple[Rule, ...], path: tuple[str, ...]) -> int:
+    """How many leading dims (after `layers`) of the param at `path` are its input: the HF
+    table's in_dims (1 where the table does not name it)."""
+    return next((d for p, _, d in tensors if p == path and d > 0), 1)
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+class LoraModel(nnx.Module):
+    """A base CausalLM under `frozen` and its adapters under `lora` (target -> "a" and "b"
+    {param name: B}); the CausalLM pieces run the merged model."""
+
+    def __init__(self, base: Any, spec: Spec, tensors: tuple[Rule, ...], rngs: nnx.Rngs):
+        self.frozen, self.cfg, self.dtype = base, base.cfg, base.dtype
+        self.scale = spec.scale
+        self.targets = nnx.static(dict(spec.targets))
+        self.in_dims = nnx.static(
+            {p: in_dims_of(tensors, p) for ps in spec.targets.values() for p in ps}
+        )
+        state = nnx.state(base)
+        adapters = {}
+        for name, paths in spec.targets.items():
+            adapters[name] = self._adapter(state, paths, spec.rank, rngs)
+        self.lora = nnx.data(adapters)
+
+    def _adapter(self, state: Any, paths: tuple, rank: int, rngs: nnx.Rngs) -> dict:
+        first = _get(state, paths[0])
+        names = first.get_metadata().get("out_sharding") or (None,) * first.ndim
+        lead = 1 if paths[0][0] == STACKED else 0
+        ins = lead + self.in_dims[paths[0]]
+        fan_in = math.prod(first.shape[lead:ins])
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) on a [r, fan_in] Linear
+        a_shape = (*first.shape[:ins], rank)
+        a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound)
+        b = {}
+        for path in paths:
+            w = _get(state, path)
+            w_names = w.get_metadata().get("out_sharding") or (None,) * w.ndim
+            out_shape = (*w.shape[:lead], rank, *w.shape[ins:])
+            b[path[-1]] = nnx.Param(
+                jnp.zeros(out_shape, jnp.float32),
+                out_sharding=(*w_names[:lead], None, *w_names[ins:]),
+            )
+        return {"a": nnx.Param(a, out_sharding=(*names[:ins], None)), "b": b}
+
+    def merged(self) -> Any:
+        """The base model with every target's weight W + scale * A @ B (in W's dtype)."""
+        graphdef, state = nnx.split(self.frozen)
+        pure = nnx.to_pure_dict(state)
+        for name, paths in self.targets.items():
+            adapter = self.lora[name]
+            for path in paths:
+                parent = _get(pure, path[:-1])
+                lead = 1 if path[0] == STACKED else 0
+                b = adapter["b"][path[-1]][...]
+                w = parent[path[-1]]
+                parent[path[-1]] = merge_weight(w, adapter["a"][...], b, self.scale, lead)
+        nnx.replace_by_pure_dict(state, pure)
+        return nnx.merge(graphdef, state)
+
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return self.merged()(tokens, segments)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.frozen.embed_tokens(tokens)  # no target is the embedding
+
+    def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return self.merged().apply_blocks(x, segments)
+
+    def head_logits(self, x: jax.Array) -> jax.Array:
+        return self.frozen.head_logits(x)  # no target is the head
+
+
+def merge_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, lead: int) -> jax.Array:
+    """W + scale * A @ B in W's dtype, for W [L?, *in, *out], A [L?, *in, r] and
+    B [L?, r, *out] (`lead`: 1 where they carry the stacked `layers` dim, else 0)."""
+    r = a.shape[-1]
+    a2 = a.reshape(*a.shape[:lead], -1, r)
+    b2 = b.reshape(*b.shape[: lead + 1], -1)
+    delta = jnp.matmul(a2.astype(w.dtype), b2.astype(w.dtype))
+    return w + (scale * delta).reshape(w.shape).astype(w.dtype)
+
+
+def merged_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict], jax.Array]:
+    """A family's `loss(model, batch)` of a LoraModel: the loss of its merged model."""
+
+    def lora_loss(model: Any, batch: dict) -> jax.Array:
+        return loss(model.merged(), batch)
+
+    return lora_loss
+
+
+def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
+    """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
+    with nnx.use_eager_sharding(False):
+        return LoraModel(base, spec, tensors, nnx.Rngs(seed + 1))
