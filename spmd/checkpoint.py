@@ -8,8 +8,10 @@
 Each complete step is checked against the manifest saved with it (spmd.io.manifest: every
 file's size, then its CRC-32), one line per step. The exit status is 0 when every step that has
 a manifest matches it (a step without one is listed as unverified, not counted as damage) and 2
-otherwise. Nothing is moved or changed: `spmd.train --resume` sets a damaged step aside itself
-and resumes from the newest good one. Folders already set aside (`<step>.damaged`,
+otherwise. A LoRA run's adapter-only step (spmd.training.lora_base) also has the base it
+refers to hashed and compared, in one more line: a base that changed counts as damage. Nothing
+is moved or changed: `spmd.train --resume` sets a damaged step aside itself and resumes from the
+newest good one. Folders already set aside (`<step>.damaged`,
 `<step>.diverged`) and saves that never finished (`<step>.orbax-checkpoint-tmp`) are not steps,
 so they are not checked. DIR may be a run folder (its `checkpoints/` is checked) and a local
 path or a gs:// s3:// file:// URL (spmd.paths).
@@ -88,9 +90,31 @@ def verify(folder: str, only: int = 0) -> list[str]:
         step_dir = join(folder, str(step))
         verdict = manifest.verify(paths.epath(folder) / str(step))
         print(f"{step_dir}: {verdict}", flush=True)
-        if verdict.status == "damaged":
+        if verdict.status == "damaged" or not base_matches(folder, step, step_dir):
             damaged.append(step_dir)
     return damaged
+
+
+def base_matches(folder: str, step: int, step_dir: str) -> bool:
+    """Whether the LoRA base an adapter-only step refers to (spmd.training.lora_base) is
+    still the one it was trained on, with a line saying so; True for a step of the whole
+    state."""
+    from spmd.io import params_io
+    from spmd.training import lora_base
+
+    try:
+        saved = params_io.saved_config(folder, step).get(lora_base.KEY)
+    except UsageError:  # a config orbax cannot read here: the manifest's verdict stands
+        return True
+    if not isinstance(saved, dict):
+        return True
+    try:
+        lora_base.check_base(saved, saved["base"], step_dir)
+    except UsageError as e:
+        print(f"{step_dir}: base differs: {e}", flush=True)
+        return False
+    print(f"{step_dir}: base {saved['base']}: sha256 {saved['sha256'][:16]} ok", flush=True)
+    return True
 
 
 if __name__ == "__main__":

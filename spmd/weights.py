@@ -20,6 +20,7 @@ from spmd.engine.step import Program
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
 from spmd.sections import LoraConfig
+from spmd.training import lora_base
 
 
 @dataclasses.dataclass
@@ -65,10 +66,24 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
         params = params_io.restore_params(directory, step, program.abstract_params)
         return Loaded(cfg, program, params, run_config, source)
     lora_program = builder.model_program(cfg, layout, adapters)
-    params = params_io.restore_params(directory, step, lora_program.abstract_params)
+    params = lora_params(directory, step, lora_program, run_config)
     merged = merge_lora(lora_program, program, params)
     host = jax.device_get(frozen.trainable(params)["lora"])
     return Loaded(cfg, program, merged, run_config, source, host, adapters)
+
+
+def lora_params(directory: str, step: int, program: Program, run_config: dict[str, Any]) -> Any:
+    """The params of a LoRA run's checkpoint on `program`: as saved, or (an adapter-only
+    checkpoint, spmd.training.lora_base) the adapters joined to the base reloaded from the
+    folder the checkpoint names, after checking its hash."""
+    saved = run_config.get(lora_base.KEY)
+    if not isinstance(saved, dict):
+        return params_io.restore_params(directory, step, program.abstract_params)
+    adapters = frozen.trainable(program.abstract_params)
+    trained = params_io.restore_params(directory, step, adapters)
+    where = f"{directory} step {step}"
+    base = lora_base.load_base(saved, saved["base"], program.abstract_params, where)
+    return frozen.join(trained, base)
 
 
 def merge_lora(lora_program: Program, program: Program, params: Any) -> Any:

@@ -290,12 +290,12 @@ class Guard:
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
         from spmd.io import checkpoint
-        from spmd.training.resume import program_state_target
+        from spmd.training import lora_base
 
         data_step = self.data_step(anomaly.step)
         restored = checkpoint.restore_newest(
             run.manager,
-            program_state_target(run.program),
+            lora_base.restore_target(run.cfg, run.program),
             dataclasses.asdict(run.cfg.model),
             say,
             run.cfg.checkpoint.allow_unverified,
@@ -325,7 +325,8 @@ class Guard:
             f"at most {self.cfg.max_rollbacks}); skipping data steps {undone[0]}-{undone[-1]}, "
             f"LR x{self.lr_factor:g}"
         )
-        state = run.program.from_checkpoint(restored.state)._asdict()  # working params too
+        whole = lora_base.with_base(run.cfg, run.program, restored)  # LoRA: the base reloaded
+        state = run.program.from_checkpoint(whole)._asdict()  # working params too
         return Response("rollback", state, restored.step)
 
 

@@ -186,6 +186,7 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
     """Save `state` at `step` with the data state and config (async; returns once queued), or
     refuse (and report) when the step was not finite. Returns whether it saved."""
     from spmd.io import checkpoint, state_check
+    from spmd.training import lora_base
 
     refusal = run.guard.refusal(step)
     if refusal is not None:
@@ -194,14 +195,15 @@ def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> 
         return False
     data_state = run_data_state(run.cfg, step, run.token_file.fingerprint)
     data_state.update(run.guard.saved_fields(step))
-    view = run.program.checkpoint_view(state)
+    # a LoRA run onto an --init-from-hf base saves its adapters and a reference to the base
+    view = lora_base.saved_state(run.cfg, run.program.checkpoint_view(state))
     data_state[state_check.NORMS] = state_check.state_norms(view)  # what a restore must find
     blocked = checkpoint.save(
         run.manager,
         step,
         view,
         data_state,
-        run.cfg.as_dict(),
+        lora_base.config_record(run.cfg),
     )
     run.log.write("checkpoint", step=step, reason=reason, blocking_s=blocked)
     return True

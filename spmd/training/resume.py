@@ -53,6 +53,7 @@ def open_checkpoints(
     (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
     from spmd.io import checkpoint
+    from spmd.training import lora_base
 
     manager = checkpoint.open_manager(
         cfg.checkpoint.checkpoint_dir, cfg.checkpoint.keep_checkpoints
@@ -62,11 +63,12 @@ def open_checkpoints(
     try:
         restored = checkpoint.restore_newest(
             manager,
-            program_state_target(program),
+            lora_base.restore_target(cfg, program),
             dataclasses.asdict(cfg.model),
             say,
             cfg.checkpoint.allow_unverified,
         )
+        restored.state = lora_base.with_base(cfg, program, restored)  # LoRA: reload the base
         current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)
         if restored.data.get("diloco") != current.get("diloco"):
