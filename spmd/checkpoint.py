@@ -8,7 +8,7 @@
 Each complete step is checked against the manifest saved with it (spmd.io.manifest: every
 file's size, then its CRC-32), one line per step. The exit status is 0 when every step that has
 a manifest matches it (a step without one is listed as unverified, not counted as damage) and 2
-otherwise. A LoRA run's adapter-only step (spmd.training.lora_base) also has the base it
+otherwise. A LoRA run's adapter-only step (spmd.lora_base) also has the base it
 refers to hashed and compared, in one more line: a base that changed counts as damage. Nothing
 is moved or changed: `spmd.train --resume` sets a damaged step aside itself and resumes from the
 newest good one. Folders already set aside (`<step>.damaged`,
@@ -96,11 +96,11 @@ def verify(folder: str, only: int = 0) -> list[str]:
 
 
 def base_matches(folder: str, step: int, step_dir: str) -> bool:
-    """Whether the LoRA base an adapter-only step refers to (spmd.training.lora_base) is
+    """Whether the LoRA base an adapter-only step refers to (spmd.lora_base) is
     still the one it was trained on, with a line saying so; True for a step of the whole
     state."""
+    from spmd import lora_base
     from spmd.io import params_io
-    from spmd.training import lora_base
 
     try:
         saved = params_io.saved_config(folder, step).get(lora_base.KEY)

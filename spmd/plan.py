@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from models import family
-from spmd import config, plan_flags, run_setup
+from spmd import config, lora_base, plan_flags, run_setup
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, measure, plot, recommend, search, summary
@@ -93,11 +93,6 @@ def run(argv: list[str]) -> int:
         defaults=plan_flags.DEFAULTS,
     )
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
-    if cfg.lora.lora_rank:  # refused rather than planned as full fine-tuning
-        raise UsageError(
-            f"--lora-rank {cfg.lora.lora_rank}: spmd.plan does not model LoRA yet; "
-            f"spmd.train --dry-run --lora-rank {cfg.lora.lora_rank} gives the compiled figures"
-        )
     given = sections["given"]  # the flags and file keys given (--layout's mesh and zero too)
     if "mesh" not in given and cfg.parallel.zero == 0:  # plain DDP: every device on dp
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="dp=-1"))
@@ -158,6 +153,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -
         sync_every=cfg.parallel.sync_every if cfg.parallel.dcn_sync == "diloco" else 0,
         sequence_parallel=cfg.parallel.sequence_parallel,
         offload=cfg.parallel.offload,
+        **lora_base.planner_fields(model_cfg, cfg.lora),  # LoRA: a frozen base, adapters trained
     )
 
 

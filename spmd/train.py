@@ -189,6 +189,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
 def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_report: Any) -> None:
     """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
     compiled collectives against theory, the gradient reductions and the memory report."""
+    from spmd import lora_base
     from spmd.estimate import hlo, measure, theory
     from spmd.observe.observer import dry_run_report
 
@@ -204,6 +205,7 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
             facts["state_bytes"],
             facts["state_bytes_by_memory"],
             cfg.parallel.offload,
+            lora_base.planner_fields(model_cfg, cfg.lora),
         )
     )
     shape = family.of(model_cfg).shape(model_cfg)

@@ -14,13 +14,12 @@ import jax
 from flax import nnx
 
 from models import family
-from spmd import builder
+from spmd import builder, lora_base
 from spmd.engine import frozen
 from spmd.engine.step import Program
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
 from spmd.sections import LoraConfig
-from spmd.training import lora_base
 
 
 @dataclasses.dataclass
@@ -74,7 +73,7 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
 
 def lora_params(directory: str, step: int, program: Program, run_config: dict[str, Any]) -> Any:
     """The params of a LoRA run's checkpoint on `program`: as saved, or (an adapter-only
-    checkpoint, spmd.training.lora_base) the adapters joined to the base reloaded from the
+    checkpoint, spmd.lora_base) the adapters joined to the base reloaded from the
     folder the checkpoint names, after checking its hash."""
     saved = run_config.get(lora_base.KEY)
     if not isinstance(saved, dict):

@@ -1,4 +1,4 @@
-"""Adapter-only LoRA checkpoints (spmd.training.lora_base): a LoRA run onto an --init-from-hf
+"""Adapter-only LoRA checkpoints (spmd.lora_base): a LoRA run onto an --init-from-hf
 base saves its adapters, their optimizer state and the base's hash, not the base; resume
 reloads the base and is bitwise; `spmd.checkpoint verify` checks the base too; a resume or
 export against a base with other weights exits 2 naming both hashes."""
@@ -15,9 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from spmd import checkpoint as checkpoint_cli
-from spmd import convert, train
+from spmd import convert, lora_base, train
 from spmd.io import checkpoint, manifest, safetensors_io
-from spmd.training import lora_base
 
 UNTIED = Path(__file__).resolve().parent / "fixtures" / "hf_llama_untied"
 

@@ -62,6 +62,10 @@ class Setup:
     sync_every: int = 0  # --dcn-sync diloco: steps per round (0: gradients reduced every step)
     sequence_parallel: bool = False  # Megatron-SP: the residual stream split over tensor too
     offload: str = "none"  # --offload: none, optimizer or params kept in host memory
+    # LoRA (spmd.estimate.lora): the adapters' rank (0: full fine-tuning) and target names;
+    # the base is then frozen: no gradients, master or optimizer state of its own
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def devices(self) -> int:

@@ -175,6 +175,7 @@ def state_against_formula(
     held: dict[str, int],
     by_memory: dict[str, dict[str, int]] | None = None,
     offload: str = "none",
+    lora_fields: dict[str, Any] | None = None,
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
@@ -193,6 +194,7 @@ def state_against_formula(
         seq_len=run.seq_len,
         accum=run.accum,
         grad_reduce=precision.grad_reduce,
+        **(lora_fields or {}),  # LoRA: spmd.estimate.lora.of_run
     )
     state = memory.model_state_bytes(s)
     parts = []

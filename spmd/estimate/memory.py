@@ -8,6 +8,8 @@ master weights and Adam moments. Stage 0 holds (2 + 2 + K) Psi on every device, 
 (2 + 2) Psi + K Psi / N, stage 2 2 Psi + (2 + K) Psi / N, stage 3 (2 + 2 + K) Psi / N; for 7.5 B
 params on 64 devices 120, 31.4, 16.6 and 1.88 GB. Under fp32 there is no separate master copy:
 4 + 4 + 8 bytes. Tensor and pipeline axes divide what they split first (spmd.estimate.cost).
+Under LoRA (Setup.lora_rank) the base is held in the params' dtype only and the
+gradients, master and moments are the adapters' (spmd.estimate.lora).
 Units: bytes per device; GB = 1e9 bytes.
 """
 
@@ -17,7 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
-from spmd.estimate import cost, experts, long_sequence, pipeline_figures
+from spmd.estimate import cost, experts, long_sequence, lora, pipeline_figures
 
 ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
 SHARDED_FROM = {"params": 3, "grads": 2, "optimizer": 1}
@@ -54,10 +56,17 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
         role: per_param[role] * cost.params_per_device(s, s.zero >= SHARDED_FROM[role])
         for role in ROLES
     }
+    if s.lora_rank:  # a frozen base (params only) and the adapters, which alone are trained
+        out = {
+            role: per_param[role] * lora.adapters_per_device(s, s.zero >= SHARDED_FROM[role])
+            for role in ROLES
+        }
+        out["params"] += per_param["params"] * cost.params_per_device(s, s.zero >= 3)
     out["model_state"] = sum(out.values())
     if s.shape.n_experts:  # of which the routed experts' (split over ep x fsdp)
+        roles = ("params",) if s.lora_rank else ROLES  # LoRA: frozen experts, no state
         out["experts"] = sum(
-            per_param[role] * cost.params_per_device(s, True, experts=True) for role in ROLES
+            per_param[role] * cost.params_per_device(s, True, experts=True) for role in roles
         )
     return out
 

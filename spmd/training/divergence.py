@@ -289,8 +289,8 @@ class Guard:
 
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
+        from spmd import lora_base
         from spmd.io import checkpoint
-        from spmd.training import lora_base
 
         data_step = self.data_step(anomaly.step)
         restored = checkpoint.restore_newest(

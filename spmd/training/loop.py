@@ -185,8 +185,8 @@ class Progress:
 def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> bool:
     """Save `state` at `step` with the data state and config (async; returns once queued), or
     refuse (and report) when the step was not finite. Returns whether it saved."""
+    from spmd import lora_base
     from spmd.io import checkpoint, state_check
-    from spmd.training import lora_base
 
     refusal = run.guard.refusal(step)
     if refusal is not None:

@@ -52,8 +52,8 @@ def open_checkpoints(
     """(the checkpoint manager, the restored checkpoint or None): when the run `resumes`
     (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
+    from spmd import lora_base
     from spmd.io import checkpoint
-    from spmd.training import lora_base
 
     manager = checkpoint.open_manager(
         cfg.checkpoint.checkpoint_dir, cfg.checkpoint.keep_checkpoints

@@ -126,3 +126,18 @@ def with_base(cfg: Any, program: Any, restored: Any) -> dict[str, Any]:
     state = dict(restored.state)
     state["params"] = frozen.join(state["params"], base)
     return state
+
+
+def planner_fields(model_cfg: Any, lora_cfg: Any) -> dict[str, Any]:
+    """The Setup fields (lora_rank, lora_targets) of a run's [lora] section for its model's
+    family (its default targets when none are named); UsageError for bad flags."""
+    spec = family.lora_spec(
+        family.of(model_cfg),
+        lora_cfg.lora_rank,
+        lora_cfg.lora_alpha,
+        lora_cfg.lora_dropout,
+        lora_cfg.lora_targets,
+    )
+    if spec is None:
+        return {"lora_rank": 0, "lora_targets": ()}
+    return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}

@@ -1,0 +1,49 @@
+"""The planner's LoRA state (spmd.estimate.lora, memory.model_state_bytes): a frozen base in
+the params' dtype, adapters with gradients, master and moments, per device as the engine's
+shardings hold them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from models import llama
+from spmd import config, lora_base, plan
+from spmd.engine.state_layout import sharded_bytes
+from spmd.estimate import cost, memory
+from spmd.parallel.mesh import parse_mesh
+from spmd.sections import Config, LoraConfig
+
+LAYOUTS = [("fsdp=8", 1), ("dp=2,fsdp=2,tp=2", 3), ("fsdp=2,tp=4", 2), ("pp=2,fsdp=4", 3)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lora_state_bytes_agree_with_the_engine(precision):
+    model = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
+    lora = LoraConfig(lora_rank=4, lora_targets="q,v,o,down")
+    fields = lora_base.planner_fields(model, lora)
+    for mesh, zero in LAYOUTS:
+        s = cost.Setup(
+            shape=model.shape(),
+            n_params=model.n_params(),
+            mesh=parse_mesh(mesh),
+            zero=zero,
+            precision=precision,
+            optimizer="adamw",
+            batch=16,
+            seq_len=64,
+            microbatches=4,
+            **fields,
+        )
+        cost.check_setup(s)
+        cfg = Config(model=model, lora=lora)
+        program, _ = plan.engine_program(s, model, jax.devices()[:8], cfg)
+        held = sharded_bytes(program.abstract_params), sharded_bytes(program.abstract_opt_state)
+        state = memory.model_state_bytes(s)
+        assert held[0] == pytest.approx(state["params"], rel=1e-3), (mesh, zero)
+        assert held[1] == pytest.approx(state["optimizer"], rel=1e-3), (mesh, zero)
+    # the adapters' optimizer state is a sliver of full fine-tuning's
+    full = memory.model_state_bytes(dataclasses.replace(s, lora_rank=0, lora_targets=()))
+    assert state["optimizer"] < 0.1 * full["optimizer"]
