@@ -51,7 +51,7 @@ def start_processes(cfg: Config) -> int:
     from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
-        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id
+        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id, cfg.run.coordinator_timeout
     )
     set_primary(distributed.process_id() == 0)
     return n_processes
@@ -67,13 +67,24 @@ def main(argv: list[str] | None = None) -> int:
             raise
         traceback.print_exc()
         code = 1
-    if distributed.num_processes() > 1 and code:
+    if code and (distributed.num_processes() > 1 or _threads_left()):
         # A failing process must not wait in JAX's shutdown barrier for peers that may never
-        # arrive (that would hang the job): leave now; spmd.launch stops the others.
+        # arrive (that would hang the job), nor for a failed save's threads (blocked on a
+        # read-only or full disk): leave now; spmd.launch stops the others.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _threads_left() -> bool:
+    """Whether a thread that Python's exit would wait for still runs (an orbax writer)."""
+    import threading
+
+    main_thread = threading.main_thread()
+    return any(
+        t.is_alive() and not t.daemon and t is not main_thread for t in threading.enumerate()
+    )
 
 
 def run(argv: list[str] | None) -> int:
@@ -118,6 +129,9 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
+    from spmd.training.loop import check_eval_batches
+
+    check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
@@ -349,4 +363,7 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
 
 
 if __name__ == "__main__":
+    from spmd.log import survive_a_lost_console
+
+    survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
     sys.exit(main())
