@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -112,6 +113,23 @@ def interrupted_saves(directory: str) -> list[str]:
     return sorted(p.name for p in folder.glob(f"*{PARTIAL_SUFFIX}"))
 
 
+CLOSE_AFTER_FAILURE_S = 20  # what a failed save's threads get to end before the process exits
+
+
+class SaveFailed(UsageError):
+    """A checkpoint could not be written (no permission, a full disk, a quota, the folder gone):
+    one line naming the folder, the step lost and the newest step kept; exit status 2."""
+
+    def __init__(self, directory: str, step: int | None, why: str, kept: int | None) -> None:
+        self.directory, self.step, self.kept = directory, step, kept
+        which = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        if kept is None:
+            keeps = "it holds no complete step"
+        else:
+            keeps = f"it keeps step {kept}, which the same command continues from"
+        super().__init__(f"{which} could not be saved in {directory} ({why}); {keeps}")
+
+
 class Manager(ocp.CheckpointManager):
     """orbax's CheckpointManager, which also writes each saved step's manifest once orbax has
     committed the step, in a thread of its own so that training goes on meanwhile.
@@ -125,10 +143,18 @@ class Manager(ocp.CheckpointManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
+        self._in_flight: int | None = None  # the step whose save may still be running
+        self.failed: SaveFailed | None = None
         super().__init__(*args, **kwargs)
 
     def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
-        saved = super().save(step, *args, **kwargs)
+        try:  # orbax first waits for the previous save, whose failure surfaces here
+            saved = super().save(step, *args, **kwargs)
+        except SaveFailed:
+            raise
+        except Exception as e:  # orbax and tensorstore raise many types for a failed write
+            raise self._failure(self._in_flight or step, e) from None
+        self._in_flight = step if saved else self._in_flight
         if saved and jax.process_index() == 0:
             self._manifest_thread = threading.Thread(
                 target=self._write_manifest, args=(step,), name=f"spmd_manifest_{step}"
@@ -137,10 +163,47 @@ class Manager(ocp.CheckpointManager):
         return saved
 
     def wait_until_finished(self) -> None:
-        super().wait_until_finished()
+        try:
+            super().wait_until_finished()
+        except Exception as e:
+            raise self._failure(self._in_flight, e) from None
         thread, self._manifest_thread = self._manifest_thread, None
         if thread is not None:
             thread.join()
+
+    def close(self) -> None:
+        """orbax's close: waits for the save in flight. After a failed save its threads may
+        never end (a write blocked on a read-only or full disk), so they get CLOSE_AFTER_FAILURE_S
+        seconds in a thread of their own, and the process does not wait for them."""
+        if self.failed is None:
+            try:
+                super().close()
+                return
+            except SaveFailed:
+                raise
+            except Exception as e:
+                raise self._failure(self._in_flight, e) from None
+        closing = threading.Thread(target=self._close_quietly, name="spmd_close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_AFTER_FAILURE_S)
+
+    def _close_quietly(self) -> None:
+        try:
+            super().close()
+        except Exception:  # the failure was reported already
+            pass
+
+    def _failure(self, step: int | None, error: BaseException) -> SaveFailed:
+        """The SaveFailed of `step`'s save (remembered: close stops waiting on it)."""
+        self.failed = SaveFailed(str(self.directory), step, error_line(error), self._kept())
+        return self.failed
+
+    def _kept(self) -> int | None:
+        try:
+            steps = complete_steps(str(self.directory))
+        except Exception:  # the folder itself is gone or unreadable
+            return None
+        return steps[-1] if steps else None
 
     def _write_manifest(self, step: int) -> None:
         try:
@@ -156,6 +219,7 @@ class Manager(ocp.CheckpointManager):
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
     """An async CheckpointManager over `directory` (a local path, or a gs:// s3:// file:// URL:
     orbax takes an etils.epath.Path) that keeps the newest max(keep, MIN_KEEP) steps."""
+    quiet_failed_saves()
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, MIN_KEEP)),
@@ -166,6 +230,26 @@ def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
         CONFIG: ocp.JsonCheckpointHandler(),
     }
     return Manager(paths.epath(directory), options=options, item_handlers=handlers)
+
+
+def quiet_failed_saves() -> None:
+    """Keep a failed save's tracebacks off the terminal: orbax's threads log each error they
+    meet (absl, with a traceback of a hundred lines each), and tensorstore's writes still
+    running call back into orbax's closed event loop ("Event loop is closed", like a failed
+    restore's reads: spmd.io.stray_reads). The Manager says in one line which step failed and
+    which is kept (SaveFailed), so orbax's records that carry a traceback are dropped."""
+    quiet_stray_reads()
+    absl = logging.getLogger("absl")
+    if not any(getattr(f, "spmd_quiet", False) for f in absl.filters):
+        absl.addFilter(_OrbaxTracebacks())
+
+
+class _OrbaxTracebacks(logging.Filter):
+    spmd_quiet = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = "orbax" in record.pathname.replace("\\", "/").split("/")
+        return not (from_orbax and record.levelno >= logging.ERROR)
 
 
 def save(
