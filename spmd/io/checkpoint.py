@@ -153,7 +153,7 @@ class Manager(ocp.CheckpointManager):
         except SaveFailed:
             raise
         except Exception as e:  # orbax and tensorstore raise many types for a failed write
-            raise self._failure(self._in_flight or step, e) from None
+            raise self._failure(step, e) from None  # the previous save's fails in the wait
         self._in_flight = step if saved else self._in_flight
         if saved and jax.process_index() == 0:
             self._manifest_thread = threading.Thread(
@@ -167,6 +167,7 @@ class Manager(ocp.CheckpointManager):
             super().wait_until_finished()
         except Exception as e:
             raise self._failure(self._in_flight, e) from None
+        self._in_flight = None
         thread, self._manifest_thread = self._manifest_thread, None
         if thread is not None:
             thread.join()
