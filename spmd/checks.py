@@ -291,8 +291,13 @@ def check_writable(flag: str, where: Path, given: str) -> None:
 
     try:
         if where.is_dir():
-            with tempfile.TemporaryFile(dir=where):
-                pass
+            try:
+                with tempfile.TemporaryFile(dir=where):
+                    pass
+            except OSError as e:
+                raise UsageError(
+                    f"{flag} {given}: cannot make files in {where} ({e.strerror})"
+                ) from None
             return
         mode = where.stat().st_mode
         if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):

@@ -67,17 +67,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         traceback.print_exc()
         code = 1
-    if code and (distributed.num_processes() > 1 or _threads_left()):
+    if distributed.num_processes() > 1 and code:
         # A failing process must not wait in JAX's shutdown barrier for peers that may never
-        # arrive (that would hang the job), nor for a failed save's threads (blocked on a
-        # read-only or full disk): leave now; spmd.launch stops the others.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # arrive (that would hang the job): leave now; spmd.launch stops the others.
+        leave(code)
     return code
 
 
-def _threads_left() -> bool:
+def leave(code: int) -> None:
+    """End the process now with `code`, its output flushed, waiting for no thread."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def threads_left() -> bool:
     """Whether a thread that Python's exit would wait for still runs (an orbax writer)."""
     import threading
 
@@ -366,4 +370,7 @@ if __name__ == "__main__":
     from spmd.log import survive_a_lost_console
 
     survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
-    sys.exit(main())
+    status = main()
+    if status and threads_left():  # a failed save's writer, blocked on a read-only or full disk
+        leave(status)
+    sys.exit(status)
