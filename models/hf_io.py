@@ -178,7 +178,9 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
         target = get(abstract_params, path)
 
         def host(entry: Entry, dtype: Any = target.dtype) -> np.ndarray:
-            return entry.to_spmd(checkpoint.tensors[entry.hf_name].read(), np.dtype(dtype))
+            value = entry.to_spmd(checkpoint.tensors[entry.hf_name].read(), np.dtype(dtype))
+            check_finite(value, entry.hf_name, checkpoint.path)
+            return value
 
         if path[0] == STACKED:
             value = _stacked(target, [(e.layer, lambda e=e: host(e)) for e in layer_entries])
@@ -188,6 +190,17 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
     if jax.tree.structure(params) != jax.tree.structure(abstract_params):
         raise ValueError("the HF tensor table does not cover every param of the model")
     return params
+
+
+def check_finite(value: np.ndarray, name: str, folder: Path) -> None:
+    """UsageError for a tensor holding NaN or infinities: such weights train and generate
+    nothing but NaN, and a checkpoint made of them would pass for a good one."""
+    if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+        bad = int(value.size - np.isfinite(value).sum())
+        raise UsageError(
+            f"{folder}: tensor {name} holds {bad} NaN or infinite value(s) of {value.size}; "
+            f"spmd reads only finite weights"
+        )
 
 
 def _to_devices(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -5,16 +5,16 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from models import family
-from spmd import config, paths
+from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
 from spmd.log import say
 from spmd.observe import profile
+from spmd.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
 
 
 def check_choices(cfg: Config) -> None:
@@ -49,7 +49,7 @@ def check_choices(cfg: Config) -> None:
 # Counts that must be at least 1, by flag (field) name, and those that may also be 0, with
 # what 0 means; a count read from a section (`seed` has its own range).
 POSITIVE = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
-POSITIVE += ("pp_virtual", "sync_every")
+POSITIVE += ("pp_virtual", "sync_every", "ref_batch")
 ZERO_MEANS = {
     "eval_every": "only at the end",
     "microbatches": "2 x pp",
@@ -74,6 +74,35 @@ def check_counts(cfg: Config) -> None:
     if rank < -1 or (processes and rank >= processes):
         valid = f"in [0, {processes})" if processes else ">= 0"
         raise UsageError(f"--process-id {rank} must be {valid}, or -1 (detect)")
+    check_job_flags(cfg.run)
+
+
+def check_job_flags(run: Any) -> None:
+    """UsageError unless --coordinator, --num-processes and --process-id describe a job
+    together: all three (a HOST:PORT, a count, a rank in it) or none of them (spmd.launch or a
+    cluster JAX detects says the rest), and a --coordinator-timeout of at least one second."""
+    from spmd.parallel import distributed
+
+    if run.coordinator_timeout < 1:
+        raise UsageError(
+            f"--coordinator-timeout {run.coordinator_timeout} must be at least 1 second"
+        )
+    given = {"--num-processes": run.num_processes > 0, "--process-id": run.process_id >= 0}
+    if not run.coordinator:
+        named = [flag for flag, on in given.items() if on]
+        if named:
+            raise UsageError(
+                f"{' and '.join(named)} without --coordinator HOST:PORT would train alone; give "
+                f"all three of --coordinator, --num-processes and --process-id, or none "
+                f"(spmd.launch and the clusters JAX detects set them)"
+            )
+        return
+    distributed.parse_coordinator(run.coordinator)
+    if not all(given.values()):
+        raise UsageError(
+            f"--coordinator {run.coordinator} needs --num-processes N and --process-id in "
+            f"[0, N) too"
+        )
 
 
 def check_parallel(cfg: Config) -> None:
@@ -82,14 +111,15 @@ def check_parallel(cfg: Config) -> None:
     the pipeline schedule, --bucket-mb."""
     from spmd.engine.step import check_executor
     from spmd.parallel import rules, schedules
-    from spmd.parallel.mesh import check_stage_zero, parse_mesh
+    from spmd.parallel.mesh import check_devices, check_stage_zero, parse_mesh
 
     p = cfg.parallel
     if p.zero not in rules.ZERO_STAGES:
         raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use {rules.ZERO_CHOICES}")
     check_stage_zero(p.zero, parse_mesh(p.mesh))
-    if p.dcn_mesh and -1 in parse_mesh(p.dcn_mesh, "--dcn-mesh").values():
-        raise UsageError(f"--dcn-mesh {p.dcn_mesh}: give each axis's host count; -1 is for --mesh")
+    check_devices(p.mesh, p.devices, processes_of(cfg))
+    if p.dcn_mesh:
+        check_dcn_mesh(p.mesh, p.dcn_mesh, processes_of(cfg))
     check_executor(p.collectives)
     if p.pp_schedule not in schedules.SCHEDULES:
         raise UsageError(
@@ -97,6 +127,38 @@ def check_parallel(cfg: Config) -> None:
         )
     if not 0 <= p.bucket_mb < math.inf:
         raise UsageError(f"--bucket-mb {p.bucket_mb} must be 0 (no buckets) or a size in MiB")
+
+
+def processes_of(cfg: Config) -> int:
+    """The job's process count as far as it is known before joining it: --num-processes, else
+    what spmd.launch says, else 0 (unknown)."""
+    import os
+
+    launched = os.environ.get("SPMD_NUM_PROCESSES", "")
+    return cfg.run.num_processes or (int(launched) if launched.isdigit() else 0)
+
+
+def check_dcn_mesh(mesh: str, dcn_mesh: str, processes: int) -> None:
+    """UsageError for a --dcn-mesh that --mesh cannot hold: an axis -1, an axis whose host ways
+    do not divide that axis of --mesh, or (the job's size known) ways whose product is not
+    the process count."""
+    from spmd.parallel.mesh import MESH_AXES, parse_mesh
+
+    dcn, sizes = parse_mesh(dcn_mesh, "--dcn-mesh"), parse_mesh(mesh)
+    if -1 in dcn.values():
+        raise UsageError(f"--dcn-mesh {dcn_mesh}: give each axis's host count; -1 is for --mesh")
+    for axis in MESH_AXES:
+        if dcn[axis] > 1 and sizes[axis] != -1 and sizes[axis] % dcn[axis]:
+            raise UsageError(
+                f"--dcn-mesh {dcn_mesh}: {dcn[axis]} host ways of {axis!r} do not divide its "
+                f"size {sizes[axis]} in --mesh {mesh}; give ways that divide each axis"
+            )
+    hosts = math.prod(dcn.values())
+    if processes and hosts != processes:
+        raise UsageError(
+            f"--dcn-mesh {dcn_mesh} spans {hosts} processes but the job has {processes}; make "
+            f"the product of its ways {processes}"
+        )
 
 
 def check_dcn_sync(cfg: Config) -> None:
@@ -165,7 +227,12 @@ def check_observability(cfg: Config) -> None:
     from spmd.observe import trackers
     from spmd.training import run_folder
 
+    if "" in (item.strip() for item in cfg.observe.tracker.split(",")):
+        raise UsageError(
+            f"--tracker {cfg.observe.tracker!r} has an empty item; separate names by one comma"
+        )
     trackers.check_names(run_folder.trackers(cfg))
+    check_run_name(cfg.run.run_name)
     # Written as `not (x >= 0)` so that NaN, which fails every comparison, is refused too.
     if not (0 <= cfg.observe.peak_tflops < math.inf):
         raise UsageError(
@@ -177,27 +244,13 @@ def check_observability(cfg: Config) -> None:
         raise UsageError(f"--straggler-threshold {cfg.observe.straggler_threshold} must be >= 0")
 
 
-def check_paths(cfg: Config) -> None:
-    """UsageError for an output path of the wrong kind, found before the run writes to it
-    (after compiling): a folder given as the --metrics file, or a file (or a path under a file)
-    where a folder is made."""
-    folders = {
-        "--checkpoint-dir": cfg.checkpoint.checkpoint_dir,
-        "--tensorboard": cfg.observe.tensorboard,
-        "--profile-dir": cfg.observe.profile_dir,
-        "--data-cache": cfg.data.data_cache,
-    }
-    for flag, path in [("--metrics", cfg.observe.metrics), *folders.items()]:
-        path = paths.local(path)
-        if not path or paths.is_url(path):  # a bucket is checked when it is written
-            continue
-        folder, given = flag != "--metrics", Path(path)
-        if given.exists() and given.is_dir() != folder:
-            kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file path")
-            raise UsageError(f"{flag} {path} is {kind}; give {wanted}")
-        above = next(a for a in given.absolute().parents if a.exists())
-        if not given.exists() and not above.is_dir():
-            raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
+def check_run_name(name: str) -> None:
+    """UsageError for a --run-name that is not one folder name inside the runs folder."""
+    if name and (name in (".", "..") or any(c in name for c in "/\\\0")):
+        raise UsageError(
+            f"--run-name {name!r} must be one folder name (no '/', '\\', '.' or '..'); give "
+            f"--run-dir to put the run folder elsewhere"
+        )
 
 
 def checkpoint_resumes(cfg: Config) -> bool:

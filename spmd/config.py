@@ -214,6 +214,26 @@ def load_toml(path: Any) -> dict[str, Any]:
 def build(cls: type, values: dict[str, Any], source: str) -> Any:
     """Instantiate dataclass `cls` from `values`, naming unknown keys, bad types, gaps."""
     types = _field_types(cls)
+    values = check_values(cls, values, source)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values and f.default is dataclasses.MISSING
+    ]
+    if missing:
+        raise UsageError(f"{source}: missing {', '.join(missing)}")
+    return cls(**{k: (float(v) if types[k] is float else v) for k, v in values.items()})
+
+
+# Every integer field is read by numpy, JAX or the OS as a signed 64-bit integer at most.
+INT64 = (-(2**63), 2**63)
+
+
+def check_values(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
+    """`values` (in their current meaning, `_current_value`) once each key is a field of `cls`
+    and each value of its type: a choice of its `Literal`, an integer within 64 bits.
+    UsageError naming the first that is not."""
+    types = _field_types(cls)
     values = {key: _current_value(key, value) for key, value in values.items()}
     for key, value in values.items():
         if key not in types:
@@ -230,14 +250,12 @@ def build(cls: type, values: dict[str, Any], source: str) -> Any:
         ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
         if not ok and not (kind is float and isinstance(value, int)):
             raise UsageError(f"{source}: {key} = {value!r} should be a {kind.__name__}")
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.name not in values and f.default is dataclasses.MISSING
-    ]
-    if missing:
-        raise UsageError(f"{source}: missing {', '.join(missing)}")
-    return cls(**{k: (float(v) if types[k] is float else v) for k, v in values.items()})
+        if kind in (int, float) and isinstance(value, int) and not INT64[0] <= value < INT64[1]:
+            raise UsageError(
+                f"{flag_name(key)} {value} is outside the 64-bit integers [-2**63, 2**63); give "
+                f"a value in range"
+            )
+    return values
 
 
 def _current_value(key: str, value: Any) -> Any:
@@ -347,8 +365,11 @@ def _tables_by_section(tables: dict[str, Any], sections: dict[str, type]) -> dic
                     near = difflib.get_close_matches(key, fields, n=1)
                     hint = f" (did you mean {near[0]!r}?)" if near else ""
                     raise UsageError(f"--config [{FLAT_TABLE}]: unknown key {key!r}{hint}")
+                check_values(sections[owner[key]], {key: value}, f"--config [{FLAT_TABLE}]")
                 given[owner[key]][key] = value
         elif table in sections:
+            if table != "model":  # the model family's check names the model's unknown keys
+                check_values(sections[table], values, f"--config [{table}]")
             given[table].update(values)
         else:
             raise UsageError(f"--config: unknown table [{table}]; expected {list(sections)}")

@@ -88,6 +88,10 @@ def run(argv: list[str] | None) -> int:
         )
     check_choices(cfg, where, to_spmd)
     cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
+    if to_spmd:
+        check_apart("--from-hf", cfg.from_hf, "--to", cfg.to)
+    else:
+        check_apart("--checkpoint", cfg.checkpoint, "--to-hf", cfg.to_hf)
     from models import family
     from spmd import weights
     from spmd.io import checkpoint, params_io
@@ -180,6 +184,18 @@ def export_text_files(checkpoint_dir: str, run_config: dict, folder: Path) -> li
     if not (folder / "generation_config.json").is_file():
         files += write_generation_config(folder, eos.ids(run_config.get(eos.KEY)))
     return files
+
+
+def check_apart(source_flag: str, source: str, target_flag: str, target: str) -> None:
+    """UsageError when the folder written is the folder read, or one holds the other: the
+    conversion would write into (or next to, and then over) its own input."""
+    read, written = Path(source).resolve(), Path(target).resolve()
+    if read == written or read in written.parents or written in read.parents:
+        relation = "is" if read == written else "is inside" if read in written.parents else "holds"
+        raise UsageError(
+            f"{target_flag} {target} {relation} {source_flag} {source}; write the conversion to "
+            f"a folder of its own"
+        )
 
 
 def write_generation_config(folder: Path, eos_ids: list[int]) -> list[Path]:

@@ -108,8 +108,15 @@ class Codec:
     def encode(self, text: str, specials: bool = True) -> list[int]:
         """`text`'s ids; `specials` False leaves out the tokens the tokenizer adds itself (a
         chat template writes its own)."""
-        if self.tokenizer is None:
-            return list(text.encode("utf-8"))
+        if self.tokenizer is None:  # the bytes given, UTF-8 or not (argv keeps others escaped)
+            return list(text.encode("utf-8", "surrogateescape"))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UsageError(
+                f"the prompt is not UTF-8 text (byte {e.start} of it); the tokenizer "
+                f"{self.path} reads text: give the prompt in UTF-8"
+            ) from None
         return self.tokenizer.encode(text, add_special_tokens=specials).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -149,6 +156,24 @@ def stop_ids(cfg: GenerateConfig, run_config: dict[str, Any], codec: Codec) -> t
     if not found and codec.tokenizer is not None:
         found = eos.of_tokenizer(codec.path, codec.tokenizer)
     return tuple(found)
+
+
+def shown(text: str) -> str:
+    """`text` as it can be printed: bytes that are not UTF-8 (kept escaped from the command
+    line) as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def check_vocab(prompts: list[list[int]], vocab: int) -> None:
+    """UsageError for a prompt token id the model has no embedding for (a byte above a
+    byte-level model's vocab)."""
+    for i, ids in enumerate(prompts):
+        beyond = [t for t in ids if not 0 <= t < vocab]
+        if beyond:
+            raise UsageError(
+                f"prompt {i + 1} has token id {beyond[0]}, beyond the model's vocab of {vocab}; "
+                f"give text the model's tokenizer maps into it"
+            )
 
 
 def encode_prompts(cfg: GenerateConfig, texts: list[str], codec: Codec) -> list[list[int]]:
@@ -259,6 +284,7 @@ def run(argv: list[str] | None) -> int:
     source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
     codec = codec_for(cfg, source.run_config, source.model.vocab_size)
     prompts = encode_prompts(cfg, texts, codec)
+    check_vocab(prompts, source.model.vocab_size)
     stops = stop_ids(cfg, source.run_config, codec)
     check_length(cfg, prompts, source, layout)
     if cfg.checkpoint:
@@ -267,7 +293,7 @@ def run(argv: list[str] | None) -> int:
         loaded = weights.from_hf(cfg.from_hf, layout)
     show = Stream(codec) if cfg.stream and len(prompts) == 1 else None
     if show is not None and not cfg.chat:  # a chat prints the reply only
-        print(texts[0], end="", flush=True)
+        print(shown(texts[0]), end="", flush=True)
     clock = decoding.Clock()
     completions = generate(
         loaded.program,
@@ -287,7 +313,7 @@ def run(argv: list[str] | None) -> int:
         for i, (text, ids) in enumerate(zip(texts, completions, strict=True)):
             if len(texts) > 1:
                 print(f"=== sample {i + 1} ===")
-            print(("" if cfg.chat else text) + codec.decode(ids), flush=True)
+            print(("" if cfg.chat else shown(text)) + codec.decode(ids), flush=True)
     print(speed_line(completions, clock, f"{loaded.source} on mesh {where.mesh}"), file=sys.stderr)
     return 0
 

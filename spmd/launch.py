@@ -13,9 +13,13 @@ process rank. The launcher owns its processes and never leaves one behind:
   kills what is left; a second signal kills them at once; the exit status is theirs;
 - a process makes no step for --hang-timeout seconds (a heartbeat file it touches after each
   step stops changing: a dead peer, a collective that never completes): the job is stopped
-  with a line naming the rank, exit status 124;
+  with a line naming the rank that stopped (a stopped process first, else the oldest step),
+  exit status 124; JAX's own heartbeat deadline is set beyond it, so this line comes first;
 - the launcher itself is killed (even SIGKILL): Linux sends each process SIGTERM
-  (PR_SET_PDEATHSIG), so none is orphaned.
+  (PR_SET_PDEATHSIG), so none is orphaned, and each stops after an agreed step and saves it
+  (spmd.train survives its lost console: spmd.log.survive_a_lost_console).
+
+-n and --devices-per-process are bounded by what the host can run, before anything starts.
 """
 
 from __future__ import annotations
@@ -75,10 +79,20 @@ def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
         raise UsageError("give the command to run after --, e.g. -- python -m spmd.train")
     if cfg.num_processes < 1:
         raise UsageError(f"-n {cfg.num_processes} must be a positive number of processes")
+    limit = process_limit()
+    if cfg.num_processes > limit:  # before any process starts
+        raise UsageError(
+            f"-n {cfg.num_processes}: this host can hold at most {limit} processes (its memory at "
+            f"{PROCESS_BYTES // 2**20} MiB each, its open-file and process limits); give fewer"
+        )
     if cfg.devices_per_process < 0:
         raise UsageError(
             f"--devices-per-process {cfg.devices_per_process} must be >= 0 (0: the command decides)"
         )
+    if cfg.devices_per_process:
+        from spmd.parallel.mesh import check_simulated
+
+        check_simulated(cfg.devices_per_process, f"--devices-per-process {cfg.devices_per_process}")
     for name in ("grace", "stop_timeout", "hang_timeout"):
         if not 0 <= getattr(cfg, name) < math.inf:  # NaN fails every comparison
             raise UsageError(
@@ -93,9 +107,33 @@ def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
     return cfg, command
 
 
+# What one process of a job takes at least: a Python interpreter with JAX imported.
+PROCESS_BYTES = 256 * 2**20
+RESERVED_FILES = 64  # the launcher's own open files, beside one pipe per process
+
+
+def process_limit() -> int:
+    """The most processes this host can run for one job: by its memory (PROCESS_BYTES each),
+    the launcher's open-file limit (a pipe per process) and the user's process limit."""
+    import resource
+
+    from spmd.observe.capacity import host_memory
+
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limits = [files - RESERVED_FILES if files != resource.RLIM_INFINITY else 2**20]
+    memory = host_memory()
+    if memory:
+        limits.append(memory // PROCESS_BYTES)
+    processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if processes != resource.RLIM_INFINITY:
+        limits.append(processes)
+    return max(1, min(limits))
+
+
 def start(cfg: LaunchConfig, command: list[str], heartbeats: str) -> list[subprocess.Popen]:
     """The N processes, each in its own process group (a signal to the launcher's terminal
     group reaches them only through the launcher, once), each told where its heartbeat goes."""
+    from spmd.parallel.distributed import HEARTBEAT_TIMEOUT_ENV
     from spmd.training.job import HEARTBEAT_ENV
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -109,6 +147,8 @@ def start(cfg: LaunchConfig, command: list[str], heartbeats: str) -> list[subpro
             "PYTHONUNBUFFERED": "1",
             HEARTBEAT_ENV: heartbeats,
         }
+        if cfg.hang_timeout:  # JAX's heartbeat deadline after the watchdog's (it names the rank)
+            env[HEARTBEAT_TIMEOUT_ENV] = str(int(cfg.hang_timeout) + JAX_HEARTBEAT_MARGIN_S)
         if cfg.devices_per_process:
             env["SPMD_LOCAL_DEVICES"] = str(cfg.devices_per_process)
         procs.append(
@@ -201,9 +241,12 @@ class Supervisor:
                 stop(self.procs, 0)
         hung = self.hung_rank()
         if hung is not None and not self.status:
+            why = "a dead peer or a collective that never completes"
+            if _stopped(self.procs[hung].pid):
+                why = "it is stopped: SIGSTOP or a debugger"
             say(
-                f"process {hung} made no step for {self.cfg.hang_timeout:g} s (a dead peer or a "
-                f"collective that never completes); stopping the job"
+                f"process {hung} made no step for {self.cfg.hang_timeout:g} s ({why}); stopping "
+                f"the job"
             )
             self.status = HUNG_EXIT
             stop(self.procs, self.cfg.grace)
@@ -220,20 +263,36 @@ class Supervisor:
         self.stop_deadline = time.monotonic() + self.cfg.stop_timeout
 
     def hung_rank(self) -> int | None:
-        """The first rank whose heartbeat is older than --hang-timeout (after its first step);
-        a process that has exited is not hung."""
+        """The rank that stopped the job once some heartbeat is older than --hang-timeout
+        (after the first step); a process that has exited is not hung. One stuck rank soon
+        stalls the others in their next collective, so every heartbeat goes stale: the one
+        named is a stopped process (SIGSTOP, a debugger) if any, else the one whose last step
+        is the oldest, the first to stop."""
         if not self.cfg.hang_timeout or self.stop_deadline is not None:
             return None
-        now = time.time()
+        now, beats = time.time(), {}
         for rank, proc in enumerate(self.procs):
             beat = self.heartbeats / str(rank)
             if proc.poll() is None and beat.exists():
-                if now - beat.stat().st_mtime > self.cfg.hang_timeout:
-                    return rank
-        return None
+                beats[rank] = beat.stat().st_mtime
+        if not beats or now - min(beats.values()) <= self.cfg.hang_timeout:
+            return None
+        stopped = [rank for rank in beats if _stopped(self.procs[rank].pid)]
+        return stopped[0] if stopped else min(beats, key=beats.get)
 
 
 HUNG_EXIT = 124  # as `timeout` reports a command it ended
+JAX_HEARTBEAT_MARGIN_S = 60
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T: SIGSTOP; t: a debugger), read from /proc
+    (False where there is none)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
 def say(text: str) -> None:

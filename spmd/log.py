@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 LOGGER = logging.getLogger("spmd")
 LEVELS: dict[str, int] = {
@@ -49,6 +50,48 @@ LOGGER.addHandler(_CONSOLE)
 LOGGER.setLevel(logging.INFO)
 LOGGER.propagate = False  # the root logger's handlers (absl's, a notebook's) would repeat lines
 _FILE: dict[str, logging.Handler | None] = {"handler": None}
+
+
+class _Tolerant:
+    """A console stream whose loss does not end the process: once a write or flush fails (the
+    reader gone: a launcher killed, `| head` done; EPIPE, EIO), it writes nothing more. The
+    rank files keep every line."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.lost = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.lost:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):  # ValueError: written after the stream was closed
+                self.lost = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.lost:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self.lost = True
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+def survive_a_lost_console() -> None:
+    """Keep this process going when whatever reads its stdout and stderr goes away (its
+    launcher SIGKILLed, a pipe closed): SIGPIPE ignored (then a write fails with EPIPE) and
+    Python's streams made to drop what they cannot write, so that a stop signal still ends
+    the run with its agreed step saved."""
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Tolerant):
+            setattr(sys, name, _Tolerant(stream))
 
 
 def set_primary(is_primary: bool) -> None:

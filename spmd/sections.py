@@ -42,6 +42,9 @@ class RunConfig:
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)
     num_processes: int = 0  # processes in the job (0: from spmd.launch or a cluster JAX detects)
     process_id: int = -1  # this process's rank (-1: detect)
+    # seconds to wait for the other processes of the job to join (the coordinator, every peer)
+    # before giving up with one line (jax.distributed's initialization timeout)
+    coordinator_timeout: int = 180
     # the run's folder: config.toml, metrics.jsonl, logs/, tensorboard/, checkpoints/, profile/
     # (empty: $SPMD_RUNS_DIR, else runs/, then --run-name; "none": no folder, only what the
     # path flags name); a path or a gs:// s3:// file:// URL

@@ -51,7 +51,7 @@ def start_processes(cfg: Config) -> int:
     from spmd.parallel import distributed
 
     n_processes = distributed.initialize(
-        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id
+        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id, cfg.run.coordinator_timeout
     )
     set_primary(distributed.process_id() == 0)
     return n_processes
@@ -70,10 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     if distributed.num_processes() > 1 and code:
         # A failing process must not wait in JAX's shutdown barrier for peers that may never
         # arrive (that would hang the job): leave now; spmd.launch stops the others.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(code)
     return code
+
+
+def leave(code: int) -> None:
+    """End the process now with `code`, its output flushed, waiting for no thread."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def threads_left() -> bool:
+    """Whether a thread that Python's exit would wait for still runs (an orbax writer)."""
+    import threading
+
+    main_thread = threading.main_thread()
+    return any(
+        t.is_alive() and not t.daemon and t is not main_thread for t in threading.enumerate()
+    )
 
 
 def run(argv: list[str] | None) -> int:
@@ -121,6 +136,9 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
+    from spmd.training.loop import check_eval_batches
+
+    check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
     from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
@@ -354,4 +372,10 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spmd.log import survive_a_lost_console
+
+    survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
+    status = main()
+    if status and threads_left():  # a failed save's writer, blocked on a read-only or full disk
+        leave(status)
+    sys.exit(status)

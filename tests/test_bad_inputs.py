@@ -17,6 +17,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +108,20 @@ CASES = [
     *map(train, ["--init-from-hf {hf_list}", "--init-from-hf {hf_no_layers}"]),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
+    # every value checked wherever it comes from (issue 46): TOML keys and values a flag
+    # overrides, integers past 64 bits, the job's flags together, the host's limits, paths
+    # that cannot be written
+    *map(train, ["--config {stepz_toml}", "--config {steps_ten_toml} --steps 3"]),
+    *map(train, ["--steps 99999999999999999999", "--mesh dp=9223372036854775808"]),
+    *map(train, ["--coordinator bogus --num-processes 2 --process-id 1", "--num-processes 2"]),
+    *map(train, ["--coordinator h:99999 --num-processes 2 --process-id 1", "--process-id 3"]),
+    *map(train, ["--coordinator 127.0.0.1:1234", "--coordinator-timeout 0", "--ref-batch -5"]),
+    *map(train, ["--dcn-mesh tp=2 --mesh dp=2", "--mesh dp=4 --dcn-mesh dp=3"]),
+    *map(train, ["--run-name ../../escape", "--run-name a/b", "--tracker tensorboard,,wandb"]),
+    *map(train, ["--devices 100000", "--mesh dp=100000", "--metrics /dev/full"]),
+    *map(train, ["--checkpoint-dir /proc/x", "--metrics /proc/x.jsonl", "--run-dir /proc/x"]),
+    *map(train, ["--data-cache /proc/x", "--tensorboard /proc/x"]),
+    train("--data {text} --seq-len 8 --eval-fraction 0.5 --eval-batches 1000"),
     # the planner
     *map(plan, ["--params inf", "--params nan", "--params 1", "--params 1e30"]),
     *map(plan, ["--hbm nan", "--hbm inf", "--overhead nan", "--latency inf"]),
@@ -125,6 +140,10 @@ CASES = [
     convert(f"--from-hf {UNTIED} --to {{binary}}", ()),
     convert("--checkpoint {checkpoint} --to-hf {tmp}/hf --step -1", ()),
     convert("--checkpoint {tmp}/missing --to-hf {tmp}/hf", ()),
+    convert("--checkpoint {checkpoint} --to-hf {checkpoint}", ()),
+    convert("--checkpoint {checkpoint} --to-hf {checkpoint}/hf", ()),
+    convert("--from-hf {hf_copy} --to {hf_copy}", ()),
+    Case("convert", "--from-hf {hf_nan} --to {tmp}/out --mesh dp=1", (), mesh=True),
     # generation
     *map(generate, ["--max-new-tokens 0", "--temperature nan", "--temperature inf"]),
     *map(generate, ["--temperature -1", "--top-k -1", "--step 3", "--seed -1"]),
@@ -142,12 +161,17 @@ CASES = [
     generate("--max-new-tokens 2044", mesh=True),  # "Hello" + 2044 = 2049
     generate("--top-k 100000", mesh=True),  # more than the vocab's 128
     generate("--chat", mesh=True),  # byte-level text: no chat template
+    generate("--prompt \udcff\udcfe\udcfa", mesh=True),  # bytes past the vocab's 128
+    generate("--devices 100000"),
+    generate("--from-hf {hf_nan} --prompt Hello --mesh dp=1", (), True),
     generate("--checkpoint {checkpoint} --prompt Hello --max-new-tokens 100000000", (), True),
     # the launcher
     *[Case("launch", f"-n 2 -- {command}") for command in ("{tmp}/missing", "no-such-program-x")],
     *[Case("launch", args) for args in ("-n 2 -- {text}", "-n 0 -- true", "-n 2")],
     *[Case("launch", f"-n 2 {flag} -- true") for flag in ("--grace -1", "--grace nan")],
     Case("launch", "-n 2 --devices-per-process -1 -- true"),
+    *[Case("launch", f"{n} -- true") for n in ("-n 99999999999999999999", "-n 100000")],
+    Case("launch", "-n 2 --devices-per-process 100000 -- true"),
     # the report of metrics files
     *map(report, ["{binary}", "{list_jsonl}", "{mesh_not_object}", "{step_not_number}"]),
     *map(report, ["{not_json}", "{summary_only}", "{tmp}/missing.jsonl", "{tmp}"]),
@@ -176,6 +200,8 @@ def files(tmp_path_factory) -> dict[str, str]:
         "mesh_not_object": b'{"kind": "config", "config": {}, "mesh": 3}\n{"kind": "train"}\n',
         "step_not_number": b'{"kind": "config", "config": {}, "mesh": {}}\n'
         b'{"kind": "train", "step": "x", "loss": 1.0}\n',
+        "stepz_toml": b"[run]\nstepz = 2\n",
+        "steps_ten_toml": b'[run]\nsteps = "ten"\n',
         "metrics": b'{"kind": "config", "config": {}, "mesh": {"data": 2}}\n'
         b'{"kind": "train", "step": 1, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 0.1}\n',
     }
@@ -195,6 +221,17 @@ def files(tmp_path_factory) -> dict[str, str]:
         (folder / "config.json").write_text(text)
         paths[name] = folder
     made_folders(root, paths)
+    paths["hf_copy"] = root / "hf_copy"
+    shutil.copytree(UNTIED, paths["hf_copy"])
+    paths["hf_nan"] = root / "hf_nan"  # NaN in the first tensor's first values
+    shutil.copytree(UNTIED, paths["hf_nan"])
+    from spmd.io import safetensors_io
+
+    shard = sorted(paths["hf_nan"].glob("*.safetensors"))[0]
+    info = next(iter(safetensors_io.read_header(shard)[0].values()))
+    with shard.open("r+b") as f:
+        f.seek(info.offset)
+        f.write(np.full(4, np.nan, info.dtype).tobytes())
     from spmd import convert as convert_command  # a good checkpoint (this is device work)
 
     paths["checkpoint"] = root / "converted"

@@ -202,3 +202,145 @@ def test_a_killed_rank_ends_the_job_and_leaves_its_checkpoints_whole(tmp_path):
     )
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert ": ok:" in verified.stdout
+
+
+# --- issue 46: every failure ends the process, within its bound, leaving no process ---------
+
+FOLLOW = """
+import os, pathlib, time
+beats = pathlib.Path(os.environ["SPMD_HEARTBEAT_DIR"])
+rank = os.environ["SPMD_PROCESS_ID"]
+# rank 1 steps every 0.2 s, rank 0 every 1 s; when rank 1 stops, rank 0 waits on it for ever
+# (a collective): rank 0's last step is then the older one, although rank 1 is the culprit
+(beats / rank).touch()
+print("stepping", flush=True)
+while True:
+    peer = beats / "1"
+    if rank == "1" or not peer.exists() or time.time() - peer.stat().st_mtime < 0.5:
+        (beats / rank).touch()
+    time.sleep(0.2 if rank == "1" else 1.0)
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_compiles(tmp_path_factory) -> dict[str, str]:
+    """The environment of the training runs below: one persistent compilation cache, so that
+    the second run of the same step skips its compile."""
+    cache = tmp_path_factory.mktemp("jax-cache")
+    return {
+        **ENV,
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "SPMD_RUNS_DIR": "none",
+    }
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
+
+
+def test_a_stopped_rank_is_the_one_the_watchdog_names():
+    """SIGSTOP of rank 1, whose peer then blocks: the launcher names rank 1 (not rank 0, whose
+    last step is older), ends the job with 124 within its bound and leaves no process."""
+    launcher = launch(sys.executable, "-c", FOLLOW, extra=("--hang-timeout", "2", "--grace", "1"))
+    lines: list[str] = []
+    read_until(launcher, r"\[\d\] stepping", lines)
+    read_until(launcher, r"\[\d\] stepping", lines)  # both ranks stepping
+    time.sleep(1)  # and rank 0's last step older than rank 1's
+    rank0, rank1 = ranks(launcher)
+    os.kill(rank1, signal.SIGSTOP)
+    started = time.monotonic()
+    out = "".join(lines) + launcher.communicate(timeout=30)[0]
+    assert launcher.returncode == 124, out
+    assert "process 1 made no step for 2 s (it is stopped: SIGSTOP" in out, out
+    assert time.monotonic() - started < 15
+    assert gone(rank0) and gone(rank1)
+
+
+def test_a_killed_launcher_leaves_its_process_to_stop_and_save(tmp_path, shared_compiles):
+    """SIGKILL of the launcher: the process loses its console (a broken pipe), gets SIGTERM
+    from the kernel, stops after its step and saves it; its log file says so."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2", "--steps", "2000"]
+    command += ["--run-dir", str(run_dir), "--checkpoint-every", "1000", "--tracker", "none"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "spmd.launch", "-n", "1", "--devices-per-process", "2", "--"]
+        + command,
+        cwd=ROOT,
+        env=shared_compiles,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    read_until(launcher, r"\[0\] step +3/", [])
+    child = int(
+        subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True
+        ).stdout.split()[0]
+    )
+    launcher.kill()
+    launcher.wait()
+    started = time.monotonic()
+    while not gone(child):
+        assert time.monotonic() - started < BOUND_S, "the process outlived its launcher"
+        time.sleep(0.2)
+    log = (run_dir / "logs" / "rank-00000.log").read_text()
+    saved = re.search(r"stopped after step (\d+) \(SIGTERM\); checkpoint saved", log)
+    assert saved, log[-2000:]
+    step = int(saved.group(1))
+    steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps == [step]
+
+
+def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path, shared_compiles):
+    """The checkpoint folder replaced by a file in the middle of a run (as a read-only or full
+    disk would fail a save, and root cannot be kept out of a folder by its mode): exit 2 within
+    30 s with one line naming the folder and the step kept, no traceback, no process left."""
+    checkpoints = tmp_path / "ck"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2", "--steps", "2000"]
+        + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2", "--devices", "2"],
+        cwd=ROOT,
+        env=shared_compiles,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    read_until(proc, r"^step +3/", [])
+    checkpoints.rename(tmp_path / "kept")
+    checkpoints.write_text("a file where the folder was")
+    started = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "ERROR:absl" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"could not be saved in {checkpoints}" in errors[0], out[-3000:]
+    assert gone(proc.pid)
+
+
+def test_a_job_that_never_forms_gives_up_after_the_coordinator_timeout():
+    """--coordinator with no process 0 behind it: a line at once, then exit 2 in one line
+    after --coordinator-timeout, not JAX's 300 s and a C++ stack dump."""
+    from spmd.launch import free_port
+
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "spmd.train", "--model", "tiny", "--steps", "2", "--batch", "8"]
+        + ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+        + ["--process-id", "1", "--coordinator-timeout", "1"],
+        cwd=ROOT,
+        env={**ENV, "SPMD_RUNS_DIR": "none"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("process 1: joining a job of 2 processes"), lines
+    assert lines[-1].startswith("error: no job formed") and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30

@@ -55,6 +55,7 @@ from spmd import paths
 from spmd.errors import UsageError
 from spmd.io import checkpoint_shapes as shapes
 from spmd.io import manifest, state_check
+from spmd.io.save_failures import CLOSE_AFTER_FAILURE_S, SaveFailed, quiet_failed_saves
 from spmd.io.stray_reads import quiet_stray_reads
 from spmd.log import warn
 
@@ -167,10 +168,18 @@ class Manager(ocp.CheckpointManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
+        self._in_flight: int | None = None  # the step whose save may still be running
+        self.failed: SaveFailed | None = None
         super().__init__(*args, **kwargs)
 
     def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
-        saved = super().save(step, *args, **kwargs)
+        try:  # orbax first waits for the previous save, whose failure surfaces here
+            saved = super().save(step, *args, **kwargs)
+        except SaveFailed:
+            raise
+        except Exception as e:  # orbax and tensorstore raise many types for a failed write
+            raise self._failure(step, e) from None  # the previous save's fails in the wait
+        self._in_flight = step if saved else self._in_flight
         if saved and jax.process_index() == 0:
             self._manifest_thread = threading.Thread(
                 target=self._write_manifest, args=(step,), name=f"spmd_manifest_{step}"
@@ -186,10 +195,48 @@ class Manager(ocp.CheckpointManager):
         ]
 
     def wait_until_finished(self) -> None:
-        super().wait_until_finished()
+        try:
+            super().wait_until_finished()
+        except Exception as e:
+            raise self._failure(self._in_flight, e) from None
+        self._in_flight = None
         thread, self._manifest_thread = self._manifest_thread, None
         if thread is not None:
             thread.join()
+
+    def close(self) -> None:
+        """orbax's close: waits for the save in flight. After a failed save its threads may
+        never end (a write blocked on a read-only or full disk), so they get CLOSE_AFTER_FAILURE_S
+        seconds in a thread of their own, and the process does not wait for them."""
+        if self.failed is None:
+            try:
+                super().close()
+                return
+            except SaveFailed:
+                raise
+            except Exception as e:
+                raise self._failure(self._in_flight, e) from None
+        closing = threading.Thread(target=self._close_quietly, name="spmd_close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_AFTER_FAILURE_S)
+
+    def _close_quietly(self) -> None:
+        try:
+            super().close()
+        except Exception:  # the failure was reported already
+            pass
+
+    def _failure(self, step: int | None, error: BaseException) -> SaveFailed:
+        """The SaveFailed of `step`'s save (remembered: close stops waiting on it)."""
+        self.failed = SaveFailed(str(self.directory), step, error_line(error), self._kept())
+        return self.failed
+
+    def _kept(self) -> int | None:
+        try:
+            steps = complete_steps(str(self.directory))
+        except Exception:  # the folder itself is gone or unreadable
+            return None
+        return steps[-1] if steps else None
 
     def _write_manifest(self, step: int) -> None:
         try:
@@ -205,6 +252,7 @@ class Manager(ocp.CheckpointManager):
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
     """An async CheckpointManager over `directory` (a local path, or a gs:// s3:// file:// URL:
     orbax takes an etils.epath.Path) that keeps the newest max(keep, MIN_KEEP) steps."""
+    quiet_failed_saves()
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(max(keep, MIN_KEEP)),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from spmd import paths
+from spmd.errors import UsageError
 from spmd.log import is_primary, warn
 from spmd.observe.trackers import one_line
 
@@ -38,15 +39,25 @@ class MetricsLog:
 
     def __init__(self, path: str = "", append: bool = False, trackers: Sequence[Any] = ()) -> None:
         self._file: IO[str] | None = None
+        self.path = path
         if path and is_primary():
-            self._file = paths.open_file(path, "a" if append else "w")
+            try:
+                self._file = paths.open_file(path, "a" if append else "w")
+            except OSError as e:
+                raise UsageError(f"--metrics {path}: cannot write it ({e.strerror or e})") from None
         self._trackers = list(trackers)  # open_trackers opens them on process 0 only
 
     def write(self, kind: str, **fields: Any) -> None:
         if self._file is not None:
             record = strict_json({"kind": kind, **fields})
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record, allow_nan=False) + "\n")
+                self._file.flush()
+            except OSError as e:  # a full disk, a quota: the run ends with one line (exit 2)
+                self._drop_file()
+                raise UsageError(
+                    f"--metrics {self.path}: cannot write a {kind} record ({e.strerror or e})"
+                ) from None
         for tracker in list(self._trackers):
             self._guarded(tracker, "write", kind, fields)
 
@@ -58,6 +69,16 @@ class MetricsLog:
             if tracker in self._trackers:
                 self._trackers.remove(tracker)
             warn(f"warning: tracker {tracker.name} failed ({one_line(e)}); going on without it")
+
+    def _drop_file(self) -> None:
+        """Close the file after a failed write, its unwritten buffer given up."""
+        file, self._file = self._file, None
+        if file is None:
+            return
+        try:
+            file.close()
+        except OSError:  # the same failure again, flushing what could not be written
+            pass
 
     def close(self) -> None:
         if self._file is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -89,11 +90,34 @@ def local_devices_from_env() -> int:
     return int(os.environ.get("SPMD_LOCAL_DEVICES", "0"))
 
 
-def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> int:
+def parse_coordinator(address: str) -> tuple[str, int]:
+    """(host, port) of a --coordinator HOST:PORT; UsageError for anything else."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(
+            f"--coordinator {address!r} is not HOST:PORT with a port in 1..65535, e.g. "
+            f"10.0.0.1:1234"
+        )
+    return host, int(port)
+
+
+# Set by spmd.launch: the seconds of missed heartbeats after which JAX's coordination service
+# declares a process dead, above the launcher's --hang-timeout so that its watchdog, which
+# names the stopped rank in one line, acts first.
+HEARTBEAT_TIMEOUT_ENV = "SPMD_JAX_HEARTBEAT_S"
+JAX_HEARTBEAT_S = 100  # jax.distributed.initialize's own default
+
+
+def initialize(
+    coordinator: str = "", num_processes: int = 0, process_id: int = -1, timeout_s: int = 180
+) -> int:
     """Start jax.distributed if this is a multi-process job (flags, spmd.launch, or a cluster
-    JAX detects; see the module's text); return the number of processes."""
+    JAX detects; see the module's text); return the number of processes. `timeout_s`: the
+    seconds to wait for every process to join before a UsageError says who did not."""
+    launched = False  # spmd.launch starts every process at once: no wait worth a line
     if not coordinator:
         env = cluster_from_env()
+        launched = env is not None
         if env is not None:
             coordinator = str(env["coordinator"])
             num_processes, process_id = int(env["num_processes"]), int(env["process_id"])
@@ -103,10 +127,18 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
                 f"--coordinator {coordinator} needs --num-processes N >= 1 and --process-id in "
                 f"[0, N); got {num_processes} and {process_id}"
             )
+        parse_coordinator(coordinator)
         if num_processes == 1:
             return 1
         _without_preemption_service()
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        if not launched:
+            print(
+                f"process {process_id}: joining a job of {num_processes} processes at "
+                f"coordinator {coordinator} (waiting up to {timeout_s} s, --coordinator-timeout)",
+                file=sys.stderr,
+                flush=True,
+            )
+        _join(timeout_s, coordinator, num_processes=num_processes, process_id=process_id)
         _JOB.update(num_processes=num_processes, process_id=process_id)
         return num_processes
     cluster = detected_cluster()
@@ -114,7 +146,7 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
         _refuse_an_undetected_job()
     else:
         _without_preemption_service()
-        jax.distributed.initialize()  # the same detection again: the coordinator, rank, devices
+        _join(timeout_s)  # the same detection again: the coordinator, rank, devices
         # What it found, read where it keeps it: jax.process_count() would start the backend,
         # before spmd.parallel.mesh sets how many CPU devices to simulate.
         from jax._src import distributed
@@ -125,6 +157,46 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
             print(f"joined a {cluster[0]} job of {cluster[1]} processes", file=sys.stderr)
         return state.num_processes
     return 1
+
+
+def _join(timeout_s: int, coordinator: str | None = None, **job: Any) -> None:
+    """jax.distributed.initialize, given up after `timeout_s` seconds with one line and exit
+    status 2. JAX itself does not raise when a peer or the coordinator never answers: its C++
+    client ends the process (status 134, a stack dump) once its own deadline passes, so a
+    watchdog thread ends it first, and says every WAIT_NOTE_S seconds that it still waits."""
+    heartbeat = int(os.environ.get(HEARTBEAT_TIMEOUT_ENV, JAX_HEARTBEAT_S))
+    joined = threading.Event()
+    where = f"coordinator {coordinator}" if coordinator else "the detected cluster"
+
+    def watch() -> None:
+        waited = 0.0
+        while not joined.wait(min(WAIT_NOTE_S, timeout_s - waited)):
+            waited = min(waited + WAIT_NOTE_S, timeout_s)
+            if waited >= timeout_s:
+                print(
+                    f"error: no job formed at {where} within --coordinator-timeout {timeout_s} "
+                    f"s: process 0 or a peer did not start, or the address is wrong",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(2)
+            print(f"still waiting for the job at {where} ({waited:g} s)", file=sys.stderr)
+
+    threading.Thread(target=watch, name="spmd_join_watchdog", daemon=True).start()
+    try:
+        jax.distributed.initialize(
+            coordinator,
+            # JAX's own deadline after the watchdog's, so that the watchdog speaks first
+            initialization_timeout=timeout_s + JAX_DEADLINE_MARGIN_S,
+            heartbeat_timeout_seconds=heartbeat,
+            **job,
+        )
+    finally:
+        joined.set()
+
+
+WAIT_NOTE_S = 30  # seconds between "still waiting" lines while the job forms
+JAX_DEADLINE_MARGIN_S = 30
 
 
 # What launchers tell each of their processes about the job's size, whatever JAX detects.

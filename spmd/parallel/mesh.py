@@ -57,6 +57,7 @@ def check_section(section: Any) -> None:
     if section.zero not in ZERO_STAGES:
         raise UsageError(f"--zero {section.zero} is not a ZeRO stage; use {ZERO_CHOICES}")
     check_stage_zero(section.zero, parse_mesh(section.mesh))
+    check_devices(section.mesh, section.devices)
 
 
 def check_stage_zero(zero: int, sizes: dict[str, int], flag: str = "--mesh") -> None:
@@ -67,6 +68,17 @@ def check_stage_zero(zero: int, sizes: dict[str, int], flag: str = "--mesh") -> 
             f"--zero 0 (plain DDP) shards nothing over fsdp, but {flag} has fsdp="
             f"{sizes['fsdp']}: put those devices on dp (dp={sizes['fsdp']}) or use --zero 1, 2 or 3"
         )
+
+
+def check_devices(mesh: str, devices: int, n_processes: int = 1) -> None:
+    """UsageError for a --mesh that does not parse, or one (or a --devices) that would make a
+    CPU-only process simulate more devices than the host can start."""
+    sizes = parse_mesh(mesh)
+    if devices:
+        check_simulated(devices, f"--devices {devices}")
+    needed = devices_needed(sizes)
+    if not devices and needed and cpu_only():
+        check_simulated(needed // max(n_processes, 1), f"--mesh {mesh}")
 
 
 def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
@@ -95,6 +107,11 @@ def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
         if not re.fullmatch(r"-?[0-9]+", value.strip()):
             raise UsageError(f"{flag} {spec!r}: size {value!r} of {axis!r} is not an integer")
         size = int(value)
+        if size >= MAX_AXIS_SIZE:
+            raise UsageError(
+                f"{flag} {spec!r}: size {size} of {axis!r} is beyond any device count (at most "
+                f"{MAX_AXIS_SIZE - 1})"
+            )
         if size < 1 and size != -1:
             raise UsageError(
                 f"{flag} {spec!r}: size {size} of {axis!r} must be a positive integer or -1"
@@ -104,6 +121,24 @@ def parse_mesh(spec: str, flag: str = "--mesh") -> dict[str, int]:
     if list(sizes.values()).count(-1) > 1:
         raise UsageError(f"{flag} {spec!r}: only one axis may be -1 (the rest of the devices)")
     return sizes
+
+
+# An axis size beyond 2**31 is no device count (and past 2**63 no integer numpy can hold).
+MAX_AXIS_SIZE = 2**31
+# XLA's CPU client takes about 100 KB and 2 ms per simulated device to start, growing faster
+# than linearly (4096 devices: 9 s and 0.6 GB; 100000 would take minutes and 10 GB before any
+# check could refuse a mesh), so one process simulates at most this many.
+MAX_SIMULATED_DEVICES = 4096
+
+
+def check_simulated(count: int, flag: str) -> None:
+    """UsageError when `count` simulated CPU devices per process is more than a process can
+    start (`flag` names what asked for them); checked before anything is allocated."""
+    if count > MAX_SIMULATED_DEVICES:
+        raise UsageError(
+            f"{flag} asks for {count} simulated CPU devices in one process, more than a process "
+            f"can start (at most {MAX_SIMULATED_DEVICES}); give a smaller count or mesh"
+        )
 
 
 def resolve_mesh(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
@@ -273,6 +308,7 @@ def setup_mesh(mesh: str, devices: int = 0, dcn_mesh: str = "", n_processes: int
             f"share evenly; use a mesh whose product is a multiple of {n_processes}"
         )
     local = devices or distributed.local_devices_from_env()
+    check_devices(mesh, local, n_processes)
     if local:
         if not cpu_only():
             raise UsageError(

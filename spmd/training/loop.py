@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
@@ -75,7 +76,7 @@ class Run:
         return bool(self.windows.n_eval or self.eval_sets)
 
 
-def make_evaluator(run: Run) -> Callable[[Any, int], float]:
+def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
     """evaluate(params, step): the mean loss over --eval-batches held-out batches, logged and
     printed, and that of each named eval set (their record's `losses`; `loss` is the held-out
     split's, else the first set's). The eval step is compiled on first use: runs without an
@@ -86,7 +87,7 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
     program = run.program
     compiled_eval: list[Any] = []
 
-    def evaluate(params: Any, step: int) -> float:
+    def evaluate(params: Any, step: int) -> float | None:
         if not compiled_eval:
             abstract_batch = program.abstract_batch(run.cfg.run.batch, run.cfg.run.seq_len)
             compiled_eval.append(
@@ -96,15 +97,17 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
         sets = {"held-out": run.windows} if run.windows.n_eval else {}
         losses = {}
         for name, windows in {**sets, **run.eval_sets}.items():
-            batches = [
-                data.global_batch(
-                    windows, data.eval_window_ids(i, run.cfg.run.batch, windows), sharding
-                )
-                for i in range(run.cfg.data.eval_batches)
-            ]
-            losses[name] = float(
-                np.mean(jax.device_get([compiled_eval[0](params, b) for b in batches]))
-            )
+            # one batch at a time, the sum kept on the device: memory does not grow with
+            # --eval-batches, and the host never waits between batches
+            total = None
+            for i in range(run.cfg.data.eval_batches):
+                if interrupted(run):
+                    say(f"eval at step {step} cut short by {run.stop.signals.received}")
+                    return None
+                ids = data.eval_window_ids(i, run.cfg.run.batch, windows)
+                loss = compiled_eval[0](params, data.global_batch(windows, ids, sharding))
+                total = loss if total is None else total + loss
+            losses[name] = float(np.asarray(jax.device_get(total))) / run.cfg.data.eval_batches
         loss = next(iter(losses.values()))
         if run.eval_sets:
             run.log.write("eval", step=step, loss=loss, losses=losses)
@@ -115,6 +118,29 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float]:
         return loss
 
     return evaluate
+
+
+def interrupted(run: Run) -> bool:
+    """Whether a stop signal reached this process while it runs alone: its eval then ends at
+    once (a job's processes run the same eval batches, whose collectives need them all, so
+    they stop at the next agreed step instead, after an eval bounded by its windows)."""
+    return run.stop.client is None and bool(run.stop.signals.received)
+
+
+def check_eval_batches(eval_batches: int, sets: dict[str, Any]) -> None:
+    """UsageError when --eval-batches is more than the windows of an eval set (each batch
+    holds one window at least; past that every window is counted again and the eval only
+    takes longer, without bound). The default count stays valid on a small corpus, whose
+    batches wrap around its few windows."""
+    from spmd.sections import DataConfig
+
+    for name, windows in sets.items():
+        limit = max(windows.n_eval, DataConfig.eval_batches)
+        if windows.n_eval and eval_batches > limit:
+            raise UsageError(
+                f"--eval-batches {eval_batches} is more than the {windows.n_eval} windows of the "
+                f"{name} eval set; give at most {limit}"
+            )
 
 
 @dataclasses.dataclass
@@ -308,7 +334,8 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             progress.rewind(response.step)
             continue
         if evaluating:
-            eval_loss = evaluate(state["params"], step)
+            measured = evaluate(state["params"], step)
+            eval_loss = eval_loss if measured is None else measured
             progress.restart_clock()  # eval time is not step time
         if saving:
             reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
