@@ -43,9 +43,12 @@ class Item:
     timeout: float  # seconds
     read: Callable[[Path, str], dict]  # (work folder, output) -> figures
     needs: str = ""  # "torch", "devices", "fp8": skipped where that is missing
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the environment
 
 
-def bench_item(name: str, flags: list[str], timeout: float = 75, needs: str = "") -> Item:
+def bench_item(
+    name: str, flags: list[str], timeout: float = 75, needs: str = "", env: dict | None = None
+) -> Item:
     def command(work: Path) -> list[str]:
         return [*BENCH, *flags, "--json", str(work / f"{name}.json")]
 
@@ -55,7 +58,7 @@ def bench_item(name: str, flags: list[str], timeout: float = 75, needs: str = ""
             raise RuntimeError(result["error"][-1])
         return result
 
-    return Item(name, command, timeout, read, needs)
+    return Item(name, command, timeout, read, needs, env or {})
 
 
 def train_command(work: Path) -> list[str]:
@@ -114,6 +117,11 @@ def gpu_items() -> list[Item]:
         bench_item("bench_none_unfused", ["--remat", "none", "--loss-chunk", "0"]),
         Item("train_profile", train_command, 120, read_train),
         bench_item("bench_full", ["--remat", "full"]),
+        # the layer scan's memcpys (docs/speed.md): no scan at all, and XLA letting cuBLAS write
+        # into / read from the stacked residuals in place (dynamic-slice fusion)
+        bench_item("bench_unrolled", ["--remat", "none", "--scan-layers", "false"], 100),
+        bench_item("bench_slice_fusion", ["--remat", "none"],
+                   env={"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}),
         bench_item("bench_long", ["--remat", "none", "--batch", "2", "--seq-len", "8192"]),
         bench_item("bench_batch16", ["--remat", "full", "--batch", "16"], 90),
         Item("torch_eager", lambda w: [*TORCH, str(BENCHMARKS / "torch_gpu.py")], 90,
@@ -173,7 +181,9 @@ def missing(need: str) -> str:
 def run_item(item: Item, work: Path, timeout: float) -> dict[str, Any]:
     """{"status": ok | failed | timeout, "seconds", figures..., "tail" on failure}."""
     started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **item.env}
+    if "XLA_FLAGS" in item.env:  # the item's flags after the caller's
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {item.env['XLA_FLAGS']}".strip()
     try:
         done = subprocess.run(
             item.command(work), cwd=ROOT, env=env, capture_output=True, text=True,
@@ -228,6 +238,11 @@ def verdicts(results: dict[str, dict]) -> dict[str, Any]:
         f, w = fused["median_s"]["spmd"], whole["median_s"]["spmd"]
         out["fused_loss_default_on_gpu"] = "on" if f <= w * 1.01 else "off (slower)"
         out["fused_over_unfused"] = round(f / w, 3)
+    for variant in ("bench_unrolled", "bench_slice_fusion"):
+        other = results.get(variant, {})
+        if fused.get("status") == other.get("status") == "ok":
+            ratio = other["median_s"]["spmd"] / fused["median_s"]["spmd"]
+            out[f"{variant}_over_bench_none"] = round(ratio, 3)
     train = results.get("train_profile", {})
     if fused.get("status") == train.get("status") == "ok":
         bench = fused["median_s"]["spmd"]
