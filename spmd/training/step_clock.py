@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from typing import Any
 
 INCLUDES = ("compile", "eval", "save", "profile")
 
@@ -75,7 +76,7 @@ class StepClock:
         plain = [t for s, t in self.times.items() if not self.includes[s]]
         return plain or list(self.times.values())
 
-    def summary(self) -> dict[str, float | int | dict[str, int]]:
+    def summary(self) -> dict[str, Any]:
         """median_step_time_s and p90_step_time_s of the plain steps, plain_steps (how many),
         timed_steps (all steps timed in this process) and marked_steps (how many steps include
         each thing; a step may include several)."""
