@@ -147,8 +147,11 @@ def gpu_items() -> list[Item]:
     ]  # fmt: skip
 
 
+FAIL = "import sys; print('a line before'); sys.exit('smoke: this item fails on purpose')"
+
+
 def smoke_items() -> list[Item]:
-    """The CPU-only parts, tiny: one bench that must work, one that must fail with its tail."""
+    """The CPU-only parts, tiny: a bench that must work, an item that must fail with its tail."""
     tiny = ["--model", "tiny", "--n-layers", "1", "--batch", "4", "--seq-len", "16"]
     bench = [sys.executable, "-m", "spmd.bench", *tiny, "--steps", "2", "--rounds", "1"]
 
@@ -158,7 +161,7 @@ def smoke_items() -> list[Item]:
     return [
         Item("bench_tiny", lambda w: [*bench, *data(w), "--json", str(w / "bench_tiny.json")],
              120, lambda w, o: json.loads((w / "bench_tiny.json").read_text())),
-        Item("bench_bad", lambda w: [*bench, "--batch", "0"], 60, lambda w, o: {}),
+        Item("must_fail", lambda w: [sys.executable, "-c", FAIL], 60, lambda w, o: {}),
     ]  # fmt: skip
 
 

@@ -12,10 +12,10 @@ def test_the_smoke_check_writes_figures_and_the_tail_of_a_failure(tmp_path, caps
     import gpu_check
 
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--smoke", "--out", str(out)]) == 1  # bench_bad must fail
+    assert gpu_check.main(["--smoke", "--out", str(out)]) == 1  # must_fail fails
     items = json.loads(out.read_text())["items"]
-    tiny, bad = items["bench_tiny"], items["bench_bad"]
+    tiny, bad = items["bench_tiny"], items["must_fail"]
     assert tiny["status"] == "ok" and tiny["median_s"]["spmd"] > 0, tiny
-    assert bad["status"] == "failed" and any("--batch 0" in line for line in bad["tail"]), bad
+    assert bad["status"] == "failed" and bad["tail"][-1] == "smoke: this item fails on purpose"
     printed = capsys.readouterr().out
-    assert "bench_tiny" in printed and "ms, bare" in printed and "--batch 0" in printed
+    assert "bench_tiny" in printed and "ms, bare" in printed and "fails on purpose" in printed
