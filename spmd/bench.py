@@ -123,7 +123,8 @@ def error_tail(error: BaseException, lines: int = 12) -> list[str]:
     import traceback
 
     text = "".join(traceback.format_exception(error)).rstrip().splitlines()
-    return [line for line in text if line.strip()][-lines:]
+    # JAX closes its filtered tracebacks with a line of dashes: the message is above it
+    return [line for line in text if line.strip(" -")][-lines:]
 
 
 def write_json(path: str, result: dict) -> None:
