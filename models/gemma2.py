@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hf_gemma2, llama, llama_decode, lora
+from models import fused_loss, hf_gemma2, llama, llama_decode, lora
 from models.attention import (
     CACHE_NAMES,
     Attention,
@@ -95,6 +95,9 @@ class Gemma2Config:
     remat: Remat = "none"
     # true: the stacked layers run as one loop (compile time flat in depth); false: unrolled
     scan_layers: bool = True
+    # the output layer and loss over chunks of this many vocabulary columns, each soft-capped
+    # and recomputed in the backward pass (models/fused_loss.py); 0: the whole logits at once
+    loss_chunk: int = fused_loss.DEFAULT_CHUNK
     family: str = "gemma2"  # the model family this config describes (models.family)
 
     tie_embeddings = True  # not a field: Gemma's output head is always the embedding
@@ -124,6 +127,7 @@ class Gemma2Config:
             remat=self.remat,
             qk_norm=self.qk_norm,
             norms_per_block=4,
+            loss_chunk=self.loss_chunk,
         )
 
     @property
@@ -140,6 +144,7 @@ def check(cfg: Gemma2Config) -> None:
             rope_theta=cfg.rope_theta,
             norm_eps=cfg.norm_eps,
             remat=cfg.remat,
+            loss_chunk=cfg.loss_chunk,
         )
     )
     positive = ("rope_local_theta", "query_pre_attn_scalar")
@@ -341,11 +346,9 @@ class Gemma(llama.Llama):
         (x, _), _ = scan_layers(layer, start, block_state, policy, not self.cfg.scan_layers)
         return x
 
-    def head_logits(self, x: jax.Array) -> jax.Array:
-        """llama.Llama's tied head, the logits soft-capped by final_softcap (fp32)."""
-        logits = super().head_logits(x)
-        cap = self.cfg.final_softcap
-        return cap * jnp.tanh(logits / cap) if cap else logits
+    def logit_softcap(self) -> float:
+        """final_softcap: llama.Llama's head (fused or not) caps the logits by it."""
+        return self.cfg.final_softcap
 
 
 def create(cfg: Gemma2Config, seed: int, dtype: Any = jnp.float32) -> Gemma:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import fused_loss
 from models.attention import Attention, segment_positions
 from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu
 from models.layers import param as _param
@@ -79,6 +80,10 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # RMS norm of each q and k head over head_dim, before rotary (Qwen3)
     sliding_window: int = 0  # attend to this many positions, the own included (0: all; Mistral)
+    # the output layer and loss run over chunks of this many vocabulary columns, each chunk's
+    # logits recomputed in the backward pass, so the [tokens, vocab] logits never exist whole
+    # (models/fused_loss.py); 0: unfused, the whole logits at once
+    loss_chunk: int = fused_loss.DEFAULT_CHUNK
 
     def n_params(self) -> int:
         """Parameter count (number of scalars)."""
@@ -111,6 +116,7 @@ class LlamaConfig:
             remat=self.remat,
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
+            loss_chunk=self.loss_chunk,
         )
 
 
@@ -139,6 +145,10 @@ def check(cfg: LlamaConfig) -> None:
     if cfg.sliding_window < 0:
         raise UsageError(
             f"--sliding-window {cfg.sliding_window} must be a number of positions, or 0 (none)"
+        )
+    if cfg.loss_chunk < 0:
+        raise UsageError(
+            f"--loss-chunk {cfg.loss_chunk} must be a number of vocabulary columns, or 0 (unfused)"
         )
     check_rope(cfg)
 
@@ -272,15 +282,40 @@ class Llama(nnx.Module):
         return x
 
     def head_logits(self, x: jax.Array) -> jax.Array:
-        """Final norm and output head: activations [batch, length, embed] -> fp32 logits."""
+        """Final norm and output head: activations [batch, length, embed] -> fp32 logits
+        (soft-capped where `logit_softcap` is not 0)."""
+        return self.logits_of(*self.head_parts(x))
+
+    def head_parts(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """What the head multiplies: (the normed activations [batch, length, embed], through
+        Megatron's f; the head [embed, vocab], this device's vocabulary block when split)."""
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
             head = constrain(gather(self.embed), ("vocab", "embed")).T
         else:
             head = gather(self.lm_head)
-        x = constrain(tp_enter(x, "vocab"), WHOLE)  # column-parallel head: local vocab slice
-        logits = dense(x, head)
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return constrain(tp_enter(x, "vocab"), WHOLE), head  # column-parallel: local vocab
+
+    def logits_of(self, x: jax.Array, head: jax.Array) -> jax.Array:
+        """fp32 logits of `head_parts`' (x, head), soft-capped."""
+        logits = dense(x, head).astype(jnp.float32)
+        cap = self.logit_softcap()
+        logits = cap * jnp.tanh(logits / cap) if cap else logits
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def logit_softcap(self) -> float:
+        """The cap of the output logits, cap * tanh(logits / cap) (0: none; Gemma sets one)."""
+        return 0.0
+
+    def token_losses(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """Per-token cross-entropy (fp32 [batch, length]) of the blocks' output x against
+        `targets`: fused over vocabulary chunks (models/fused_loss.py) where the config's
+        loss_chunk is narrower than the vocabulary, else through the whole logits."""
+        x, head = self.head_parts(x)
+        if fused_loss.fuses(self.cfg.vocab_size, self.cfg.loss_chunk):
+            softcap = self.logit_softcap()
+            return fused_loss.token_losses(x, head, targets, self.cfg.loss_chunk, softcap)
+        return cross_entropy(self.logits_of(x, head), targets)
 
 
 def lookup_embeddings(table: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
@@ -322,7 +357,8 @@ def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     Optional keys: "segments" (document ids: attention within documents) and "weights"
     (per-target loss weights, e.g. a prompt/response loss mask scaled by the data pipeline so
     that this mean is the mean over the counted tokens)."""
-    losses = cross_entropy(model(batch["inputs"], batch.get("segments")), batch["targets"])
+    x = model.apply_blocks(model.embed_tokens(batch["inputs"]), batch.get("segments"))
+    losses = model.token_losses(x, batch["targets"])
     if "weights" in batch:
         losses = losses * batch["weights"]
     return jnp.mean(losses)

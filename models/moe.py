@@ -312,8 +312,10 @@ def lm_loss(model: llama.Llama, batch: dict[str, jax.Array]) -> jax.Array:
     optional batch keys "segments" and "weights" act as in llama.lm_loss."""
     if not isinstance(model, MoELlama):
         return llama.lm_loss(model, batch)
-    logits, stats = model.forward(batch["inputs"], batch.get("segments"))
-    losses = llama.cross_entropy(logits, batch["targets"])
+    x, stats = model.apply_blocks_with_stats(
+        model.embed_tokens(batch["inputs"]), batch.get("segments")
+    )
+    losses = model.token_losses(x, batch["targets"])  # fused over vocabulary chunks or not
     if "weights" in batch:  # the SFT loss mask, scaled as llama.lm_loss takes it
         losses = losses * batch["weights"]
     return jnp.mean(losses) + router_loss(model.cfg, stats)

@@ -38,6 +38,9 @@ class BenchConfig:
     """How to measure."""
 
     rounds: int = 5  # alternating timing rounds per program; --steps are split over them
+    # also write the result (medians, compile times, or the error that ended the bench) to
+    # this JSON file (benchmarks/gpu_check.py reads it)
+    json: str = ""
 
 
 def bare_step_fn(program: Any, tx: Any, loss_fn: Any) -> Any:
@@ -86,11 +89,50 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    cfg, rounds, steps, compile_s, program, _ = prepare(argv)
-    per_round = max(cfg.run.steps // rounds, 1)
-    times = time_alternating(steps, rounds, per_round)
-    report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
+    out = json_path(argv)
+    try:
+        cfg, rounds, steps, compile_s, program, _ = prepare(argv)
+        per_round = max(cfg.run.steps // rounds, 1)
+        times = time_alternating(steps, rounds, per_round)
+    except UsageError:
+        raise
+    except Exception as e:  # out of memory, a compile error: say it, and exit 1 with a table
+        tail = error_tail(e)
+        say(f"bench failed: {tail[-1]}\n" + "\n".join(f"  {line}" for line in tail[:-1]))
+        write_json(out, {"error": tail})
+        return 1
+    rows = report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
+    write_json(out, {**rows, "times_s": times, "compile_s": compile_s})
     return 0
+
+
+def json_path(argv: list[str] | None) -> str:
+    """The --json value of a command line ("" when absent), read before the config is."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(args):
+        if arg == "--json" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--json="):
+            return arg.split("=", 1)[1]
+    return ""
+
+
+def error_tail(error: BaseException, lines: int = 12) -> list[str]:
+    """The last `lines` lines of an exception's traceback and message (XLA's out-of-memory
+    errors list every buffer: the end names the failure)."""
+    import traceback
+
+    text = "".join(traceback.format_exception(error)).rstrip().splitlines()
+    # JAX closes its filtered tracebacks with a line of dashes: the message is above it
+    return [line for line in text if line.strip(" -")][-lines:]
+
+
+def write_json(path: str, result: dict) -> None:
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def prepare(
@@ -210,10 +252,11 @@ def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict
     return times
 
 
-def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str) -> None:
+def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str) -> dict:
     """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
     formula the training records use; MFU only where the device's peak is known) and compile
-    time of each program, then their ratio."""
+    time of each program, then their ratio. Returns {"median_s", "tflops", "mfu"}, each by
+    program (mfu None without a peak)."""
     import jax
 
     from spmd.estimate import flops
@@ -235,8 +278,10 @@ def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str)
     )
     say(f"{'':6}{'median step':>14}{'tokens/s':>14}{'TFLOP/s':>10}{'MFU':>8}{'compile':>10}")
     medians = {name: statistics.median(t) for name, t in times.items()}
+    rows: dict[str, dict] = {"median_s": medians, "tflops": {}, "mfu": {}}
     for name, step_s in medians.items():
         tflops = flops_per_step / step_s / mesh.size / 1e12
+        rows["tflops"][name], rows["mfu"][name] = tflops, tflops / peak if peak else None
         mfu = f"{tflops / peak:.1%}" if peak else "-"
         say(
             f"{name:6}{step_s * 1e3:>11.2f} ms{tokens_per_step / step_s:>14,.0f}"
@@ -245,6 +290,7 @@ def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str)
     say(f"spmd / bare step time: {medians['spmd'] / medians['bare']:.3f}")
     if not peak:
         say(f"MFU: no peak known for {device_kind!r} (--peak-tflops sets one)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ class ModelShape:
     # RMS norm scales on q and k over all heads' features, [heads, head_dim] and [kv_heads,
     # head_dim], split with the heads (OLMo 2)
     whole_qk_norm: bool = False
+    # the output layer and loss run over chunks of this many vocabulary columns, the logits
+    # never whole (models/fused_loss.py); 0: unfused
+    loss_chunk: int = 0
 
     @property
     def expert_dim(self) -> int:

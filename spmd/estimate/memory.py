@@ -118,7 +118,8 @@ def activation_bytes(s: cost.Setup) -> float:
     micro-batch's residual stream [b, t/cp/r, embed]: gpipe 2M, 1f1b at most 2p,
     spmd.estimate.pipeline_figures.stashed_inputs). With remat, one layer's no-remat set is
     live while it is replayed. Outside the blocks: the embedding output and final norm
-    (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes). The
+    (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes; with
+    the fused loss one chunk's instead of vocab/tp columns, `logit_columns`). The
     attention scores one layer's backward pass recomputes: SCORE_COPIES fp32 buffers of its
     probabilities (spmd.estimate.long_sequence.score_elements per sequence). Under
     ZeRO-3 one layer's params gathered whole over fsdp (an MoE's experts stay split: the
@@ -131,7 +132,7 @@ def activation_bytes(s: cost.Setup) -> float:
     live_layers = shape.n_layers // (s.mesh["pipeline"] * s.virtual)
     replay = per_layer["none"] if s.remat != "none" else 0
     stash = pipeline_figures.stashed_inputs(s) * residual
-    outside = 2 * residual * c + 2 * tokens * shape.vocab_size / s.mesh["tensor"] * 4
+    outside = 2 * residual * c + 2 * tokens * logit_columns(s) * 4
     heads = shape.n_heads / s.mesh["tensor"]
     scores = (
         SCORE_COPIES * s.micro_batch * long_sequence.score_elements(heads, s.seq_len, s.context)
@@ -142,6 +143,17 @@ def activation_bytes(s: cost.Setup) -> float:
         blocks = cost.params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         gathered = blocks / stage_layers * s.bytes_of("weights")
     return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + scores * 4 + gathered
+
+
+def logit_columns(s: cost.Setup) -> float:
+    """Vocabulary columns of the fp32 logits one device holds at once: its share of the
+    vocabulary, or of one chunk of it where the output layer and loss are fused over
+    ceil(vocab / loss_chunk) chunks (models/fused_loss.py; a pipeline's last stage scores
+    whole logits)."""
+    vocab, chunk, tp = s.shape.vocab_size, s.shape.loss_chunk, s.mesh["tensor"]
+    if s.mesh["pipeline"] > 1 or not chunk or vocab <= chunk:
+        return vocab / tp
+    return math.ceil(vocab / tp / math.ceil(vocab / chunk))
 
 
 def offloaded_activation_bytes(s: cost.Setup) -> float:

@@ -9,6 +9,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     tp_enter(x, name)         Megatron's f: identity forward, psum over `tensor` in backward
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
+    tp_ways(name)             how many blocks `name` is split into (explicit; 1 under auto)
+    vary_like(x, *others)     x typed as varying where others vary (a scan's starting carry)
     scan_layers(layer, ...)   run the stacked layers (a scan) under the layer remat policy;
                               explicit ZeRO-3 prefetches the next layer's params
                               (spmd.parallel.layer_scan)
@@ -132,6 +134,22 @@ def tp_max(x: jax.Array, name: str) -> jax.Array:
     """Max over the shards of the split dimension `name` (pmax; not differentiable)."""
     axes = traced.split_axes(name)
     return lax.pmax(x, axes) if axes else x
+
+
+def vary_like(x: jax.Array, *others: jax.Array) -> jax.Array:
+    """`x` marked as varying over every manual mesh axis one of `others` varies over (a scan
+    carry started from constants must have the type of what its body returns); x outside
+    shard_map."""
+    axes = frozenset().union(*(traced.varying_axes(o) for o in others))
+    axes = axes - traced.varying_axes(x)
+    return lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def tp_ways(name: str) -> int:
+    """Into how many blocks the explicit executor splits dimension `name` over devices (1
+    elsewhere: under auto the model sees whole arrays)."""
+    mesh = traced.explicit_mesh()
+    return math.prod(mesh.shape[a] for a in traced.split_axes(name)) if mesh else 1
 
 
 def tp_rank(name: str) -> jax.Array | int:

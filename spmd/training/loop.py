@@ -10,8 +10,6 @@ the run early, unless the step diverged.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +20,7 @@ from spmd.observe.metrics import MetricsLog, progress_line
 from spmd.sections import Config
 from spmd.training import divergence
 from spmd.training.resume import finish_stopped, run_data_state
+from spmd.training.step_clock import StepClock
 
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
@@ -145,29 +144,31 @@ def check_eval_batches(eval_batches: int, sets: dict[str, Any]) -> None:
 
 @dataclasses.dataclass
 class Progress:
-    """Step timing and the train records of logged steps. Step time is wall time between
-    reports divided by the steps in between; eval, profiling and saving are taken out."""
+    """Step timing and the train records of logged steps. Every step is timed when its
+    metrics arrive (spmd.training.step_clock: a step that includes an eval, a save, a compile
+    or a profile's start is marked so); a --profile trace's start and stop are taken out."""
 
     run: Run
     first_step: int
-    step_times: list[float] = dataclasses.field(default_factory=list)
     last: dict[str, Any] = dataclasses.field(default_factory=dict)  # the newest train record
 
     def __post_init__(self) -> None:
         self.schedules: dict[float, Any] = {}  # by the LR factor of rollbacks
         self.tokens_per_step = self.run.cfg.run.batch * self.run.cfg.run.seq_len
-        self.clock_step, self.clock = self.first_step - 1, time.perf_counter()
+        self.clock = StepClock(self.first_step)
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` of host work out of the step time."""
-        self.clock += seconds
+        """Leave `seconds` of host work (a profile trace's start or stop) out of the step."""
+        if seconds:
+            self.clock.include("profile")
+        self.clock.pause(seconds)
 
     def restart_clock(self) -> None:
-        self.clock = time.perf_counter()
+        self.clock.restart()
 
     def rewind(self, step: int) -> None:
         """Go on timing from `step`, where a rollback restarts."""
-        self.clock_step, self.clock = step, time.perf_counter()
+        self.clock.rewind(step)
 
     def schedule(self, lr_factor: float) -> Any:
         """The LR schedule that the train step runs, with the LR factor of rollbacks."""
@@ -186,12 +187,12 @@ class Progress:
 
         observer = self.run.observer
         metrics = jax.device_get(metrics)
-        now = time.perf_counter()
-        step_time = (now - self.clock) / (step - self.clock_step)
-        self.clock_step, self.clock = step, now
-        self.step_times.append(step_time)
+        if step not in self.clock.times:  # settle times every step as its metrics arrive
+            self.clock.tick(step)
+        step_time = self.clock.times[step]
         schedule = self.schedule(self.run.guard.lr_factor)
         record = train_record(step, metrics, step_time, schedule, self.tokens_per_step)
+        record["step_includes"] = self.clock.includes[step]
         if observer is not None:
             record.update(observer.step_fields(step_time))
         if hasattr(self.run.windows, "source_tokens"):  # a mixture: tokens of each source
@@ -248,6 +249,7 @@ def settle(
     for step, metrics in due:
         newest = step == due[-1][0]
         metrics = jax.device_get(metrics)
+        progress.clock.tick(step)
         anomaly = guard.check(step, metrics, params if newest else None)
         acting = anomaly is not None and run.cfg.divergence.on_divergence != "ignore"
         logged = (
@@ -336,10 +338,11 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
         if evaluating:
             measured = evaluate(state["params"], step)
             eval_loss = eval_loss if measured is None else measured
-            progress.restart_clock()  # eval time is not step time
+            progress.clock.include("eval")  # the next step's time holds it: marked
         if saving:
             reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
             saved = save_checkpoint(run, step, state, reason)
+            progress.clock.include("save")
         if stop_reason:
             finish_stopped(run.cfg, run.manager, run.log, step, stop_reason, saved)
             return 0
@@ -355,15 +358,15 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
 def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None:
     """The JSONL summary record and the closing line of a run that reached --steps."""
     observer = run.observer
-    median_step = statistics.median(progress.step_times[1:] or progress.step_times)
-    tokens_per_step = progress.tokens_per_step
+    times = progress.clock.summary()
+    median_step, tokens_per_step = float(times["median_step_time_s"]), progress.tokens_per_step
     final_loss = progress.last["loss"]
     run.log.write(
         "summary",
         steps=run.cfg.run.steps,
         final_loss=final_loss,
         eval_loss=eval_loss,
-        median_step_time_s=median_step,
+        **times,  # median_step_time_s, p90_step_time_s, timed_steps, marked_steps
         tokens_per_s=tokens_per_step / median_step,
         anomalies=run.guard.anomalies,  # diverged steps (in this process's part of the run)
         rollbacks=run.guard.rollbacks,  # over the whole run, resumes included
@@ -373,13 +376,25 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
     say(
         f"done: {run.cfg.run.steps} steps, final loss {final_loss:.4f}, eval loss "
         f"{eval_loss if eval_loss is None else round(eval_loss, 4)}, median "
-        f"{median_step * 1e3:.1f} ms/step, {tokens_per_step / median_step:,.0f} tokens/s"
+        f"{median_step * 1e3:.1f} ms/step, p90 {float(times['p90_step_time_s']) * 1e3:.1f} "
+        f"({marked_text(times)}), {tokens_per_step / median_step:,.0f} tokens/s"
     )
     from spmd.training.run_folder import report_command
 
     drawn = report_command(run.cfg)
     if drawn:
         say(f"its curves: {drawn}")
+
+
+def marked_text(times: dict) -> str:
+    """'over 46 steps; marked and left out: compile 1, eval 2, save 1' for the closing line."""
+    text = f"over {times['plain_steps']} steps"
+    marked = times["marked_steps"]
+    return (
+        text
+        + ("; marked and left out: " if marked else "")
+        + ", ".join(f"{w} {n}" for w, n in marked.items())
+    )
 
 
 def throughput_text(record: dict) -> str:
