@@ -153,6 +153,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -
         sync_every=cfg.parallel.sync_every if cfg.parallel.dcn_sync == "diloco" else 0,
         sequence_parallel=cfg.parallel.sequence_parallel,
         offload=cfg.parallel.offload,
+        fp8_all_gather=cfg.precision.fp8_all_gather,
     )
 
 

@@ -62,6 +62,7 @@ class Setup:
     sync_every: int = 0  # --dcn-sync diloco: steps per round (0: gradients reduced every step)
     sequence_parallel: bool = False  # Megatron-SP: the residual stream split over tensor too
     offload: str = "none"  # --offload: none, optimizer or params kept in host memory
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the blocks' params in e4m3 (--precision fp8)
 
     @property
     def devices(self) -> int:
@@ -321,7 +322,9 @@ def state_collectives(s: Setup) -> list[Comm]:
             out.append(Comm("all-reduce", outer, replicas, grads / fsdp, 1, "grad shards", True))
     if s.zero != 3:
         return out + [Comm("all-gather", ("fsdp",), fsdp, weights, 1, "updated params", True)]
-    gathered = blocks * s.bytes_of("weights")  # all blocks' params, gathered as one
+    # all blocks' params, gathered as one; --fp8-all-gather sends them in e4m3 (1 byte; the
+    # norms' few params and one fp32 scale per device and matrix left out: under 1%)
+    gathered = blocks * (1 if s.fp8_all_gather else s.bytes_of("weights"))
     gathers = volumes.param_gathers(n, 1, s.pipelined, prefetch=False)
     return out + [
         Comm("all-gather", ("fsdp",), fsdp, gathered, gathers, "block params", True),
