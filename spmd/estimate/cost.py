@@ -328,7 +328,15 @@ def state_collectives(s: Setup) -> list[Comm]:
     gathers = volumes.param_gathers(n, 1, s.pipelined, prefetch=False)
     return out + [
         Comm("all-gather", ("fsdp",), fsdp, gathered, gathers, "block params", True),
-        Comm("all-gather", ("fsdp",), fsdp, weights - gathered, 1, "embed, head", True),
+        Comm(
+            "all-gather",
+            ("fsdp",),
+            fsdp,
+            weights - blocks * s.bytes_of("weights"),
+            1,
+            "embed, head",
+            True,
+        ),
     ]
 
 
