@@ -5,9 +5,12 @@ Bad flags are in test_bad_inputs.py's table."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models import fp8
 from spmd import builder
@@ -15,7 +18,9 @@ from spmd.config import flat
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
-from spmd.estimate import measure, theory
+from spmd.estimate import cost, flops, measure, theory, timing
+from spmd.estimate.shape import llama_shape
+from spmd.model_shape import ModelShape
 from spmd.parallel.fp8_context import Fp8Settings, Site
 from tests import trainer
 
@@ -139,3 +144,25 @@ def batch(step: int, prog) -> dict:
     win = trainer.windows()
     ids = trainer.data.train_window_ids(0, step, trainer.BATCH, win.n_train)
     return trainer.data.global_batch(win, ids, prog.layout.batch_sharding())
+
+
+def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_against_bf16() -> None:
+    mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
+    bf16 = cost.Setup(ModelShape(**llama_shape(1e9)), 1e9, mesh, 3, "bf16", "adamw", 8, 2048)
+    fp8 = dataclasses.replace(bf16, precision="fp8")
+    net = cost.Network(400e9, 50e9, 0.0, 8)
+    saved = (
+        timing.step_time(bf16, net, 400e12)["compute"]
+        - timing.step_time(fp8, net, 400e12)["compute"]
+    )
+    blocks = 3 * bf16.batch * bf16.seq_len * timing.forward_flops_per_token(bf16)["blocks"]
+    assert saved == pytest.approx(blocks / 2 / 8 / 400e12)
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == flops.peak_tflops(
+        "NVIDIA H100 80GB HBM3", "bf16"
+    )
+    # --fp8-all-gather: ZeRO-3's block gathers in 1 byte a param, the rest in bf16's 2
+    gathers = {c.purpose: c.bytes for c in cost.collectives(bf16) if c.kind == "all-gather"}
+    halved = dataclasses.replace(fp8, fp8_all_gather=True)
+    fp8_gathers = {c.purpose: c.bytes for c in cost.collectives(halved) if c.kind == "all-gather"}
+    assert fp8_gathers["block params"] == gathers["block params"] / 2
+    assert fp8_gathers["embed, head"] == gathers["embed, head"]
