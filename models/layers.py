@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import fp8
 from spmd.model_shape import REMATS, Remat
-from spmd.parallel.hooks import gather, tp_sum
+from spmd.parallel.hooks import fp8_site, gather, tp_sum
 
 __all__ = ["REMAT_POLICIES", "REMATS", "Remat"]  # re-exported: the families' remat field
 
@@ -117,8 +118,25 @@ def dense(x: jax.Array, w: jax.Array, inputs: int = 1) -> jax.Array:
     The same sum as `jnp.einsum("bte,ehd->bthd", ...)`, written so that the backward pass's
     weight gradient contracts one merged rows dim: XLA:CPU lowers an einsum's gradient, which
     contracts batch and length separately, to transposed copies around the matmul, and a
-    Llama MLP's forward + backward ran 1.9x slower that way (docs/speed.md)."""
+    Llama MLP's forward + backward ran 1.9x slower that way (docs/speed.md).
+
+    Under --precision fp8 a stacked block's matmul whose k and n reach the size rule is an
+    fp8 dot (models/fp8.py, spmd.parallel.fp8_context)."""
     lead, ins, outs = x.shape[: x.ndim - inputs], w.shape[:inputs], w.shape[inputs:]
     rows = x.reshape(math.prod(lead), math.prod(ins))
-    y = rows @ w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))
+    matrix = w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))
+    site = fp8_site(math.prod(ins), math.prod(outs))
+    y = rows @ matrix if site is None else fp8.matmul(rows, matrix, site)
     return y.reshape(*lead, *outs)
+
+
+def expert_dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Each expert's rows times its own weight: x [expert, batch, capacity, in] and w [expert,
+    in, out] -> [expert, batch, capacity, out] in x's dtype (an fp8 dot per expert under
+    --precision fp8 when in and out reach the size rule, as `dense`)."""
+    n, b, c, k = x.shape
+    matrix = w.astype(x.dtype)
+    site = fp8_site(k, w.shape[-1])
+    if site is None:
+        return jnp.einsum("nbce,nem->nbcm", x, matrix)
+    return fp8.matmul(x.reshape(n, b * c, k), matrix, site).reshape(n, b, c, -1)

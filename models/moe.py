@@ -35,7 +35,7 @@ from flax import nnx
 
 from models import llama
 from models.attention import Attention
-from models.layers import REMAT_POLICIES, RMSNorm, swiglu
+from models.layers import REMAT_POLICIES, RMSNorm, expert_dense, swiglu
 from models.layers import param as _param
 from models.llama import LlamaConfig
 from spmd.errors import UsageError
@@ -219,10 +219,10 @@ class Experts(nnx.Module):
         buffer = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x)
         buffer = to_experts(buffer)  # [E_local, tokens' rows, capacity, embed]
         buffer = tp_enter(buffer, "mlp")  # column-parallel gate and up inside each expert
-        gate = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_gate).astype(dtype))
-        up = jnp.einsum("nbce,nem->nbcm", buffer, gather(self.w_up).astype(dtype))
+        gate = expert_dense(buffer, gather(self.w_gate))
+        up = expert_dense(buffer, gather(self.w_up))
         hidden = constrain(swiglu(gate, up), ("expert", "batch", None, "mlp"))
-        out = jnp.einsum("nbcm,nme->nbce", hidden, gather(self.w_down).astype(dtype))
+        out = expert_dense(hidden, gather(self.w_down))
         out = from_experts(tp_reduce(out, "mlp"))  # row-parallel sum, then back to the tokens
         y = jnp.einsum("btnc,nbce->bte", combine.astype(dtype), out)
         if self.cfg.shared_expert:

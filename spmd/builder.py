@@ -78,7 +78,7 @@ def pipeline_report(cfg: Config, layout: Layout) -> dict[str, Any] | None:
 
 def policy_of(cfg: Config) -> precision.Policy:
     """The run's dtype policy (compute, working params, master weights, gradient reductions)."""
-    return precision.get(cfg.precision.precision, cfg.precision.grad_reduce)
+    return precision.from_section(cfg.precision)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,9 +30,7 @@ def check_choices(cfg: Config) -> None:
     check_hyperparameters(cfg.optimizer)
     # UsageError for --lr-scaling, --ref-batch, --lr-schedule and a WSD decay that cannot fit
     lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
-    precision.get(
-        cfg.precision.precision, cfg.precision.grad_reduce
-    )  # UsageError naming the valid values
+    precision.from_section(cfg.precision)  # UsageError naming the valid values
     family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
     check_checkpoint_choices(cfg)
     from spmd.io import run_data
@@ -116,8 +114,14 @@ def check_parallel(cfg: Config) -> None:
     p = cfg.parallel
     if p.zero not in rules.ZERO_STAGES:
         raise UsageError(f"--zero {p.zero} is not a ZeRO stage; use {rules.ZERO_CHOICES}")
-    check_stage_zero(p.zero, parse_mesh(p.mesh))
+    sizes = parse_mesh(p.mesh)
+    check_stage_zero(p.zero, sizes)
     check_devices(p.mesh, p.devices, processes_of(cfg))
+    if cfg.precision.fp8_all_gather and (p.zero != 3 or sizes.get("fsdp", 1) == 1):
+        raise UsageError(
+            f"--fp8-all-gather gathers ZeRO-3's params; this run has --zero {p.zero} and mesh "
+            f"{p.mesh!r} (use --zero 3 with fsdp >= 2, or leave --fp8-all-gather off)"
+        )
     if p.dcn_mesh:
         check_dcn_mesh(p.mesh, p.dcn_mesh, processes_of(cfg))
     check_executor(p.collectives)

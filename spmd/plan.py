@@ -154,6 +154,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -
         sequence_parallel=cfg.parallel.sequence_parallel,
         offload=cfg.parallel.offload,
         **lora_base.planner_fields(model_cfg, cfg.lora),  # LoRA: a frozen base, adapters trained
+        fp8_all_gather=cfg.precision.fp8_all_gather,
     )
 
 

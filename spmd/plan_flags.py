@@ -73,6 +73,7 @@ def sections() -> dict[str, type]:
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
 TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
+TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
@@ -80,7 +81,8 @@ HELP = {
     "for activations (0: the --model preset)",
     "precision": "fp32 (4 + 4 + 8 B/param: params, grads, Adam) or bf16 / fp16 (the ZeRO "
     "paper's mixed precision: 16-bit params and grads + fp32 master weights and Adam, "
-    "2 + 2 + 12 B/param)",
+    "2 + 2 + 12 B/param), or fp8 (bf16's bytes; the blocks' matmuls at twice the bf16 rate, "
+    "MFU still against the bf16 peak)",
     "grad_reduce": "dtype of gradients and their reduction: fp32, or the 16-bit compute dtype "
     "(default: the compute dtype)",
     "tokens_per_step": "without --batch, the global batch is about this many tokens: "

@@ -71,7 +71,12 @@ def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
         f"zero {cfg.parallel.zero} | {n_params / 1e6:.2f} M params | "
         f"{format_batch_arithmetic(batch_arithmetic(cfg, layout.data_parallel))}"
     )
-    say(precision.describe(builder.policy_of(cfg)))
+    policy = builder.policy_of(cfg)
+    say(precision.describe(policy))
+    if policy.fp8 is not None:
+        from spmd.engine import fp8_setup
+
+        say(fp8_setup.device_line(mesh, policy.fp8))
     report = builder.pipeline_report(cfg, layout)
     if report is not None:
         say(

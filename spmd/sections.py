@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 # The choice sets that more than one field or command takes, each written once.
 # the compute dtypes: fp32, or 16-bit compute with fp32 master weights (spmd.engine.precision)
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 # who writes the collectives (spmd.engine.step.EXECUTORS: the two executors)
 Executor = Literal["auto", "explicit"]
 
@@ -157,11 +157,23 @@ class PrecisionConfig:
     """The dtypes of compute, working params and gradient reductions (the master weights stay
     fp32)."""
 
-    # the compute and working-param dtype (the master weights stay fp32)
+    # the compute and working-param dtype (the master weights stay fp32); fp8: bf16 whose
+    # transformer blocks' matmuls are fp8 dots (docs/strategies/fp8.md)
     precision: Precision = "fp32"
     # dtype of gradient accumulation and of the cross-device gradient reduction: fp32, or the
     # 16-bit compute dtype; "" = the precision's default (its compute dtype, as in ZeRO)
-    grad_reduce: Literal["", Precision] = ""
+    grad_reduce: Literal["", "fp32", "bf16", "fp16"] = ""
+    # fp8 scaling: tensorwise (current per-tensor), rowwise (per row of the input, per column
+    # of the weight), delayed (per-tensor from an amax history kept in the train state)
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
+    # a block's matmul runs in fp8 only when its contracted and output dims both reach this
+    # (smaller ones gain less than quantizing costs); 0: every block matmul
+    fp8_min_dim: int = 512
+    # ZeRO-3 (explicit executor) gathers the blocks' weights in e4m3 with their scales
+    fp8_all_gather: bool = False
+    fp8_history: int = 16  # steps of amax history under --fp8-recipe delayed
+    # run fp8 emulated on a GPU without fp8 units (compute capability below 8.9)
+    fp8_emulate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,6 +229,8 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
     shape = family.of(model_cfg).shape(model_cfg)
     if cfg.parallel.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
         say(theory.report(program, compiled, shape, cfg.run.batch, cfg.run.seq_len, pipe_report))
+    if program.policy.fp8 is not None and program.policy.fp8.all_gather:
+        say(measure.fp8_gather_line(program, shape, cfg.run.batch, cfg.run.seq_len))
     say(hlo.format_grad_reductions(hlo.collectives(compiled, mesh)))
     say(dry_run_report(facts["observer"], compiled, facts["device_kind"]))
 

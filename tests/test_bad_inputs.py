@@ -88,7 +88,9 @@ CASES = [
     *map(train, ["--mesh dp=0", "--devices -1", "--zero 4", "--collectives bogus"]),
     *map(train, ["--bucket-mb nan", "--pp-schedule bogus", "--microbatches -1"]),
     *map(train, ["--pp-virtual 0", "--dcn-mesh bogus", "--dcn-sync bogus", "--sync-every 0"]),
-    *map(train, ["--diloco-axis data", "--precision fp8", "--grad-reduce int8"]),
+    *map(train, ["--diloco-axis data", "--precision int8", "--grad-reduce int8"]),
+    *map(train, ["--precision fp8 --fp8-recipe bogus", "--precision fp8 --fp8-all-gather"]),
+    *map(train, ["--precision fp8 --grad-reduce fp16", "--fp8-all-gather", "--fp8-min-dim -1"]),
     # checkpoints, divergence, observability
     *map(train, ["--checkpoint-every -1", "--keep-checkpoints 1", "--resume"]),
     *map(train, ["--on-divergence bogus", "--spike-threshold 0.5", "--rollback-lr-factor nan"]),

@@ -279,7 +279,7 @@ def test_recommend_when_nothing_fits(capsys):
 @pytest.mark.parametrize(
     "args, named",
     [
-        (["--precision", "fp8"], "--precision 'fp8'"),
+        (["--precision", "fp8", "--fp8-recipe", "bogus"], "--fp8-recipe 'bogus'"),
         (["--zero", "4"], "--zero 4"),
         (["--model", "tiny", "--mesh", "tp=3", "--devices", "3"], "tp=3"),
         (["--params", "7e9", "--n-layers", "4"], "--n-layers"),

@@ -145,5 +145,5 @@ def test_loss_scale_dynamics():
 
 
 def test_unknown_precision_is_a_usage_error(capsys):
-    assert train.main(["--model", "tiny", "--precision", "fp8"]) == 2
-    assert "--precision 'fp8' is not one of fp32, bf16, fp16" in capsys.readouterr().err
+    assert train.main(["--model", "tiny", "--precision", "fp4"]) == 2
+    assert "--precision 'fp4' is not one of fp32, bf16, fp16, fp8" in capsys.readouterr().err

@@ -88,6 +88,7 @@ def sliced_update(
     bf16 / fp16). An fp16 step whose (already globally reduced) gradient norm is not finite
     keeps every rank's slices as they were."""
     take = collectives.take_slice
+    loss_scale = precision.fp8_state.fold(loss_scale)  # delayed fp8: the step's amaxes
     master, inner = precision.split_opt_state(params, opt_state, policy)
     if not policy.has_master:
         master = jax.tree.map(take, params, specs["params"], specs["opt_per_param"])

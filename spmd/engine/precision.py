@@ -16,6 +16,10 @@ needs no scaling.
 
 The scale lives in a small pytree of replicated scalars, part of the train state (so it can be
 checkpointed): {"scale": f32, "good_steps": i32, "skipped_steps": i32}.
+
+`fp8` is bf16 whose stacked blocks' matmuls run as fp8 dots (models/fp8.py; settings in
+spmd.parallel.fp8_context.Fp8Settings). Under delayed scaling the same dict also holds
+"fp8": the amax history (spmd.engine.fp8_state), checkpointed with the scale.
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spmd.engine import fp8_state
 from spmd.errors import UsageError
+from spmd.parallel import fp8_context
+from spmd.parallel.fp8_context import Fp8Settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-LossScale = dict[str, jax.Array]
+    from spmd.sections import PrecisionConfig
+
+LossScale = dict[str, Any]  # scalars, and under delayed fp8 scaling "fp8": its history
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,12 @@ class Policy:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5  # on a non-finite gradient
     master_dtype: Any = jnp.float32  # the weights the optimizer updates
+    fp8: Fp8Settings | None = None  # the blocks' matmuls in fp8 (--precision fp8)
+
+    @property
+    def delayed(self) -> bool:
+        """True under fp8 with delayed scaling (an amax history in the train state)."""
+        return self.fp8 is not None and self.fp8.recipe == "delayed"
 
     @property
     def has_master(self) -> bool:
@@ -77,16 +92,21 @@ POLICIES = {
     "fp32": Policy("fp32", F32, F32, F32, F32),
     "bf16": Policy("bf16", BF16, BF16, BF16, F32),
     "fp16": Policy("fp16", F16, F16, F16, F32, loss_scaling=True),
+    # bf16 whose blocks' matmuls are fp8 dots: e4m3 inputs and weights, e5m2 gradients
+    "fp8": Policy("fp8", BF16, BF16, BF16, F32, fp8=Fp8Settings()),
 }
 DTYPE_NAMES = {"fp32": F32, "bf16": BF16, "fp16": F16}
 
 
-def get(name: str, grad_reduce: str = "") -> Policy:
+def get(name: str, grad_reduce: str = "", fp8: Fp8Settings | None = None) -> Policy:
     """The policy called `name`, reducing gradients in `grad_reduce` ("": the policy's
-    default); UsageError naming the valid values otherwise."""
+    default), with the fp8 `settings` when `name` is fp8 (None: the defaults); UsageError
+    naming the valid values otherwise."""
     if name not in POLICIES:
         raise UsageError(f"--precision {name!r} is not one of {', '.join(POLICIES)}")
     policy = POLICIES[name]
+    if policy.fp8 is not None and fp8 is not None:
+        policy = dataclasses.replace(policy, fp8=check_fp8(fp8))
     if not grad_reduce:
         return policy
     allowed = sorted({"fp32", short_name(policy.compute_dtype)})
@@ -96,6 +116,39 @@ def get(name: str, grad_reduce: str = "") -> Policy:
             f"{' or '.join(allowed)} (fp32, or the policy's 16-bit compute dtype)"
         )
     return dataclasses.replace(policy, reduce_dtype=DTYPE_NAMES[grad_reduce])
+
+
+def from_section(section: PrecisionConfig) -> Policy:
+    """The policy of a run's precision section (spmd.sections.PrecisionConfig)."""
+    settings = Fp8Settings(
+        recipe=section.fp8_recipe,
+        min_dim=section.fp8_min_dim,
+        all_gather=section.fp8_all_gather,
+        history=section.fp8_history,
+        emulate=section.fp8_emulate,
+    )
+    check_fp8(settings)
+    if section.precision != "fp8":
+        for flag, given in {
+            "--fp8-all-gather": section.fp8_all_gather,
+            "--fp8-emulate": section.fp8_emulate,
+        }.items():
+            if given:
+                raise UsageError(f"{flag} needs --precision fp8, not {section.precision}")
+    return get(section.precision, section.grad_reduce, settings)
+
+
+def check_fp8(settings: Fp8Settings) -> Fp8Settings:
+    """`settings` when valid, else UsageError naming the value and what would be valid."""
+    if settings.recipe not in fp8_context.RECIPES:
+        raise UsageError(
+            f"--fp8-recipe {settings.recipe!r} is not one of {', '.join(fp8_context.RECIPES)}"
+        )
+    if settings.min_dim < 0:
+        raise UsageError(f"--fp8-min-dim {settings.min_dim} must be >= 0 (0: every matmul)")
+    if settings.history < 1:
+        raise UsageError(f"--fp8-history {settings.history} must be a positive number of steps")
+    return settings
 
 
 def short_name(dtype: Any) -> str:
@@ -115,21 +168,35 @@ def describe(policy: Policy) -> str:
         if policy.loss_scaling
         else ""
     )
+    fp8 = ""
+    if policy.fp8 is not None:
+        s = policy.fp8
+        gather = ", ZeRO-3 gathers them in e4m3" if s.all_gather else ""
+        history = f" ({s.history}-step amax history)" if s.recipe == "delayed" else ""
+        fp8 = (
+            f"; the blocks' matmuls with k and n >= {s.min_dim} in fp8 (e4m3 inputs and "
+            f"weights, e5m2 gradients), {s.recipe} scaling{history}{gather}"
+        )
     return (
         f"precision {policy.name}: params {short(policy.param_dtype)}"
         f"{master if policy.has_master else ''}, compute "
         f"{short(policy.compute_dtype)}, grad reduce {short(policy.reduce_dtype)}, output "
-        f"{short(policy.output_dtype)}{scaling}"
+        f"{short(policy.output_dtype)}{scaling}{fp8}"
     )
 
 
 def init_loss_scale(policy: Policy) -> LossScale:
-    """The loss-scale state at step 0 (scale 1 when the policy does not scale)."""
-    return {
+    """The loss-scale state at step 0 (scale 1 when the policy does not scale; with the
+    empty amax history under delayed fp8 scaling)."""
+    state: LossScale = {
         "scale": jnp.asarray(policy.initial_scale if policy.loss_scaling else 1.0, jnp.float32),
         "good_steps": jnp.zeros((), jnp.int32),
         "skipped_steps": jnp.zeros((), jnp.int32),
     }
+    if policy.delayed:
+        assert policy.fp8 is not None
+        state["fp8"] = fp8_state.init(policy.fp8)
+    return state
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -174,7 +241,12 @@ def scaled_value_and_grad(
 ) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
     """`(params, batch) -> (loss, grads of loss * scale)`: jax.value_and_grad of `loss_of`, the
     loss multiplied by the current scale first when the policy scales (the loss returned is
-    unscaled)."""
+    unscaled). Under delayed fp8 scaling the matmuls scale by the history in `state` and
+    the amaxes they saw are left in `state[fp8_state.SEEN]` (a step that calls this once,
+    not inside a scan or vmap: delayed scaling refuses accumulation and pipelines), which
+    `fp8_state.fold` pushes into the history when the step updates the state."""
+    if policy.delayed:
+        return _delayed_value_and_grad(loss_of, state, policy)
     if not policy.loss_scaling:
         return jax.value_and_grad(loss_of)
 
@@ -184,6 +256,25 @@ def scaled_value_and_grad(
 
     def loss_and_grads(params: Any, batch: Any) -> tuple[jax.Array, Any]:
         (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params, batch)
+        return loss, grads
+
+    return loss_and_grads
+
+
+def _delayed_value_and_grad(
+    loss_of: Callable[[Any, Any], jax.Array], state: LossScale, policy: Policy
+) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
+    """scaled_value_and_grad under delayed fp8 scaling (no loss scaling: bf16 compute)."""
+
+    def loss_and_grads(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        scales, probe = fp8_state.scales(state["fp8"]), fp8_state.probe(state["fp8"])
+
+        def loss_with(params: Any, probe: Any) -> jax.Array:
+            with fp8_context.use(policy.fp8, scales, probe):
+                return loss_of(params, batch)
+
+        loss, (grads, seen) = jax.value_and_grad(loss_with, argnums=(0, 1))(params, probe)
+        state[fp8_state.SEEN] = seen
         return loss, grads
 
     return loss_and_grads
@@ -231,6 +322,7 @@ def apply_gradients(
     when the policy scales, skip the update (everything returned as it was) if any gradient
     is not finite. Returns (params, opt_state, loss-scale state, unscaled master-dtype grads).
     The gradients must be the global ones, so every device takes the same decision."""
+    state = fp8_state.fold(state)
     grads = unscale(cast(grads, policy.master_dtype), state, policy)
     master, inner = split_opt_state(params, opt_state, policy)
     updates, new_inner = tx.update(grads, inner, master)

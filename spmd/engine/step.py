@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from spmd.engine import frozen, offload, precision, state_layout
+from spmd.engine import fp8_setup, frozen, offload, precision, state_layout
 from spmd.engine.abstract import abstract_model
 from spmd.engine.auto import auto_steps
 from spmd.engine.explicit import explicit_steps
@@ -200,11 +200,13 @@ def build_program(
     offload.check(options.offload_state, layout.zero_stage, pipelined, vmapped=vmapped)
     policy, executor = options.policy, options.executor
     graphdef, names, shapes = abstract_model(make_model, options.seed, layout, policy, executor)
+    policy = fp8_setup.checked_policy(policy, names, shapes, layout, options, pipelined)
+    options = dataclasses.replace(options, policy=policy)
     loss_fn = _in_sequence_order(loss_fn)
     if not isinstance(tx, optax.GradientTransformation):
         tx = tx(frozen.trainable(names))  # the optimizer sees the trainable params only
     shardings, opt_shapes = state_layout.state_shardings(tx, names, shapes, layout, policy)
-    losses = _losses(graphdef, names, loss_fn, layout, options)
+    losses = fp8_setup.in_fp8(_losses(graphdef, names, loss_fn, layout, options), policy)
     executor_steps = explicit_steps if executor == "explicit" else auto_steps
     loss = losses.local_loss if executor == "explicit" else losses.global_loss
     in_step = dataclasses.replace(options, accum=losses.step_accum)

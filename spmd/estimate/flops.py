@@ -43,8 +43,12 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("TPU v3", {"bf16": 61.5, "fp32": 61.5}),
     ("TPU v2", {"bf16": 22.5, "fp32": 22.5}),
 )
-# Compute dtypes that run at the 16-bit tensor-core rate.
-HALF_PRECISIONS = ("bf16", "fp16")
+# Compute dtypes that run at the 16-bit tensor-core rate. fp8 is there too: its MFU is taken
+# against the bf16 peak (as torchtitan's and Megatron's "bf16-equivalent" figures are), though
+# its block matmuls may run at FP8_MATMUL_SPEEDUP times that rate.
+HALF_PRECISIONS = ("bf16", "fp16", "fp8")
+# Dense fp8 tensor-core rate over the bf16 one on Hopper and Ada (H100 SXM: 1979 vs 989 TFLOP/s)
+FP8_MATMUL_SPEEDUP = 2.0
 
 
 def decoder_flops_per_token(cfg: Any, seq_len: int) -> float:

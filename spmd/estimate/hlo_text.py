@@ -37,6 +37,26 @@ def parse_computations(text: str) -> tuple[dict[str, list[tuple]], str | None]:
     return comps, entry
 
 
+def _counted_trips(comps: dict[str, list[tuple]], attrs: str) -> int:
+    """Trips of a while loop whose condition is `counter < N` for an integer constant N (a
+    lax.scan as jax lowers it, counting from 0), or 1 when the condition is anything else."""
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", attrs)
+    instrs = comps.get(cond.group(1), []) if cond else []
+    constants = {
+        name: int(value.group(1))
+        for name, shape, opcode, args in instrs
+        if opcode == "constant"
+        and shape.startswith("s32[]")
+        and (value := re.search(r"constant\((\d+)\)", args))
+    }
+    for _, _, opcode, args in instrs:
+        if opcode == "compare" and "direction=LT" in args:
+            operands = re.findall(r"%?([\w.\-]+)[,)]", args.split("compare(", 1)[-1])
+            if len(operands) >= 2 and operands[1] in constants:
+                return constants[operands[1]]
+    return 1
+
+
 def multipliers(comps: dict[str, list[tuple]], entry: str | None) -> dict[str, int]:
     """How many times each computation runs per step, following calls from ENTRY."""
     if entry is None:
@@ -48,6 +68,8 @@ def multipliers(comps: dict[str, list[tuple]], entry: str | None) -> dict[str, i
                 continue  # they name the same computation as their -start
             trip = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', attrs)
             factor = int(trip.group(1)) if opcode == "while" and trip else 1
+            if opcode == "while" and not trip:  # a lowered program: no backend config yet
+                factor = _counted_trips(comps, attrs)
             attrs = re.sub(r'"(?:[^"\\]|\\.)*"', '""', attrs)
             single = r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
             called = re.findall(single + r"=%?([\w.\-]+)", attrs)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
-COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
 def simulated_devices(count: int) -> list:
@@ -84,8 +84,8 @@ def check_engine_can_build(s: cost.Setup) -> None:
     """UsageError unless the engine has the dtype policy and optimizer of `s`."""
     if s.precision not in COMPUTE_DTYPES or s.optimizer != "adamw":
         raise UsageError(
-            f"--measure compiles the engine's step on CPU, which takes --precision fp32 or "
-            f"bf16 (fp16 holds the same state bytes as bf16) and --optimizer adamw, not "
+            f"--measure compiles the engine's step on CPU, which takes --precision fp32, bf16 "
+            f"or fp8 (fp16 holds the same state bytes as bf16) and --optimizer adamw, not "
             f"{s.precision} and {s.optimizer}"
         )
 
@@ -136,6 +136,16 @@ def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto
         got = compiled_comm.get(kind, {}).get("bytes", 0)
         rows[f"{kind} bytes/step"] = (predicted.get(kind, 0.0), got)
     notes = []
+    if s.fp8_all_gather:  # XLA:CPU gathers e4m3 and bf16 in f32: read the program spmd emits
+        gathers = lowered_gathers(program, s.batch, s.seq_len, mesh)
+        rows[f"all-gather bytes/step, lowered ({gathers['dtypes']})"] = (
+            predicted.get("all-gather", 0.0),
+            gathers["bytes"],
+        )
+        notes.append(
+            "XLA:CPU promotes the e4m3 and bf16 all-gathers to f32 when it compiles; the "
+            "lowered program's row is what a GPU compiler receives"
+        )
     if cpu_auto and any(c.kind == "reduce-scatter" for c in cost.collectives(s)):
         notes.append(
             "XLA:CPU reports an auto-mode reduce-scatter as an all-reduce of the whole "
@@ -164,6 +174,39 @@ def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto
         "notes": notes,
         "jax": jax.__version__,
     }
+
+
+def lowered_gathers(program: AnyProgram, batch: int, seq_len: int, mesh: Any) -> dict[str, Any]:
+    """The all-gathers of the train step as spmd emits it (lowered, before XLA optimizes it):
+    {"bytes": per device per step, "dtypes": e.g. "bf16 + f32 + f8e4m3fn", "by_dtype": bytes
+    per element type}."""
+    from spmd.estimate import hlo
+
+    lowered = program.lower_train_step(batch, seq_len)
+    by_dtype: dict[str, int] = {}
+    for c in hlo.collectives(lowered, mesh):
+        if c.kind == "all-gather":
+            by_dtype[c.dtype] = by_dtype.get(c.dtype, 0) + c.bytes * c.count
+    return {
+        "bytes": sum(by_dtype.values()),
+        "dtypes": " + ".join(sorted(by_dtype)),
+        "by_dtype": by_dtype,
+    }
+
+
+def fp8_gather_line(program: AnyProgram, shape: Any, batch: int, seq_len: int) -> str:
+    """Dry-run line of --fp8-all-gather: the lowered program's all-gather bytes per dtype
+    beside the theory's (spmd.estimate.theory, e4m3 for the blocks' matrices)."""
+    from spmd.estimate import theory
+
+    gathers = lowered_gathers(program, batch, seq_len, program.layout.mesh)
+    expected = theory.collectives(program, shape, batch, seq_len)["all-gather"]["bytes"]
+    parts = ", ".join(f"{d} {b / 2**10:.2f} KiB" for d, b in sorted(gathers["by_dtype"].items()))
+    return (
+        f"fp8 all-gather, lowered program (XLA:CPU compiles it in f32): {parts}; "
+        f"{gathers['bytes'] / 2**10:.2f} KiB/step vs {expected / 2**10:.2f} KiB theory "
+        f"(x{gathers['bytes'] / expected:.3f})"
+    )
 
 
 def state_against_formula(

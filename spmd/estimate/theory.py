@@ -54,6 +54,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -199,6 +200,28 @@ def _gathered(spec: PartitionSpec, names: tuple) -> set[str]:
     return {a for name, ax in zip(names, _axes(spec), strict=False) if name != "expert" for a in ax}
 
 
+def _fp8_gathered(
+    program: AnyProgram,
+    names: tuple,
+    shape: tuple[int, ...],
+    whole: PartitionSpec,
+    stored: PartitionSpec,
+    mesh: Any,
+) -> int:
+    """Devices a stacked block matrix is gathered over when --fp8-all-gather sends it in e4m3
+    (spmd.parallel.fp8_gather: a matrix whose dims, as a layer uses it, reach the fp8 size
+    rule); 0 when it travels in its own dtype."""
+    fp8 = getattr(program.policy, "fp8", None)
+    if fp8 is None or not fp8.all_gather or not names or names[0] != "layers" or len(shape) < 3:
+        return 0
+    ways = [math.prod(mesh.shape[a] for a in axes) for axes in _axes(whole)]
+    ways += [1] * (len(shape) - len(ways))
+    used = [s // w for s, w in zip(shape, ways, strict=True)][1:]
+    gathered = {a for axes in _axes(stored) for a in axes} - {a for ax in _axes(whole) for a in ax}
+    devices = math.prod(mesh.shape[a] for a in gathered)
+    return devices if min(used) >= fp8.min_dim else 0
+
+
 def _specs(tree: Any) -> list[PartitionSpec]:
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
     return [s.spec for s in leaves]
@@ -238,11 +261,15 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
             # in the reduce dtype.
             gather_dtype = program.policy.reduce_dtype
             whole = _whole(param, batch_axes, leaf_names)
+            fp8_scales = _fp8_gathered(program, leaf_names, leaf.shape, whole, param, mesh)
+            gather_dtype = np.dtype(jnp.float8_e4m3fn) if fp8_scales else gather_dtype
             gathered = _local_bytes(leaf.shape, gather_dtype, whole, mesh)
             gathers = 1  # a param outside the layer stack: once
             if layers > 1:  # each layer per pass (one more with prefetching, spmd.estimate.volumes)
                 gathers = volumes.param_gathers(accum, layers, False, prefetching(program, model))
             add("all-gather", gathers, gathers * gathered // layers)
+            if fp8_scales:  # and one fp32 scale per device beside each e4m3 gather
+                add("all-gather", gathers, gathers * 4 * fp8_scales)
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
             add("reduce-scatter", 1, grad_bytes)

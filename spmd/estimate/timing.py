@@ -7,12 +7,14 @@ three times that for forward + backward ("model FLOPs"). What the devices execut
 recomputation: remat "full" replays each block's forward, "dots_saveable" and "offload"
 replay attention only (the weight matmuls' outputs are kept), and a pipeline stage re-runs its
 chunk's forward inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only);
-an MoE's fixed-shape routing runs every capacity slot. Units: FLOPs, seconds, FLOP/s.
+an MoE's fixed-shape routing runs every capacity slot. Under --precision fp8 the blocks' weight
+matmuls run at flops.FP8_MATMUL_SPEEDUP times the sustained rate (Hopper's fp8 tensor cores),
+the rest (attention, the head, recomputed attention) at it. Units: FLOPs, seconds, FLOP/s.
 """
 
 from __future__ import annotations
 
-from spmd.estimate import cost, experts, offload, pipeline_figures
+from spmd.estimate import cost, experts, flops, offload, pipeline_figures
 from spmd.estimate.shape import shape_params
 
 
@@ -52,6 +54,14 @@ def executed_flops(s: cost.Setup) -> float:
     return model_flops(s) + s.batch * s.seq_len * replays
 
 
+def fp8_flops(s: cost.Setup) -> float:
+    """FLOPs per optimizer step of the blocks' weight matmuls, which --precision fp8 runs as
+    fp8 dots (forward and both backward products, and full remat's or a pipeline's replay);
+    the planner assumes every block matmul reaches the size rule (--fp8-min-dim)."""
+    passes = 3 + s.pipelined + (s.remat == "full")
+    return s.batch * s.seq_len * forward_flops_per_token(s)["blocks"] * passes
+
+
 def step_time(
     s: cost.Setup, net: cost.Network, flops_per_device: float, overlap: float = 0.0
 ) -> dict[str, float]:
@@ -63,6 +73,9 @@ def step_time(
     and --remat offload that compute does not hide, spmd.estimate.offload, at the network's
     host_bandwidth) and "step" (compute + bubble + exposed + host)."""
     compute = executed_flops(s) / s.devices / flops_per_device
+    if s.precision == "fp8":  # the blocks' weight matmuls at the fp8 rate
+        saved = fp8_flops(s) * (1 - 1 / flops.FP8_MATMUL_SPEEDUP)
+        compute -= saved / s.devices / flops_per_device
     share = pipeline_figures.bubble_share(s)
     bubble = compute * share / (1 - share)
     times = [(c, cost.comm_time(s, c, net)) for c in cost.collectives(s)]

@@ -21,6 +21,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
+    fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -45,8 +46,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import layer_scan, ring_attention, rules
+from spmd.parallel import fp8_context, fp8_gather, layer_scan, ring_attention, rules
 from spmd.parallel import traced_layout as traced
+from spmd.parallel.fp8_context import Site as Fp8Site
+
+__all__ = ["Fp8Site"]  # re-exported: models/fp8.py's type of a site
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
 
@@ -84,13 +88,27 @@ def _gathered_axes(names: tuple[str | None, ...]) -> list[tuple[str, ...]]:
 
 
 def _gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = True) -> jax.Array:
-    """`value` all_gathered over `_gathered_axes(names)`, tagged for the remat policy (`tag`)."""
+    """`value` all_gathered over `_gathered_axes(names)`, tagged for the remat policy (`tag`).
+    A stacked block's matrix under --fp8-all-gather travels in e4m3 with its scales."""
     gathered = False
-    for dim, axes in enumerate(_gathered_axes(names[-value.ndim :])):
-        if axes:
-            value = lax.all_gather(value, axes, axis=dim, tiled=True)
-            gathered = True
+    dims = [(d, axes) for d, axes in enumerate(_gathered_axes(names[-value.ndim :])) if axes]
+    stacked = len(names) > value.ndim  # a block's param, its `layers` dim scanned away
+    if len(dims) == 1 and stacked and fp8_context.gather_in_fp8(_whole_shape(value, dims)):
+        value, dims = fp8_gather.gather(value, *dims[0]), []
+        gathered = True
+    for dim, axes in dims:
+        value = lax.all_gather(value, axes, axis=dim, tiled=True)
+        gathered = True
     return layer_scan.tag_gathered(value) if gathered and tag else value
+
+
+def _whole_shape(value: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> tuple[int, ...]:
+    """The shape `value` has once gathered along `dims`."""
+    mesh = traced.explicit_mesh()
+    shape = list(value.shape)
+    for dim, axes in dims:
+        shape[dim] *= math.prod(mesh.shape[a] for a in axes)
+    return tuple(shape)
 
 
 def _sequence_axes(name: str) -> tuple[str, ...]:
@@ -301,14 +319,15 @@ def scan_layers(
     gathering = _gathering()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    layer, carry = _in_fp8_blocks(layer, n_layers, carry)
     asked = gathering and traced.explicit().prefetch
     if not (asked and remat is not None and n_layers >= 2):
         if asked and n_layers > 1:  # said only where prefetch was asked for and could run
             note("layer_scan", "prefetch off: --remat none")
-        return layer_scan.plain_scan(layer, carry, stacked, policy, unrolled)
+        return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
     if layer_scan.closes_over_a_float(layer, carry, stacked):
         note("layer_scan", "prefetch off: the layer closes over a traced float")
-        return layer_scan.plain_scan(layer, carry, stacked, policy, unrolled)
+        return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
     note("layer_scan", "prefetch")
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
@@ -317,9 +336,44 @@ def scan_layers(
         # untagged: these arrive as inputs of the layer, which its remat never saves anyway
         return [_gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)]
 
-    return layer_scan.prefetched_scan(
-        layer, carry, stacked, policy, gather_layer, traced.params_whole, unrolled
+    return _scan_result(
+        layer_scan.prefetched_scan(
+            layer, carry, stacked, policy, gather_layer, traced.params_whole, unrolled
+        )
     )
+
+
+def _in_fp8_blocks(layer: Callable, n_layers: int, carry: Any) -> tuple[Callable, Any]:
+    """`layer` run inside fp8_context.in_block (its matmuls may be fp8), and the carry that
+    goes with it: under delayed scaling the carry also holds the [layers, SITES, 3] scales and
+    probe, each layer taking its row (the carry, not the stacked xs, so that ZeRO-3's
+    prefetching scan, which gathers every leaf of the stacked params, leaves them alone)."""
+    if fp8_context.settings() is None:
+        return layer, carry
+    rows = fp8_context.delayed_rows(n_layers)
+    if rows is None:
+
+        def in_block(carry: Any, state: Any) -> tuple[Any, Any]:
+            with fp8_context.in_block():
+                return layer(carry, state)
+
+        return in_block, carry
+
+    def delayed(carry: Any, state: Any) -> tuple[Any, Any]:
+        inner, (i, scales, probe) = carry
+        with fp8_context.in_block(scales[i], probe[i]):
+            inner, y = layer(inner, state)
+        return (inner, (i + 1, scales, probe)), y
+
+    return delayed, (carry, (jnp.zeros((), jnp.int32), *rows))
+
+
+def _scan_result(result: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The model's (carry, ys) of a scan whose carry `_in_fp8_blocks` may have extended."""
+    carry, ys = result
+    if fp8_context.delayed_active():
+        carry = carry[0]
+    return carry, ys
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
@@ -329,6 +383,23 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh, table, _ = traced.activations()
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def fp8_site(k: int, n: int) -> Fp8Site | None:
+    """The fp8 site of a block's matmul contracting `k` into `n` outputs, None where it runs
+    in the compute dtype (no --precision fp8, outside the stacked blocks, below the size
+    rule); see spmd.parallel.fp8_context."""
+    found = fp8_context.site(k, n)
+    if found is not None:
+        note("fp8", found.recipe)
+    return found
+
+
+def fp8_vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` cast to varying over the mesh axes `like` varies over and it does not (inside the
+    explicit executor's shard_map; unchanged elsewhere): a cotangent must vary as its primal."""
+    missing = tuple(sorted(traced.varying_axes(like) - traced.varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 _NOTES: dict[str, str] = {}

@@ -65,7 +65,13 @@ def tag_gathered(value: jax.Array) -> jax.Array:
 def _not_saved(primitive: Any, params: dict) -> bool:
     if primitive.name == "name":
         return params.get("name") == GATHERED
-    return primitive.name in ("all_gather", "all_gather_invariant", *_LAYOUT_OPS)
+    if primitive.name in ("all_gather", "all_gather_invariant", *_LAYOUT_OPS):
+        return True
+    # a custom_vjp that gathers (spmd.parallel.fp8_gather): the policy sees the call, not
+    # the all_gather inside it, and would keep every layer's gathered weights
+    inner = params.get("call_jaxpr") or params.get("fun_jaxpr")
+    inner = getattr(inner, "jaxpr", inner)
+    return any(e.primitive.name == "all_gather" for e in getattr(inner, "eqns", ()))
 
 
 def remat_policy(policy: Callable | None, gathering: bool) -> Callable | None:

@@ -1,0 +1,158 @@
+"""Which matmuls run in fp8 while a step is traced, and the delayed-scaling slots they use.
+
+The engine opens `use(settings)` around the loss it differentiates (spmd.engine.step), so a
+model needs no flag: `models.layers.dense` asks `site(k, n)` (through spmd.parallel.hooks)
+whether its matmul runs in fp8. Only the matmuls of the stacked transformer blocks do
+(`hooks.scan_layers` opens `in_block`), and only where both the contracted dim k and the
+output dim n reach `settings.min_dim`: the embeddings, the LM head, the router and every
+small matmul stay in the compute dtype (docs/strategies/fp8.md says why).
+
+Delayed scaling (recipe "delayed") reads its scales from an amax history kept in the train
+state (spmd.engine.fp8_state): the step passes the per-layer scales and a zero "probe" of
+shape [layers, SITES, 3] into `use`; the layer scan slices both per layer (`layer_slots`),
+and the i-th fp8 matmul of a layer takes row i. The quantized matmul returns the amaxes it
+saw (input, weight, gradient) as the probe's cotangent, the trick Flax's fp8 ops play with
+their OVERWRITE_WITH_GRADIENT variables, so one `jax.grad` gives every layer's new amaxes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+RECIPES = ("tensorwise", "rowwise", "delayed")
+SITES = 16  # fp8 matmuls a layer may hold under delayed scaling (Llama: 7, an MoE block: 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Settings:
+    """How the blocks' matmuls run in fp8 (spmd.sections.PrecisionConfig's fp8 fields)."""
+
+    recipe: str = "tensorwise"  # one of RECIPES
+    min_dim: int = 512  # a matmul runs in fp8 only when its k and n are both at least this
+    all_gather: bool = False  # ZeRO-3 gathers the blocks' weights in e4m3 with their scales
+    history: int = 16  # steps of amax history (delayed)
+    emulate: bool = False  # run on a GPU without fp8 units (compute capability below 8.9)
+    layers: int = 0  # rows of the delayed state: the model's stacked layers (set by the engine)
+
+
+@dataclasses.dataclass
+class _Traced:
+    settings: Fp8Settings
+    scales: Any = None  # [layers, SITES, 3] fp32 (delayed) or None
+    probe: Any = None  # [layers, SITES, 3] zeros whose cotangent is the amaxes seen
+    layer_scales: Any = None  # this layer's [SITES, 3] rows, inside the layer scan
+    layer_probe: Any = None
+    in_block: bool = False
+    next_site: int = 0
+    layer_offset: int = 0  # rows used by earlier scans of the same trace
+    used: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_STATE = threading.local()
+
+
+def _current() -> _Traced | None:
+    return getattr(_STATE, "traced", None)
+
+
+@contextlib.contextmanager
+def use(settings: Fp8Settings | None, scales: Any = None, probe: Any = None) -> Iterator[None]:
+    """Trace the blocks' matmuls in fp8 by `settings` (None: nothing changes); under delayed
+    scaling with `scales` and `probe` ([layers, SITES, 3]) from spmd.engine.fp8_state.
+    Without scales inside an open context (the step's, which has them) nothing changes."""
+    if settings is None or (scales is None and _current() is not None):
+        yield
+        return
+    before = _current()
+    _STATE.traced = _Traced(settings, scales, probe)
+    try:
+        yield
+    finally:
+        _STATE.traced = before
+
+
+def settings() -> Fp8Settings | None:
+    """The fp8 settings of the step being traced (None: no fp8)."""
+    traced = _current()
+    return traced.settings if traced else None
+
+
+def delayed_active() -> bool:
+    """Whether the step being traced passed delayed-scaling state (the layer scans carry it)."""
+    traced = _current()
+    return traced is not None and traced.scales is not None
+
+
+def delayed_rows(n_layers: int) -> tuple[Any, Any] | None:
+    """(scales, probe) rows [n_layers, SITES, 3] for the next layer scan of this trace, or None
+    when not under delayed scaling (or when the step passed no state, e.g. an eval step)."""
+    traced = _current()
+    if traced is None or traced.scales is None:
+        return None
+    start = traced.layer_offset
+    if start + n_layers > traced.scales.shape[0]:
+        raise ValueError(f"delayed fp8 state holds {traced.scales.shape[0]} layers, not more")
+    traced.layer_offset += n_layers
+    rows = slice(start, start + n_layers)
+    return traced.scales[rows], traced.probe[rows]
+
+
+@contextlib.contextmanager
+def in_block(scales: Any = None, probe: Any = None) -> Iterator[None]:
+    """Inside one stacked block (the layer scan's body): its matmuls may run in fp8, the i-th
+    taking row i of `scales` / `probe` ([SITES, 3]) under delayed scaling."""
+    traced = _current()
+    if traced is None:
+        yield
+        return
+    saved = (traced.in_block, traced.next_site, traced.layer_scales, traced.layer_probe)
+    traced.in_block, traced.next_site = True, 0
+    traced.layer_scales, traced.layer_probe = scales, probe
+    try:
+        yield
+    finally:
+        traced.in_block, traced.next_site, traced.layer_scales, traced.layer_probe = saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One fp8 matmul: its recipe and, under delayed scaling, its scales and probe ([3]:
+    input, weight, gradient)."""
+
+    recipe: str
+    scales: Any = None
+    probe: Any = None
+
+
+def site(k: int, n: int) -> Site | None:
+    """The fp8 site of a matmul contracting `k` into `n` outputs, or None where it stays in
+    the compute dtype (no fp8, outside the blocks, or below the size rule)."""
+    traced = _current()
+    if traced is None or not traced.in_block:
+        return None
+    s = traced.settings
+    if min(k, n) < s.min_dim:
+        traced.used["small"] = traced.used.get("small", 0) + 1
+        return None
+    traced.used["fp8"] = traced.used.get("fp8", 0) + 1
+    if s.recipe != "delayed" or traced.layer_scales is None:
+        # without a history (an eval step) delayed scaling falls back to current scaling
+        return Site("rowwise" if s.recipe == "rowwise" else "tensorwise")
+    i = traced.next_site
+    if i >= SITES:
+        raise ValueError(f"a block holds more than {SITES} fp8 matmuls; raise fp8_context.SITES")
+    traced.next_site += 1
+    return Site("delayed", traced.layer_scales[i], traced.layer_probe[i])
+
+
+def gather_in_fp8(shape: tuple[int, ...]) -> bool:
+    """Whether a block's param of this (per-layer) shape is all-gathered in e4m3: a matrix
+    whose every dim reaches the size rule, under --fp8-all-gather."""
+    traced = _current()
+    if traced is None or not traced.settings.all_gather or len(shape) < 2:
+        return False
+    return min(shape) >= traced.settings.min_dim

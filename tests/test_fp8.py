@@ -1,0 +1,168 @@
+"""--precision fp8 (docs/strategies/fp8.md): the blocks' matmuls lower to fp8 dots, sharded
+fp8 trains like one device under both executors, ZeRO-3 gathers in e4m3 at half the bytes,
+and delayed scaling's amax history resumes bitwise. Emulated on CPU (XLA:CPU's fp8 types).
+Bad flags are in test_bad_inputs.py's table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import fp8
+from spmd import builder
+from spmd.config import flat
+from spmd.engine import precision
+from spmd.engine.options import StepOptions
+from spmd.engine.step import ONCE_ON_CPU
+from spmd.estimate import cost, flops, measure, theory, timing
+from spmd.estimate.shape import llama_shape
+from spmd.model_shape import ModelShape
+from spmd.parallel.fp8_context import Fp8Settings, Site
+from tests import trainer
+
+STEPS = 3
+
+
+def program(mesh: str, policy: precision.Policy, executor: str = "auto", zero: int = 3):
+    train = flat(None, steps=STEPS, batch=trainer.BATCH, seq_len=trainer.SEQ_LEN, warmup=2)
+    spec = builder.model_spec(trainer.tiny_config(), policy)
+    options = StepOptions(executor=executor, policy=policy)
+    lay = trainer.layout(mesh, zero)
+    return builder.build(spec, builder.optimizer(train), lay, options, None, trainer.BATCH, 32)
+
+
+def fp8_policy(recipe: str = "tensorwise", all_gather: bool = False) -> precision.Policy:
+    # the tiny model's dims (64, 256) are below the default size rule: every matmul in fp8
+    return precision.get("fp8", "", Fp8Settings(recipe=recipe, min_dim=0, all_gather=all_gather))
+
+
+def test_fp8_matmul_is_close_to_the_exact_one_with_its_gradients_for_every_recipe() -> None:
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (32, 64)) * jnp.linspace(0.1, 10, 64)  # uneven channels
+    w = jax.random.normal(keys[1], (64, 48)) / 8
+    c = jax.random.normal(keys[2], (32, 48))  # the output's cotangent
+
+    @jax.jit
+    def outputs(x, w, scales, probe):
+        def run(site: Site) -> tuple:
+            y, vjp = jax.vjp(
+                lambda x, w, p: fp8.matmul(x, w, Site(site.recipe, scales, p)), x, w, probe
+            )
+            return y, *vjp(c)
+
+        exact = jax.vjp(lambda x, w: x @ w, x, w)
+        return (exact[0], *exact[1](c)), [run(Site(r)) for r in fp8_recipes()]
+
+    # a history a little above this step's amaxes; the gradient's 0: none yet, current scaling
+    scales = jnp.asarray([1.2 * jnp.abs(x).max() / 448, 1.2 * jnp.abs(w).max() / 448, 0.0])
+    want, got = outputs(x, w, scales, jnp.zeros(3))
+    for recipe, (y, gx, gw, seen) in zip(fp8_recipes(), got, strict=True):
+        for a, b in ((y, want[0]), (gx, want[1]), (gw, want[2])):
+            error = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert 1e-4 < error < 0.08, (recipe, error)  # quantized, yet close
+        if recipe == "delayed":  # the probe's cotangent: the amaxes seen
+            amaxes = [jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(c).max()]
+            np.testing.assert_allclose(seen, amaxes, rtol=1e-6)
+
+
+def fp8_recipes() -> tuple[str, ...]:
+    return ("tensorwise", "rowwise", "delayed")
+
+
+def gathers(policy: precision.Policy) -> tuple[dict, float]:
+    """(the lowered step's all-gathers: bytes, by dtype; the theory's all-gather bytes) of
+    the tiny model on fsdp=4, ZeRO-3, explicit executor."""
+    prog = program("fsdp=4", policy, "explicit")
+    lowered = measure.lowered_gathers(prog, trainer.BATCH, 32, prog.layout.mesh)
+    shape = trainer.tiny_config().shape()
+    return lowered, theory.collectives(prog, shape, trainer.BATCH, 32)["all-gather"]["bytes"]
+
+
+def test_fp8_all_gather_moves_half_the_bytes_of_bf16_under_zero3_as_theory_says() -> None:
+    bf16, bf16_theory = gathers(precision.POLICIES["bf16"])
+    fp8_gathers, fp8_theory = gathers(fp8_policy(all_gather=True))
+    assert "f8e4m3fn" in fp8_gathers["by_dtype"] and "f8e4m3fn" not in bf16["by_dtype"]
+    # the blocks' matrices in e4m3 (+ 4 bytes of scale per device); embedding and norms bf16
+    ratio = fp8_gathers["bytes"] / bf16["bytes"]
+    assert 0.50 <= ratio <= 0.55, f"{ratio:.3f} of bf16"
+    assert fp8_gathers["bytes"] == fp8_theory and bf16["bytes"] == bf16_theory
+
+
+def test_delayed_fp8_lowers_to_fp8_dots_resumes_bitwise_and_trains_alike_when_sharded() -> None:
+    prog = program("dp=1", fp8_policy("delayed"))
+    lowered = prog.lower_train_step(trainer.BATCH, 32)
+    text = lowered.as_text()
+    # the 7 block matmuls: e4m3 x e4m3 forward, e5m2 gradients in both backward products
+    assert text.count("xf8E4M3FN>, tensor<") >= 7 and "f8E5M2" in text
+    train = quickly_compiled(lowered)
+    initial = jax.device_get(tuple(prog.init()))  # the sharded programs start from it too
+    state, first = steps(prog, train, initial, range(2))
+    saved = jax.device_get(prog.checkpoint_view(state))
+    history = saved["loss_scale"]["fp8"]["amax_history"]  # newest first, 2 steps filled
+    assert history[..., 0].max() > 0 and history[..., 1].max() > 0 and history[..., 2].max() == 0
+    assert not np.array_equal(history[..., 0], history[..., 1])
+    straight = steps(prog, train, state, range(2, 4))
+    resumed = steps(prog, train, prog.makers.from_checkpoint(saved), range(2, 4))  # a restore
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    one = np.concatenate([first, straight[1]])
+    assert np.all(np.isfinite(one)) and one[-1] < one[0]
+    for executor in ("auto", "explicit"):  # the amaxes are global: one history on every device
+        sharded = program("dp=2,fsdp=2,tp=2", fp8_policy("delayed"), executor)
+        train = quickly_compiled(sharded.lower_train_step(trainer.BATCH, 32))
+        losses = steps(sharded, train, placed(sharded, initial), range(4))[1]
+        assert trainer.max_relative_difference(losses, one) < 1e-2, executor
+
+
+def quickly_compiled(lowered):
+    """The lowered step compiled without XLA:CPU's LLVM optimizations (as the engine compiles
+    its run-once programs): a fraction of the compile time for a few steps."""
+    return lowered.compile(compiler_options=ONCE_ON_CPU)
+
+
+def placed(prog, state: tuple) -> tuple:
+    """Host `state` (params, opt_state, loss_scale) on `prog`'s shardings."""
+    targets = (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale)
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), tuple(state), targets)
+
+
+def steps(prog, train, state, numbers) -> tuple:
+    """(state, losses) after `train` (a compiled step) on the batches of `numbers`."""
+    state = placed(prog, state)
+    losses = []
+    for step in numbers:
+        *state, metrics = train(*state, batch(step, prog))
+        losses.append(metrics["loss"])
+    return state, np.asarray(jax.device_get(losses))
+
+
+def batch(step: int, prog) -> dict:
+    win = trainer.windows()
+    ids = trainer.data.train_window_ids(0, step, trainer.BATCH, win.n_train)
+    return trainer.data.global_batch(win, ids, prog.layout.batch_sharding())
+
+
+def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_against_bf16() -> None:
+    mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
+    bf16 = cost.Setup(ModelShape(**llama_shape(1e9)), 1e9, mesh, 3, "bf16", "adamw", 8, 2048)
+    fp8 = dataclasses.replace(bf16, precision="fp8")
+    net = cost.Network(400e9, 50e9, 0.0, 8)
+    saved = (
+        timing.step_time(bf16, net, 400e12)["compute"]
+        - timing.step_time(fp8, net, 400e12)["compute"]
+    )
+    blocks = 3 * bf16.batch * bf16.seq_len * timing.forward_flops_per_token(bf16)["blocks"]
+    assert saved == pytest.approx(blocks / 2 / 8 / 400e12)
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == flops.peak_tflops(
+        "NVIDIA H100 80GB HBM3", "bf16"
+    )
+    # --fp8-all-gather: ZeRO-3's block gathers in 1 byte a param, the rest in bf16's 2
+    gathers = {c.purpose: c.bytes for c in cost.collectives(bf16) if c.kind == "all-gather"}
+    halved = dataclasses.replace(fp8, fp8_all_gather=True)
+    fp8_gathers = {c.purpose: c.bytes for c in cost.collectives(halved) if c.kind == "all-gather"}
+    assert fp8_gathers["block params"] == gathers["block params"] / 2
+    assert fp8_gathers["embed, head"] == gathers["embed, head"]
