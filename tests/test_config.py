@@ -110,8 +110,8 @@ def test_a_value_outside_its_fields_choices_is_named_from_flags_and_files(tmp_pa
     with pytest.raises(UsageError, match="--lr-schedule 'step' is not one of cosine, linear, "):
         resolve("--lr-schedule", "step")
     file = tmp_path / "c.toml"
-    file.write_text('[precision]\nprecision = "fp8"\n')
-    with pytest.raises(UsageError, match="--precision 'fp8' is not one of fp32, bf16, fp16$"):
+    file.write_text('[precision]\nprecision = "fp4"\n')
+    with pytest.raises(UsageError, match="--precision 'fp4' is not one of fp32, bf16, fp16, fp8$"):
         resolve("--config", str(file))
     file.write_text("[checkpoint]\nresume = 1\n")  # the former bool's values only
     with pytest.raises(UsageError, match="--resume 1 is not one of auto, required, fresh"):
