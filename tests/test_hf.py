@@ -114,6 +114,26 @@ def hf_tensors(folder: Path) -> dict[str, np.ndarray]:
     return found
 
 
+def convert_round_trip(
+    folder: Path, tmp_path: Path, mesh: str, back_mesh: str | None = None
+) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """HF `folder` -> spmd checkpoint (on `mesh`) -> HF folder (on `back_mesh`, default the
+    same) through the spmd.convert command; asserts every tensor comes back with its name,
+    dtype and values bit for bit. Returns (the original tensors, its config.json, the written
+    config.json) for the caller's own checks."""
+    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
+    assert convert.main(["--from-hf", str(folder), "--to", spmd_dir, "--mesh", mesh]) == 0
+    back_args = ["--checkpoint", spmd_dir, "--to-hf", hf_dir, "--mesh", back_mesh or mesh]
+    assert convert.main(back_args) == 0
+    original, back = hf_tensors(folder), hf_tensors(Path(hf_dir))
+    assert sorted(original) == sorted(back)
+    for tensor, value in original.items():
+        assert back[tensor].dtype == value.dtype
+        np.testing.assert_array_equal(back[tensor], value, err_msg=tensor)
+    source = json.loads((folder / "config.json").read_text())
+    return original, source, json.loads(Path(hf_dir, "config.json").read_text())
+
+
 def test_the_commands_convert_hf_to_spmd_and_back_bit_exactly(tmp_path, capsys):
     spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
     mesh = ["--mesh", "dp=2,fsdp=2,tp=-1"]

@@ -10,7 +10,6 @@ tests/test_hf_gemma3.py too."""
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel import hooks
 from tests import trainer
-from tests.test_hf import hf_tensors, logits_of
+from tests.test_hf import convert_round_trip, logits_of
 from tests.test_hf_families import edited, loaded, reference
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -94,18 +93,7 @@ def test_hf_to_spmd_to_hf_is_bit_exact_through_the_commands(tmp_path):
 
 
 def check_round_trip(name: str, tmp_path: Path) -> None:
-    folder = FIXTURES / name
-    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
-    mesh = ["--mesh", "dp=2,fsdp=2,tp=2"]
-    assert convert.main(["--from-hf", str(folder), "--to", spmd_dir, *mesh]) == 0
-    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
-    original, back = hf_tensors(folder), hf_tensors(Path(hf_dir))
-    assert sorted(original) == sorted(back)
-    for tensor, value in original.items():
-        assert back[tensor].dtype == value.dtype
-        np.testing.assert_array_equal(back[tensor], value, err_msg=tensor)
-    source = json.loads((folder / "config.json").read_text())
-    written = json.loads(Path(hf_dir, "config.json").read_text())
+    _, source, written = convert_round_trip(FIXTURES / name, tmp_path, "dp=2,fsdp=2,tp=2")
     for key in ("architectures", "model_type", "rope_parameters", "layer_types"):
         assert written[key] == source[key], key
     read = family.for_hf(source, "source").hf.config_from_hf

@@ -31,7 +31,7 @@ from spmd.estimate.flops import hlo_dot_flops
 from spmd.io import data, tokens
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
 from tests import cli, trainer
-from tests.test_hf import hf_tensors, logits_of
+from tests.test_hf import convert_round_trip, logits_of
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OLMO2, TIED = FIXTURES / "hf_olmo2", FIXTURES / "hf_olmo2_tied"
@@ -101,17 +101,8 @@ def test_greedy_generation_equals_that_of_transformers():
 
 
 def test_hf_to_spmd_to_hf_is_bit_exact_through_the_commands(tmp_path):
-    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
-    mesh = ["--mesh", "dp=2,fsdp=2,tp=2"]
-    assert convert.main(["--from-hf", str(OLMO2), "--to", spmd_dir, *mesh]) == 0
-    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
-    original, back = hf_tensors(OLMO2), hf_tensors(Path(hf_dir))
-    assert sorted(original) == sorted(back) and len(original) == 25
-    for name, value in original.items():
-        assert back[name].dtype == value.dtype
-        np.testing.assert_array_equal(back[name], value, err_msg=name)
-    source = json.loads((OLMO2 / "config.json").read_text())
-    written = json.loads(Path(hf_dir, "config.json").read_text())
+    original, source, written = convert_round_trip(OLMO2, tmp_path, "dp=2,fsdp=2,tp=2")
+    assert len(original) == 25
     assert written["architectures"] == ["Olmo2ForCausalLM"] and written["model_type"] == "olmo2"
     assert "mlp_bias" not in written and written["rope_parameters"] == source["rope_parameters"]
     assert olmo2.config_from_hf(written, "back") == olmo2.config_from_hf(source, "source")

@@ -28,8 +28,8 @@ from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import parse_mesh
 from tests import trainer
+from tests.test_hf import convert_round_trip, logits_of
 from tests.test_hf import hf_tensors as read_hf
-from tests.test_hf import logits_of
 
 PHI3 = Path(__file__).resolve().parent / "fixtures" / "hf_phi3"
 MESHES = ("dp=1", "dp=2,fsdp=2,tp=2")
@@ -131,17 +131,8 @@ def test_greedy_generation_equals_that_of_transformers():
 
 
 def test_hf_to_spmd_to_hf_is_bit_exact_through_the_commands(tmp_path):
-    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
-    mesh = ["--mesh", "dp=2,fsdp=2,tp=2"]
-    assert convert.main(["--from-hf", str(PHI3), "--to", spmd_dir, *mesh]) == 0
-    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
-    original, back = read_hf(PHI3), read_hf(Path(hf_dir))
-    assert sorted(original) == sorted(back) and len(original) == 15
-    for tensor, value in original.items():
-        assert back[tensor].dtype == value.dtype
-        np.testing.assert_array_equal(back[tensor], value, err_msg=tensor)
-    source = json.loads((PHI3 / "config.json").read_text())
-    written = json.loads(Path(hf_dir, "config.json").read_text())
+    original, source, written = convert_round_trip(PHI3, tmp_path, "dp=2,fsdp=2,tp=2")
+    assert len(original) == 15
     assert (written["architectures"], written["model_type"]) == (["Phi3ForCausalLM"], "phi3")
     assert written["rope_parameters"] == source["rope_parameters"]
     assert written["sliding_window"] == 5 and written["pad_token_id"] is None
@@ -371,15 +362,7 @@ def test_longrope_greedy_generation_equals_that_of_transformers_and_a_crossing_i
 
 
 def test_longrope_hf_to_spmd_to_hf_is_bit_exact_and_refuses_context_parallelism(tmp_path):
-    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
-    assert convert.main(["--from-hf", str(LONG), "--to", spmd_dir, "--mesh", "fsdp=2,tp=2"]) == 0
-    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, "--mesh", "tp=2"]) == 0
-    original, back = read_hf(LONG), read_hf(Path(hf_dir))
-    assert sorted(original) == sorted(back)
-    for tensor, value in original.items():
-        np.testing.assert_array_equal(back[tensor], value, err_msg=tensor)
-    source = json.loads((LONG / "config.json").read_text())
-    written = json.loads(Path(hf_dir, "config.json").read_text())
+    _, source, written = convert_round_trip(LONG, tmp_path, "fsdp=2,tp=2", back_mesh="tp=2")
     assert phi3.from_hf(written, "back") == phi3.from_hf(source, "source")
     assert written["max_position_embeddings"] == 32 and written["sliding_window"] is None
     cfg = long_loaded("dp=1").model

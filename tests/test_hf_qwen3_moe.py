@@ -28,7 +28,7 @@ from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import MESH_AXES
 from tests import trainer
-from tests.test_hf import hf_tensors, logits_of
+from tests.test_hf import convert_round_trip, logits_of
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_qwen3_moe"
 MESHES = ("dp=1", "dp=2,fsdp=2,tp=2", "fsdp=2,ep=2,tp=2")
@@ -102,18 +102,9 @@ def test_greedy_generation_equals_that_of_transformers_with_experts_split():
 
 
 def test_hf_to_spmd_to_hf_is_bit_exact_through_the_commands(tmp_path):
-    spmd_dir, hf_dir = str(tmp_path / "spmd"), str(tmp_path / "hf")
     # one device: the sharded reads and writes of expert tensors are tests/test_hf_mixtral.py's
-    mesh = ["--mesh", "dp=1"]
-    assert convert.main(["--from-hf", str(FIXTURE), "--to", spmd_dir, *mesh]) == 0
-    assert convert.main(["--checkpoint", spmd_dir, "--to-hf", hf_dir, *mesh]) == 0
-    original, back = hf_tensors(FIXTURE), hf_tensors(Path(hf_dir))
-    assert sorted(original) == sorted(back) and len(original) == 2 * (8 + 1 + 3 * 4) + 3
-    for name, value in original.items():
-        assert back[name].dtype == value.dtype
-        np.testing.assert_array_equal(back[name], value, err_msg=name)
-    source = json.loads((FIXTURE / "config.json").read_text())
-    written = json.loads(Path(hf_dir, "config.json").read_text())
+    original, source, written = convert_round_trip(FIXTURE, tmp_path, "dp=1")
+    assert len(original) == 2 * (8 + 1 + 3 * 4) + 3
     for key in ("architectures", "model_type", "rope_parameters", "num_experts"):
         assert written[key] == source[key], key
     for key in ("moe_intermediate_size", "intermediate_size", "norm_topk_prob", "head_dim"):
