@@ -41,7 +41,6 @@ from spmd.errors import UsageError
 __all__ = ["CausalLM", "Decoder", "Family", "HFMapping", "ModelConfig"]
 
 EXPORT_DTYPES = hf_io.EXPORT_DTYPES  # the dtypes --to-hf writes
-LLAMA_DECODER = Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward)
 
 LLAMA = Family(
     name="llama",
@@ -51,7 +50,7 @@ LLAMA = Family(
     logits_loss=llama.logits_loss,
     check=llama.check,
     check_layout=llama.check_layout,
-    decoder=LLAMA_DECODER,
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=hf_config.ARCHITECTURES,
         model_types=hf_config.MODEL_TYPES,
@@ -72,7 +71,7 @@ MOE = Family(
     logits_loss=llama.logits_loss,
     check=moe.check,
     check_layout=moe.check_layout,
-    decoder=LLAMA_DECODER,
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=(hf_mixtral.ARCHITECTURE,),
         model_types={"mixtral": hf_mixtral.ARCHITECTURE},

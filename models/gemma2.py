@@ -48,7 +48,7 @@ from models.attention import (
     grouped_causal_attention,
     segment_positions,
 )
-from models.contract import Decoder, Family, HFMapping
+from models.contract import Family, HFMapping
 from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, geglu
 from models.layers import param as _param
 from models.rope import Rope, rotate
@@ -364,7 +364,6 @@ def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Gemm
     return cfg
 
 
-DECODER = Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward)
 FAMILY = Family(
     name="gemma2",
     config=Gemma2Config,
@@ -373,7 +372,7 @@ FAMILY = Family(
     logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    decoder=DECODER,
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=(hf_gemma2.GEMMA2,),
         model_types={"gemma2": hf_gemma2.GEMMA2},

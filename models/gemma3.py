@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import gemma2, hf_gemma2, llama, lora
+from models import gemma2, hf_gemma2, llama, llama_decode, lora
 from models.contract import Family, HFMapping
 
 
@@ -54,7 +54,7 @@ FAMILY = Family(
     logits_loss=llama.logits_loss,
     check=gemma2.check,
     check_layout=gemma2.check_layout,
-    decoder=gemma2.DECODER,
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=(hf_gemma2.GEMMA3,),
         model_types={"gemma3_text": hf_gemma2.GEMMA3},

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import CACHE_NAMES
+from models.contract import Decoder
 
 
 def init_cache(cfg: Any, batch: int, length: int, dtype: Any) -> dict[str, jax.Array]:
@@ -54,4 +55,7 @@ def forward(
     return model.head_logits(x), {"k": keys, "v": values}
 
 
-__all__ = ["CACHE_NAMES", "forward", "init_cache"]
+# the Decoder of every family whose blocks have `decode` (each family's record names it)
+DECODER = Decoder(init_cache=init_cache, forward=forward)
+
+__all__ = ["CACHE_NAMES", "DECODER", "forward", "init_cache"]

@@ -36,7 +36,7 @@ from flax import nnx
 
 from models import hf_olmo2, llama, llama_decode, lora
 from models.attention import Attention
-from models.contract import Decoder, Family, HFMapping
+from models.contract import Family, HFMapping
 from models.layers import RESIDUAL, RMSNorm
 from models.llama import LlamaConfig
 from spmd.errors import UsageError
@@ -145,7 +145,7 @@ FAMILY = Family(
     logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    decoder=Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward),
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=(hf_olmo2.ARCHITECTURE,),
         model_types={"olmo2": hf_olmo2.ARCHITECTURE},

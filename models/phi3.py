@@ -170,7 +170,7 @@ FAMILY = Family(
     logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    # models/llama_decode.py's cache (models.family imports this module, so not LLAMA_DECODER)
+    # models/llama_decode.py's cache, with a forward that refuses crossing LongRoPE's length
     decoder=Decoder(init_cache=llama_decode.init_cache, forward=decode),
     hf=HFMapping(
         architectures=(hf_phi3.ARCHITECTURE,),

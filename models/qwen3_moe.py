@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import hf_config, hf_qwen3_moe, llama, llama_decode, lora, moe
-from models.contract import Decoder, Family, HFMapping
+from models.contract import Family, HFMapping
 from spmd.errors import UsageError
 
 
@@ -94,7 +94,7 @@ FAMILY = Family(
     logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    decoder=Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward),
+    decoder=llama_decode.DECODER,
     hf=HFMapping(
         architectures=(hf_qwen3_moe.ARCHITECTURE,),
         model_types={hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE},
