@@ -109,10 +109,6 @@ class Gemma2Config:
         block = attn + 3 * e * self.mlp_dim + 4 * e
         return self.vocab_size * e + self.n_layers * block + e
 
-    def n_active_params(self) -> int:
-        """Parameters one token uses: all of them (a dense model)."""
-        return self.n_params()
-
     def shape(self) -> ModelShape:
         """The sizes the estimators read (spmd.model_shape): tied, four norms per block."""
         return ModelShape(
