@@ -4,6 +4,7 @@
     spmd plan --params 7e9 --gpu h100  is   python -m spmd.plan --params 7e9 --gpu h100
 
 Each command parses its own flags (spmd.config.resolve); `spmd COMMAND --help` lists them.
+The commands are spmd.commands.COMMANDS.
 """
 
 from __future__ import annotations
@@ -11,25 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> (module, what it does), in the order a new user meets them
-COMMANDS = {
-    "train": ("spmd.train", "train a model on a mesh (the documented entry point)"),
-    "plan": ("spmd.plan", "choose a layout for a model and cluster before renting it"),
-    "bench": ("spmd.bench", "time the train step beside a bare jax.jit step"),
-    "bench-collectives": ("spmd.bench_collectives", "compare executors, buckets, prefetch"),
-    "data": ("spmd.data", "look at the training data: windows as text, counts per source"),
-    "generate": ("spmd.generate", "sample text from a checkpoint or a Hugging Face folder"),
-    "convert": ("spmd.convert", "Hugging Face folders <-> spmd checkpoints"),
-    "checkpoint": ("spmd.checkpoint", "verify a checkpoint folder's steps against their manifests"),
-    "report": ("spmd.report", "draw runs' metrics side by side"),
-    "launch": ("spmd.launch", "start N local processes of one job"),
-}
-
-
-def usage() -> str:
-    width = max(map(len, COMMANDS))
-    rows = "\n".join(f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items())
-    return f"usage: spmd COMMAND [FLAGS]   (spmd COMMAND --help for its flags)\n\n{rows}"
+from spmd.commands import COMMANDS, usage
 
 
 def main(argv: list[str] | None = None) -> int:

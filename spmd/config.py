@@ -18,7 +18,6 @@ import dataclasses
 import difflib
 import importlib.resources
 import json
-import sys
 import tomllib
 import typing
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.parser import Parser
 from spmd.section_views import field_help
 from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
     BARE_FLAG_VALUES,
@@ -89,20 +89,6 @@ def _field_types(cls: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports mistakes in one line and suggests the nearest flag."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        if message.startswith("unrecognized arguments:"):
-            bad = message.split(":", 1)[1].split()[0]
-            flags = [a for action in self._actions for a in action.option_strings]
-            near = difflib.get_close_matches(bad.split("=")[0], flags, n=1)
-            hint = f"; did you mean {near[0]}?" if near else "; see --help for the flags"
-            message = f"unknown flag {bad}{hint}"
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser(
     prog: str,
     sections: dict[str, type],
@@ -110,13 +96,13 @@ def build_parser(
     short: dict[str, str] | None = None,
     defaults: dict[str, Any] | None = None,
     show_defaults: bool = True,
-) -> _Parser:
+) -> Parser:
     """A parser with --config plus one flag per field of every section (default: not given),
     each with its field's help (`field_help`) and, with `show_defaults`, its default (the
     command's own `defaults`, {field: value}, over the section's); `short` adds short forms
     ({field: "-n"}). A flag's choices show as its metavar (a `Literal`'s values; the presets
     for --model)."""
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False)
+    parser = Parser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument(
         "--config", help=f"TOML file with a table per section: [{'], ['.join(sections)}]"
     )

@@ -25,12 +25,12 @@ COMMANDS = {
         "plan_flags weights builder config checks api decoding run_setup section_views"
     ).split()
 }
-# The commands themselves: what `spmd COMMAND` runs (spmd.cli's table, read from its source)
+# The commands themselves: what `spmd COMMAND` runs (spmd.commands's table, read from its source)
 # and the dispatcher. What two commands share lives below them (spmd.run_setup, spmd.checks,
 # spmd.builder, spmd.config, ...), so that no command imports another.
 COMMAND_MODULES = {
     node.value
-    for node in ast.walk(ast.parse((ROOT / "spmd" / "cli.py").read_text()))
+    for node in ast.walk(ast.parse((ROOT / "spmd" / "commands.py").read_text()))
     if isinstance(node, ast.Constant) and str(node.value).startswith("spmd.")
 } | {"spmd.cli"}
 # What spmd/ may import from models/: the registry and the contract, never a family's own

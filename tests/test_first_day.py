@@ -11,6 +11,7 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
 import sysconfig
 import tomllib
 from pathlib import Path
@@ -19,7 +20,7 @@ import jax
 import pytest
 
 import spmd
-from spmd import cli, config, convert, generate, plan, report, train
+from spmd import cli, config, convert, generate, parser, plan, report, train
 from spmd.checks import check_choices
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
@@ -151,7 +152,8 @@ def test_help_shows_every_flags_default(command):
         and not (command == "plan" and e.split()[0] in no_default)
         and e.split()[0] not in ("--config", "--print-config")
     ]
-    assert flags and not missing, f"{command} --help: no default for {missing}"
+    assert flags or command == "completion", f"{command} --help lists no flags"
+    assert not missing, f"{command} --help: no default for {missing}"
 
 
 def test_help_lists_the_presets_and_the_families():
@@ -159,6 +161,45 @@ def test_help_lists_the_presets_and_the_families():
     assert f"--model {'|'.join(config.preset_names())}" in text
     assert "--family llama|moe|" in text
     assert "--steps INT" in text and "(default: 200)" in text
+
+
+# shell completion (the issue's "What to build")
+COMPLETE = """source {script}
+try() {{ COMP_WORDS=("$@"); COMP_CWORD=$(( ${{#COMP_WORDS[@]}} - 1 ))
+  COMPREPLY=(); _shtab_spmd spmd "${{COMP_WORDS[-1]}}" "${{COMP_WORDS[-2]}}"
+  echo "${{COMPREPLY[*]}}"; }}
+try spmd ''
+try spmd train --
+try spmd train --model ''
+try spmd train --lora-ra
+try spmd train --run-dir ''
+try spmd report ''
+"""
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash to run the completion script")
+def test_bash_completes_commands_flags_presets_and_folders(tmp_path, monkeypatch):
+    from spmd import completion
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert completion.main(["bash"]) == 0
+    script = tmp_path / "spmd.bash"
+    script.write_text(out.getvalue())
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "m.jsonl").write_text("")
+    shell = tmp_path / "try.sh"
+    shell.write_text(COMPLETE.format(script=script))
+    lines = subprocess.run(
+        ["bash", str(shell)], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    commands, train_flags, presets, lora, folders, files = (set(line.split()) for line in lines)
+    assert commands == set(cli.COMMANDS)
+    own = parser.built_parser(train.main)
+    assert train_flags == {f for a in own._actions for f in a.option_strings if f.startswith("--")}
+    assert presets == set(config.preset_names())
+    assert lora == {"--lora-rank"}
+    assert folders == {"runs"} and {"runs", "m.jsonl"} <= files  # folders only for --run-dir
 
 
 # 5
