@@ -119,10 +119,32 @@ def lora_spec(
 def save_peft(adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str):
     """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
     for base `base`; UsageError for a family with no Hugging Face Linear names."""
+    return peft.save(adapters, spec, _hf_of(cfg).tensors, directory, base)
+
+
+PeftAdapter = peft.Adapter
+read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
+
+
+def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
+    """The --lora-targets value (a comma list) of peft `adapter`'s target_modules on a model
+    `cfg`: the same table --to-peft writes them from, read the other way."""
+    fam = of(cfg)
+    names = peft.target_names(adapter, fam.lora_targets, _hf_of(cfg).tensors, fam.name)
+    return ",".join(names)
+
+
+def load_peft(directory: str, spec: lora.Spec, cfg: Any, like: dict[str, Any]) -> dict:
+    """The adapters (fp32 host arrays shaped as `like`'s) of peft folder `directory` for a
+    model `cfg` and adapters `spec`."""
+    return peft.load(directory, spec, _hf_of(cfg).tensors, like)
+
+
+def _hf_of(cfg: Any) -> HFMapping:
     fam = of(cfg)
     if fam.hf is None:
         raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
-    return peft.save(adapters, spec, fam.hf.tensors, directory, base)
+    return fam.hf
 
 
 def get(name: str) -> Family:

@@ -319,10 +319,12 @@ def resolve(
         preset_name = given.get("run", {}).get("model", RunConfig.model)
         given["model"] = {**preset(preset_name), **given["model"]}
         source = f"model config (preset {preset_name!r})"
-        # the family the values name decides the config's type; with --init-from-hf the
-        # folder's config.json is the architecture (spmd.run_setup reads it) and the section
-        # only carries the flags given (an MoE's router knobs), whatever the preset's family
-        from_hf = given.get("run", {}).get("init_from_hf")
+        # the family the values name decides the config's type; with --init-from-hf (or
+        # --init-from-peft, whose adapter names its base) the folder's config.json is the
+        # architecture (spmd.run_setup reads it) and the section only carries the flags given
+        # (an MoE's router knobs), whatever the preset's family
+        run = given.get("run", {})
+        from_hf = run.get("init_from_hf") or run.get("init_from_peft")
         cls = sections["model"] if from_hf else family.check_fields(given["model"], source)
         resolved = {"model": build(cls, given["model"], source)}
     else:

@@ -1,11 +1,12 @@
 """What the commands that resolve, build or plan a training run share (spmd.train, spmd.bench,
 spmd.plan), so that no command imports another: the run's sections with the model families'
-flags, --layout's expansion, the resolution of --init-from-hf, and the lines that describe a
-built Program."""
+flags, --layout's expansion, the resolution of --init-from-hf and --init-from-peft, and the
+lines that describe a built Program."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from models import family
@@ -13,9 +14,11 @@ from spmd import builder, config
 from spmd.checks import batch_arithmetic, format_batch_arithmetic
 from spmd.config import Config
 from spmd.engine import precision
+from spmd.errors import UsageError
 from spmd.io import hub
 from spmd.log import say
 from spmd.section_views import model_section
+from spmd.sections import LoraConfig, RunConfig, flag_name
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
 ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -42,8 +45,13 @@ def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
 def resolve_run(argv: list[str] | None, prog: str, **kwargs: Any) -> dict[str, Any]:
     """The run's config tree of a command line (spmd.config.resolve's result: the sections,
     "given", and what `kwargs` ask for); with --init-from-hf the Hugging Face folder's
-    config.json is the architecture, and the router knobs given win over it."""
+    config.json is the architecture, and the router knobs given win over it; with
+    --init-from-peft the adapter's config names the base and fills the [lora] section."""
     resolved = config.resolve(argv, sections(), prog, expand=expand_layout, **kwargs)
+    adapter = None
+    if resolved["run"].init_from_peft:
+        adapter = family.read_peft(resolved["run"].init_from_peft)
+        resolved["run"] = peft_base(resolved["run"], adapter)
     resolved = hub.resolve_names(resolved)  # Hub ids in --init-from-hf, --tokenizer: folders
     if resolved["run"].init_from_hf:
         folder = family.open_hf(resolved["run"].init_from_hf, resolved["model"].remat)
@@ -54,7 +62,59 @@ def resolve_run(argv: list[str] | None, prog: str, **kwargs: Any) -> dict[str, A
             if name in {f.name for f in dataclasses.fields(folder.config)}
         }
         resolved["model"] = dataclasses.replace(folder.config, **knobs)
+    if adapter is not None:
+        resolved["lora"] = peft_lora(resolved, adapter)
     return resolved
+
+
+def peft_base(run: RunConfig, adapter: family.PeftAdapter) -> RunConfig:
+    """The run section with the base of --init-from-peft's adapter as --init-from-hf: the
+    folder or Hub id its base_model_name_or_path names (a relative path read from the current
+    directory, as peft reads it), unless --init-from-hf names the base itself."""
+    if run.init_from_hf:
+        return run
+    where = f"--init-from-peft {adapter.folder}"
+    if not adapter.base:
+        raise UsageError(
+            f"{where}: its adapter_config.json names no base model; give it with --init-from-hf"
+        )
+    if not Path(adapter.base).is_dir() and not hub.is_repo_id(adapter.base):
+        raise UsageError(
+            f"{where}: its base_model_name_or_path {adapter.base!r} is neither a folder here "
+            f"nor a Hub id; give the base with --init-from-hf"
+        )
+    return dataclasses.replace(run, init_from_hf=adapter.base)
+
+
+def peft_lora(resolved: dict[str, Any], adapter: family.PeftAdapter) -> LoraConfig:
+    """The [lora] section of a run continuing peft `adapter`: its r, lora_alpha, lora_dropout
+    and target_modules (as the base's family names them). UsageError naming both values for a
+    --lora-* flag given (or a config file's value) that says otherwise."""
+    lora, given = resolved["lora"], resolved["given"]
+    targets = family.peft_targets(adapter, resolved["model"])
+    read = {
+        "lora_rank": (adapter.rank, "r", adapter.rank),
+        "lora_alpha": (adapter.alpha, "lora_alpha", adapter.alpha),
+        "lora_dropout": (adapter.dropout, "lora_dropout", adapter.dropout),
+        "lora_targets": (targets, "target_modules", f"{', '.join(adapter.modules)} ({targets})"),
+    }
+    for field, (value, key, shown) in read.items():
+        if field in given and not _agrees(field, getattr(lora, field), value, adapter.rank):
+            raise UsageError(
+                f"{flag_name(field)} {getattr(lora, field)} disagrees with {key} = {shown} in "
+                f"{Path(adapter.folder) / 'adapter_config.json'}; leave the flag out"
+            )
+    return dataclasses.replace(lora, **{field: value for field, (value, *_) in read.items()})
+
+
+def _agrees(field: str, flag: Any, value: Any, rank: int) -> bool:
+    """Whether a --lora-* value given says what the adapter's `value` does (alpha 0: 2 x rank;
+    targets: the same names in any order)."""
+    if field == "lora_alpha":
+        return (flag or 2.0 * rank) == value
+    if field == "lora_targets":
+        return {n.strip() for n in flag.split(",") if n.strip()} == set(value.split(","))
+    return flag == value
 
 
 def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:

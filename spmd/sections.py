@@ -37,6 +37,11 @@ class RunConfig:
     seq_len: int = 128  # tokens per sequence
     seed: int = 0  # model init and data order
     init_from_hf: str = ""  # start from a HF folder or Hub id org/name (its config.json: the model)
+    # continue training a peft LoRA adapter: a folder with adapter_config.json and
+    # adapter_model.safetensors; its base_model_name_or_path is the base (a folder or Hub id,
+    # unless --init-from-hf names it) and r, lora_alpha, lora_dropout, target_modules the
+    # --lora-* flags (a flag given that disagrees exits 2)
+    init_from_peft: str = ""
     stop_after: int = 0  # end after this step with a checkpoint, as if preempted (0: don't)
     dry_run: bool = False  # compile the step, print memory and collectives, do not train
     coordinator: str = ""  # HOST:PORT of process 0 in a multi-process job (spmd.launch sets it)

@@ -367,7 +367,10 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
     if cfg.run.init_from_hf:
         from spmd.weights import init_from_hf
 
-        params, opt_state, loss_scale = init_from_hf(cfg.run.init_from_hf, program)
+        adapters = builder.lora_spec(cfg.model, cfg.lora)  # --init-from-peft's adapters
+        params, opt_state, loss_scale = init_from_hf(
+            cfg.run.init_from_hf, program, cfg.run.init_from_peft, adapters
+        )
     else:
         params, opt_state, loss_scale = program.init()
     return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, 1

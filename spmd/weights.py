@@ -131,15 +131,27 @@ def describe(checkpoint: str, step: int, from_hf: str) -> Source:
     return Source(folder.config, {}, declared, where)
 
 
-def init_from_hf(directory: str, program: Program) -> tuple[Any, Any, Any]:
+def init_from_hf(
+    directory: str, program: Program, peft: str = "", adapters: Any = None
+) -> tuple[Any, Any, Any]:
     """(params, optimizer state, loss scale) to start training `program` from a Hugging Face
     folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the
-    working params derived in the policy's dtype)."""
+    working params derived in the policy's dtype). A LoRA program's adapters start fresh, or
+    from peft folder `peft` (--init-from-peft) holding adapters of spec `adapters`."""
     checkpoint = family.open_hf(directory)
     if not frozen.has_frozen(program.abstract_master):
         return tuple(program.start(family.load_hf(checkpoint, program.abstract_master)))
     # LoRA: the folder is the frozen base; the adapters start fresh (A random, B zero)
     base = family.load_hf(checkpoint, program.abstract_master[frozen.FROZEN])
+    if peft:
+        like = frozen.trainable(program.abstract_master)
+        host = {"lora": family.load_peft(peft, adapters, checkpoint.config, like["lora"])}
+        trained = jax.tree.map(
+            lambda x, t: jax.make_array_from_callback(x.shape, t.sharding, lambda i: x[i]),
+            host,
+            like,
+        )
+        return tuple(program.start(frozen.join(trained, base)))
     fresh = frozen.trainable(program.checkpoint_view(program.init())["params"])
     return tuple(program.start(frozen.join(fresh, base)))
 

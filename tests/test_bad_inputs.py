@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 UNTIED = ROOT / "tests" / "fixtures" / "hf_llama_untied"
+PEFT = ROOT / "tests" / "fixtures" / "peft_llama"  # peft's adapter onto UNTIED
 TRAIN = ("--model", "tiny", "--dry-run")  # every train case starts so: a slip only compiles
 GENERATE = ("--from-hf", str(UNTIED), "--prompt", "Hello")  # byte-level: vocab 128 holds ASCII
 TO_SPMD = ("--from-hf", str(UNTIED), "--to", "{tmp}/out")
@@ -108,6 +109,13 @@ CASES = [
     *map(train, ["--prompt-field q", "--config {binary}", "--config {top_level_key}"]),
     *map(train, ["--config {tmp}/missing.toml", "--config {tmp}"]),
     *map(train, ["--init-from-hf {hf_list}", "--init-from-hf {hf_no_layers}"]),
+    # --init-from-peft: no adapter_config.json, a peft feature spmd does not read, a flag
+    # that disagrees with the adapter's r = 4, a target module the family lacks
+    *map(
+        train, ["--init-from-peft {tmp}", f"--init-from-peft {{peft_dora}} --init-from-hf {UNTIED}"]
+    ),
+    train(f"--init-from-peft {PEFT} --init-from-hf {UNTIED} --lora-rank 8"),
+    train(f"--init-from-peft {{peft_lm_head}} --init-from-hf {UNTIED}"),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
     # every value checked wherever it comes from (issue 46): TOML keys and values a flag
@@ -221,6 +229,15 @@ def files(tmp_path_factory) -> dict[str, str]:
         hf = json.loads((folder / "config.json").read_text())
         text = "[1, 2]" if change is None else json.dumps(hf | change)
         (folder / "config.json").write_text(text)
+        paths[name] = folder
+    for name, change in {
+        "peft_dora": {"use_dora": True},
+        "peft_lm_head": {"target_modules": ["q_proj", "lm_head"]},
+    }.items():
+        folder = root / name
+        shutil.copytree(PEFT, folder)
+        adapter = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps(adapter | change))
         paths[name] = folder
     made_folders(root, paths)
     paths["hf_copy"] = root / "hf_copy"
