@@ -251,8 +251,12 @@ def verdicts(results: dict[str, dict]) -> dict[str, Any]:
         bench = fused["median_s"]["spmd"]
         out["loop_median_over_bench"] = round(train["median_step_time_s"] / bench, 3)
         out["loop_p90_over_bench"] = round(train["p90_step_time_s"] / bench, 3)
-        copy = train.get("kernels", {}).get("categories", {}).get("copy")
-        out["copy_ms_per_step"] = copy
+        kernels = train.get("kernels", {})
+        out["copy_ms_per_step"] = kernels.get("categories", {}).get("copy")
+        memcpy = kernels.get("memcpy", {}).get("ms_per_step")
+        out["memcpy_ms_per_step"] = memcpy  # the layer scan's copies; oracle: under 5 ms
+        if memcpy is not None:
+            out["memcpy_under_5ms"] = memcpy < 5.0
     return out
 
 
