@@ -28,7 +28,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import RESIDUAL, WHOLE, HeadsRMSNorm, RMSNorm, dense, param, zeros
+from models.layers import (
+    RESIDUAL,
+    WHOLE,
+    HeadsRMSNorm,
+    RMSNorm,
+    dense,
+    param,
+    slice_out,
+    weight,
+    zeros,
+)
 from models.rope import Rope
 from spmd.model_shape import query_chunks
 from spmd.parallel.hooks import (
@@ -83,18 +93,18 @@ class Attention(nnx.Module):
         if kv[0].shape[axis] == needed:
             return kv
         first = tp_rank("heads") * local_heads // self.group
-        return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=axis) for w in kv)
+        return tuple(slice_out(w, first, needed, axis) for w in kv)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """(q [b, t, heads, d], k and v [b, t, kv_heads, d]) of x [b, t, embed] (whole along
         length): projected, biased, normed (per head, or over all heads) and rotated to
         `positions` [b, t]."""
         dtype = x.dtype
-        wq = gather(self.wq)
+        wq = weight(self, "wq")
         if self.whole_qk_norm:
             q, k, v = self._whole_normed(x, wq)
         else:
-            wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
+            wk, wv = self._kv_for_local_heads(wq, (weight(self, "wk"), weight(self, "wv")), axis=1)
             q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
         if hasattr(self, "bq"):
             bk, bv = self._kv_for_local_heads(wq, (gather(self.bk), gather(self.bv)), axis=0)
@@ -111,8 +121,8 @@ class Attention(nnx.Module):
         those its query heads read are picked after the norm (v's weights before, as
         `project` does)."""
         q = self.q_norm(dense(x, wq))
-        (k,) = self._kv_for_local_heads(wq, (self.k_norm(dense(x, gather(self.wk))),), axis=2)
-        (wv,) = self._kv_for_local_heads(wq, (gather(self.wv),), axis=1)
+        (k,) = self._kv_for_local_heads(wq, (self.k_norm(dense(x, weight(self, "wk"))),), axis=2)
+        (wv,) = self._kv_for_local_heads(wq, (weight(self, "wv"),), axis=1)
         return q, k, dense(x, wv)
 
     def __call__(
@@ -123,7 +133,7 @@ class Attention(nnx.Module):
         # ring attention when length is split over `context` (refused with document masks and
         # with a sliding window: llama.check_layout)
         out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments, self.window))
-        out = dense(out, gather(self.wo), inputs=2)
+        out = dense(out, weight(self, "wo"), inputs=2)
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)
 
@@ -141,7 +151,7 @@ class Attention(nnx.Module):
         out = grouped_causal_attention(
             q, keys.astype(dtype), values.astype(dtype), window=self.window, positions=positions
         )
-        return dense(out, gather(self.wo), inputs=2), keys, values
+        return dense(out, weight(self, "wo"), inputs=2), keys, values
 
 
 def causal_attention(
