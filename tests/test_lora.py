@@ -144,7 +144,7 @@ BAD = [
     (dict(lora_rank=4, lora_alpha=-1.0), "--lora-alpha -1.0"),
     (dict(lora_rank=4, lora_alpha=float("inf")), "--lora-alpha inf"),
     (dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout 1.0"),
-    (dict(lora_rank=4, lora_dropout=0.1), "--lora-dropout 0.1"),
+    (dict(lora_rank=4, lora_dropout=-0.1), "--lora-dropout -0.1"),
     (dict(lora_rank=4, lora_targets="q,qkv"), "valid: q, k, v, o, gate, up, down"),
 ]
 
