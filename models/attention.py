@@ -33,6 +33,7 @@ from models.layers import (
     WHOLE,
     HeadsRMSNorm,
     RMSNorm,
+    Weight,
     dense,
     param,
     slice_out,
@@ -85,7 +86,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window  # 0: none
         self.group = h // k  # query heads per kv head
 
-    def _kv_for_local_heads(self, wq: jax.Array, kv: tuple[jax.Array, ...], axis: int):
+    def _kv_for_local_heads(self, wq: Weight, kv: tuple[Weight, ...], axis: int) -> tuple:
         """The kv heads (dim `axis` of each of `kv`) this device's query heads read. When the
         heads are split more ways than there are kv heads, the kv heads are replicated: pick
         the one this block needs."""
@@ -115,7 +116,7 @@ class Attention(nnx.Module):
         k = constrain(self.rope(k, positions), ("batch", "length", "kv_heads", None))
         return q, k, constrain(v, ("batch", "length", "kv_heads", None))
 
-    def _whole_normed(self, x: jax.Array, wq: jax.Array) -> tuple[jax.Array, ...]:
+    def _whole_normed(self, x: jax.Array, wq: Weight) -> tuple[jax.Array, ...]:
         """(q, k, v) of x with q and k normed over all their heads' features (OLMo 2). The k
         norm spans every kv head, so k is projected for all the kv heads this device holds and
         those its query heads read are picked after the norm (v's weights before, as

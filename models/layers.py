@@ -111,7 +111,10 @@ def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) * up
 
 
-def weight(module: nnx.Module, name: str) -> jax.Array | adapter.Adapted:
+Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or one with its adapter
+
+
+def weight(module: nnx.Module, name: str) -> Weight:
     """The weight `name` of `module`, gathered (hooks.gather), with its LoRA adapter where a
     LoRA model put one beside it (models/adapter.py): what `dense` multiplies."""
     w = gather(getattr(module, name))
@@ -119,7 +122,7 @@ def weight(module: nnx.Module, name: str) -> jax.Array | adapter.Adapted:
     return w if site is None else site.beside(w)
 
 
-def slice_out(w: jax.Array | adapter.Adapted, start: jax.Array | int, size: int, axis: int):
+def slice_out(w: Weight, start: jax.Array | int, size: int, axis: int) -> Weight:
     """`w` (a weight with one input dim, or a bias) sliced along its dim `axis`, its adapter's
     B with it."""
     if isinstance(w, adapter.Adapted):
@@ -127,7 +130,7 @@ def slice_out(w: jax.Array | adapter.Adapted, start: jax.Array | int, size: int,
     return jax.lax.dynamic_slice_in_dim(w, start, size, axis=axis)
 
 
-def dense(x: jax.Array, w: jax.Array | adapter.Adapted, inputs: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: Weight, inputs: int = 1) -> jax.Array:
     """x [..., *in] times a weight w [*in, *out] (its first `inputs` dims contracted) ->
     [..., *out] in x's dtype, computed as one 2-D matmul [rows, in] @ [in, out].
 

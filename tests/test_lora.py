@@ -116,8 +116,7 @@ LAYOUTS = [
     ("dp=2,fsdp=2,tp=2", 3, "auto", False),
     ("fsdp=4", 3, "auto", False),
     ("pp=2", 1, "auto", True),
-    ("dp=2,fsdp=2,tp=2", 3, "explicit", False),
-]
+]  # the explicit executor: tests/test_lora_layouts.py (fsdp=2,cp=2,tp=2 with SP, dropout)
 
 
 @pytest.mark.parametrize("mesh,zero,executor,pp", LAYOUTS)
