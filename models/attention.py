@@ -28,7 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import RESIDUAL, WHOLE, HeadsRMSNorm, RMSNorm, dense, param, zeros
+from models.layers import (
+    RESIDUAL,
+    WHOLE,
+    HeadsRMSNorm,
+    RMSNorm,
+    Weight,
+    dense,
+    param,
+    slice_out,
+    weight,
+    zeros,
+)
 from models.rope import Rope
 from spmd.model_shape import query_chunks
 from spmd.parallel.hooks import (
@@ -75,7 +86,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window  # 0: none
         self.group = h // k  # query heads per kv head
 
-    def _kv_for_local_heads(self, wq: jax.Array, kv: tuple[jax.Array, ...], axis: int):
+    def _kv_for_local_heads(self, wq: Weight, kv: tuple[Weight, ...], axis: int) -> tuple:
         """The kv heads (dim `axis` of each of `kv`) this device's query heads read. When the
         heads are split more ways than there are kv heads, the kv heads are replicated: pick
         the one this block needs."""
@@ -83,18 +94,18 @@ class Attention(nnx.Module):
         if kv[0].shape[axis] == needed:
             return kv
         first = tp_rank("heads") * local_heads // self.group
-        return tuple(jax.lax.dynamic_slice_in_dim(w, first, needed, axis=axis) for w in kv)
+        return tuple(slice_out(w, first, needed, axis) for w in kv)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """(q [b, t, heads, d], k and v [b, t, kv_heads, d]) of x [b, t, embed] (whole along
         length): projected, biased, normed (per head, or over all heads) and rotated to
         `positions` [b, t]."""
         dtype = x.dtype
-        wq = gather(self.wq)
+        wq = weight(self, "wq")
         if self.whole_qk_norm:
             q, k, v = self._whole_normed(x, wq)
         else:
-            wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
+            wk, wv = self._kv_for_local_heads(wq, (weight(self, "wk"), weight(self, "wv")), axis=1)
             q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
         if hasattr(self, "bq"):
             bk, bv = self._kv_for_local_heads(wq, (gather(self.bk), gather(self.bv)), axis=0)
@@ -105,14 +116,14 @@ class Attention(nnx.Module):
         k = constrain(self.rope(k, positions), ("batch", "length", "kv_heads", None))
         return q, k, constrain(v, ("batch", "length", "kv_heads", None))
 
-    def _whole_normed(self, x: jax.Array, wq: jax.Array) -> tuple[jax.Array, ...]:
+    def _whole_normed(self, x: jax.Array, wq: Weight) -> tuple[jax.Array, ...]:
         """(q, k, v) of x with q and k normed over all their heads' features (OLMo 2). The k
         norm spans every kv head, so k is projected for all the kv heads this device holds and
         those its query heads read are picked after the norm (v's weights before, as
         `project` does)."""
         q = self.q_norm(dense(x, wq))
-        (k,) = self._kv_for_local_heads(wq, (self.k_norm(dense(x, gather(self.wk))),), axis=2)
-        (wv,) = self._kv_for_local_heads(wq, (gather(self.wv),), axis=1)
+        (k,) = self._kv_for_local_heads(wq, (self.k_norm(dense(x, weight(self, "wk"))),), axis=2)
+        (wv,) = self._kv_for_local_heads(wq, (weight(self, "wv"),), axis=1)
         return q, k, dense(x, wv)
 
     def __call__(
@@ -123,7 +134,7 @@ class Attention(nnx.Module):
         # ring attention when length is split over `context` (refused with document masks and
         # with a sliding window: llama.check_layout)
         out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments, self.window))
-        out = dense(out, gather(self.wo), inputs=2)
+        out = dense(out, weight(self, "wo"), inputs=2)
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)
 
@@ -141,7 +152,7 @@ class Attention(nnx.Module):
         out = grouped_causal_attention(
             q, keys.astype(dtype), values.astype(dtype), window=self.window, positions=positions
         )
-        return dense(out, gather(self.wo), inputs=2), keys, values
+        return dense(out, weight(self, "wo"), inputs=2), keys, values
 
 
 def causal_attention(

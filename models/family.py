@@ -103,7 +103,7 @@ FAMILIES: dict[str, Family] = {
 # LoRA (models/lora.py), for the commands, which import only this module and the contract
 LoraSpec = lora.Spec
 with_lora = lora.wrap  # (base model, spec, HF tensor table, seed) -> a LoraModel
-lora_loss = lora.merged_loss  # a family's loss -> the loss of a LoraModel's merged model
+lora_loss = lora.adapted_loss  # a family's loss -> the loss of a LoraModel's adapted model
 
 
 def lora_spec(

@@ -49,7 +49,7 @@ from models.attention import (
     segment_positions,
 )
 from models.contract import Family, HFMapping
-from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, geglu
+from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, geglu, weight
 from models.layers import param as _param
 from models.rope import Rope, rotate
 from spmd.errors import UsageError
@@ -57,7 +57,6 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     attention,
     constrain,
-    gather,
     scan_layers,
     token_positions,
     tp_enter,
@@ -215,8 +214,8 @@ class GemmaAttention(Attention):
 
     def rotated(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple:
         """(q, k, v) of x [b, t, embed] (whole along length), normed per head and rotated."""
-        wq = gather(self.wq)
-        wk, wv = self._kv_for_local_heads(wq, (gather(self.wk), gather(self.wv)), axis=1)
+        wq = weight(self, "wq")
+        wk, wv = self._kv_for_local_heads(wq, (weight(self, "wk"), weight(self, "wv")), axis=1)
         q, k, v = dense(x, wq), dense(x, wk), dense(x, wv)
         if hasattr(self, "q_norm"):  # Gemma 3: before rotary, as Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
@@ -234,7 +233,7 @@ class GemmaAttention(Attention):
         def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return causal_attention(q, k, v, segments, window, self.scale, self.softcap)
 
-        out = dense(attention(q, k, v, local), gather(self.wo), inputs=2)
+        out = dense(attention(q, k, v, local), weight(self, "wo"), inputs=2)
         return constrain(tp_reduce(out, "heads"), RESIDUAL)  # row-parallel: sum the heads
 
     def cached_at(
@@ -257,7 +256,7 @@ class GemmaAttention(Attention):
             scale=self.scale,
             softcap=self.softcap,
         )
-        return dense(out, gather(self.wo), inputs=2), keys, values
+        return dense(out, weight(self, "wo"), inputs=2), keys, values
 
 
 class MLP(llama.MLP):
@@ -265,9 +264,9 @@ class MLP(llama.MLP):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(tp_enter(x, "mlp"), WHOLE)  # column-parallel gate, up: local columns
-        gate, up = dense(x, gather(self.w_gate)), dense(x, gather(self.w_up))
+        gate, up = dense(x, weight(self, "w_gate")), dense(x, weight(self, "w_up"))
         hidden = constrain(geglu(gate, up), ("batch", "length", "mlp"))
-        out = dense(hidden, gather(self.w_down))
+        out = dense(hidden, weight(self, "w_down"))
         return constrain(tp_reduce(out, "mlp"), RESIDUAL)  # row-parallel: sum the partials
 
 

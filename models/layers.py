@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import fp8
+from models import adapter, fp8
 from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import fp8_site, gather, tp_sum
 
@@ -111,7 +111,26 @@ def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) * up
 
 
-def dense(x: jax.Array, w: jax.Array, inputs: int = 1) -> jax.Array:
+Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or one with its adapter
+
+
+def weight(module: nnx.Module, name: str) -> Weight:
+    """The weight `name` of `module`, gathered (hooks.gather), with its LoRA adapter where a
+    LoRA model put one beside it (models/adapter.py): what `dense` multiplies."""
+    w = gather(getattr(module, name))
+    site = getattr(module, name + adapter.SUFFIX, None)
+    return w if site is None else site.beside(w)
+
+
+def slice_out(w: Weight, start: jax.Array | int, size: int, axis: int) -> Weight:
+    """`w` (a weight with one input dim, or a bias) sliced along its dim `axis`, its adapter's
+    B with it."""
+    if isinstance(w, adapter.Adapted):
+        return w.slice_out(start, size, axis)
+    return jax.lax.dynamic_slice_in_dim(w, start, size, axis=axis)
+
+
+def dense(x: jax.Array, w: Weight, inputs: int = 1) -> jax.Array:
     """x [..., *in] times a weight w [*in, *out] (its first `inputs` dims contracted) ->
     [..., *out] in x's dtype, computed as one 2-D matmul [rows, in] @ [in, out].
 
@@ -121,7 +140,10 @@ def dense(x: jax.Array, w: jax.Array, inputs: int = 1) -> jax.Array:
     Llama MLP's forward + backward ran 1.9x slower that way (docs/speed.md).
 
     Under --precision fp8 a stacked block's matmul whose k and n reach the size rule is an
-    fp8 dot (models/fp8.py, spmd.parallel.fp8_context)."""
+    fp8 dot (models/fp8.py, spmd.parallel.fp8_context). A weight with a LoRA adapter
+    (`weight`) adds its x A B beside x W (models/adapter.py)."""
+    if isinstance(w, adapter.Adapted):
+        return adapter.dense(x, w, inputs, dense(x, w.w, inputs))
     lead, ins, outs = x.shape[: x.ndim - inputs], w.shape[:inputs], w.shape[inputs:]
     rows = x.reshape(math.prod(lead), math.prod(ins))
     matrix = w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))

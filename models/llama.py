@@ -29,7 +29,7 @@ from flax import nnx
 
 from models import fused_loss
 from models.attention import Attention, segment_positions
-from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu
+from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu, weight
 from models.layers import param as _param
 from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
@@ -197,9 +197,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = constrain(tp_enter(x, "mlp"), WHOLE)  # column-parallel gate, up: local columns
-        gate, up = dense(x, gather(self.w_gate)), dense(x, gather(self.w_up))
+        gate, up = dense(x, weight(self, "w_gate")), dense(x, weight(self, "w_up"))
         hidden = constrain(swiglu(gate, up), ("batch", "length", "mlp"))
-        out = dense(hidden, gather(self.w_down))
+        out = dense(hidden, weight(self, "w_down"))
         # row-parallel: sum the columns' partial outputs
         return constrain(tp_reduce(out, "mlp"), RESIDUAL)
 

@@ -11,12 +11,15 @@ layers' adapters.
 
 A follows the base weight's input logical axes, B its output axes, the rank dim has no name
 (replicated): under every layout each device's block of A @ B is exactly the block of W it
-holds, so merging needs no collective. A starts as peft's kaiming-uniform (a = sqrt(5):
-U(-1/sqrt(fan_in), 1/sqrt(fan_in))), B at zeros: the model starts as the base, exactly.
+holds. A starts as peft's kaiming-uniform (a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))),
+B at zeros: the model starts as the base, exactly.
 
 `LoraModel` holds the base under `frozen` (the engine differentiates and optimizes everything
-else: spmd.engine.frozen) and the adapters under `lora`; `merged()` is the base model with every
-target's weight W + scale * A @ B, which the family's own loss and pipeline pieces run.
+else: spmd.engine.frozen) and the adapters under `lora`. Training runs `adapted()`: the base
+model with each adapter beside its projection (models/adapter.py: y = x W + scale *
+dropout(x) A B, as peft computes it), on which the family's own loss and pipeline pieces run.
+`merged()` is the base model with every target's weight W + scale * A @ B, for export and
+generation (one merge, no adapter matmuls per token).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import adapter
 from models.hf_tensors import STACKED, Rule
 from spmd.errors import UsageError
+from spmd.parallel.hooks import training
 
 # The projections of a Llama-shaped block (its param paths), by peft's short names.
 ATTENTION: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -53,12 +58,14 @@ DEFAULT = tuple(DENSE)
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One run's adapters: rank r (count), alpha (scale = alpha / r) and the targets, each
-    name -> its param paths (the family's table, narrowed to the chosen names)."""
+    """One run's adapters: rank r (count), alpha (scale = alpha / r), the targets, each
+    name -> its param paths (the family's table, narrowed to the chosen names), and the
+    dropout probability on the adapters' input in training."""
 
     rank: int
     alpha: float
     targets: dict[str, tuple[tuple[str, ...], ...]]
+    dropout: float = 0.0
 
     @property
     def scale(self) -> float:
@@ -89,11 +96,6 @@ def spec_of(
         raise UsageError(f"--lora-alpha {alpha} must be positive and finite (0: 2 x rank)")
     if not 0 <= dropout < 1:
         raise UsageError(f"--lora-dropout {dropout} must be in [0, 1)")
-    if dropout > 0:
-        raise UsageError(
-            f"--lora-dropout {dropout}: spmd merges the adapters into the weights each step, "
-            f"which has no dropout on the adapters' input; use --lora-dropout 0"
-        )
     names = [n.strip() for n in targets.split(",") if n.strip()] if targets else list(default)
     unknown = [n for n in names if n not in table]
     if unknown or not names:
@@ -102,7 +104,7 @@ def spec_of(
             f"the {family} family; valid: {', '.join(table)}"
         )
     chosen = {n: table[n] for n in dict.fromkeys(names)}
-    return Spec(rank, float(alpha) if alpha > 0 else 2.0 * rank, chosen)
+    return Spec(rank, float(alpha) if alpha > 0 else 2.0 * rank, chosen, float(dropout))
 
 
 def in_dims_of(tensors: tuple[Rule, ...], path: tuple[str, ...]) -> int:
@@ -119,11 +121,13 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 
 class LoraModel(nnx.Module):
     """A base CausalLM under `frozen` and its adapters under `lora` (target -> "a" and "b"
-    {param name: B}); the CausalLM pieces run the merged model."""
+    {param name: B}); the CausalLM pieces run the adapted model (`adapted`)."""
 
-    def __init__(self, base: Any, spec: Spec, tensors: tuple[Rule, ...], rngs: nnx.Rngs):
+    def __init__(
+        self, base: Any, spec: Spec, tensors: tuple[Rule, ...], rngs: nnx.Rngs, seed: int = 0
+    ):
         self.frozen, self.cfg, self.dtype = base, base.cfg, base.dtype
-        self.scale = spec.scale
+        self.scale, self.rate, self.seed = spec.scale, spec.dropout, seed
         self.targets = nnx.static(dict(spec.targets))
         self.in_dims = nnx.static(
             {p: in_dims_of(tensors, p) for ps in spec.targets.values() for p in ps}
@@ -154,6 +158,27 @@ class LoraModel(nnx.Module):
             )
         return {"a": nnx.Param(a, out_sharding=(*names[:ins], None)), "b": b}
 
+    def adapted(self) -> Any:
+        """The base model (a copy of its graph, the same arrays) with each target's adapter
+        beside its projection: a models.adapter.Site at `<weight>_lora`, the target's number
+        naming its dropout mask (a fused target's paths share it, as peft's one Linear)."""
+        graphdef, state = nnx.split(self.frozen)
+        model = nnx.merge(graphdef, state)
+        for number, (name, paths) in enumerate(self.targets.items()):
+            a = self.lora[name]["a"]
+            stacked = paths[0][0] == STACKED
+            layers = None
+            if self.rate and stacked:  # each layer's index, for its own dropout masks
+                layers = nnx.Variable(jnp.arange(a[...].shape[0], dtype=jnp.float32))
+            for path in paths:
+                module = model
+                for key in path[:-1]:
+                    module = getattr(module, key)
+                b = self.lora[name]["b"][path[-1]]
+                site = adapter.Site(a, b, layers, self.scale, self.rate, number, self.in_dims[path])
+                setattr(module, path[-1] + adapter.SUFFIX, site)
+        return model
+
     def merged(self) -> Any:
         """The base model with every target's weight W + scale * A @ B (in W's dtype)."""
         graphdef, state = nnx.split(self.frozen)
@@ -170,13 +195,13 @@ class LoraModel(nnx.Module):
         return nnx.merge(graphdef, state)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        return self.merged()(tokens, segments)
+        return self.adapted()(tokens, segments)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.frozen.embed_tokens(tokens)  # no target is the embedding
 
     def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        return self.merged().apply_blocks(x, segments)
+        return self.adapted().apply_blocks(x, segments)
 
     def head_logits(self, x: jax.Array) -> jax.Array:
         return self.frozen.head_logits(x)  # no target is the head
@@ -192,11 +217,16 @@ def merge_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, lead: i
     return w + (scale * delta).reshape(w.shape).astype(w.dtype)
 
 
-def merged_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict], jax.Array]:
-    """A family's `loss(model, batch)` of a LoraModel: the loss of its merged model."""
+def adapted_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict], jax.Array]:
+    """A family's `loss(model, batch)` of a LoraModel: the loss of its adapted model, with
+    dropout on the adapters' input in a train step (models/adapter.py), keyed by the batch's
+    tokens and the model's seed."""
 
     def lora_loss(model: Any, batch: dict) -> jax.Array:
-        return loss(model.merged(), batch)
+        if not (model.rate and training()):
+            return loss(model.adapted(), batch)
+        with adapter.noise(adapter.token_keys(batch["inputs"], model.seed)):
+            return loss(model.adapted(), batch)
 
     return lora_loss
 
@@ -204,4 +234,4 @@ def merged_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict],
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
     """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
     with nnx.use_eager_sharding(False):
-        return LoraModel(base, spec, tensors, nnx.Rngs(seed + 1))
+        return LoraModel(base, spec, tensors, nnx.Rngs(seed + 1), seed)

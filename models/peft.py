@@ -86,7 +86,7 @@ def save(
         "base_model_name_or_path": base,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": spec.dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -91,6 +91,7 @@ class ModelSpec:
     check_layout: Callable[[jax.sharding.Mesh, str], None] | None = None
     moe: bool = False  # routed experts: no context or sequence parallelism yet
     frozen: bool = False  # part of the model is frozen (LoRA's base): spmd.engine.frozen
+    dropout: float = 0.0  # LoRA's dropout on the adapters' input (models/adapter.py)
 
 
 def build(
@@ -121,6 +122,13 @@ def build(
         )
     if spec.check_layout is not None:
         spec.check_layout(mesh, options.executor)
+    if spec.dropout and options.pipeline is not None and mesh.shape["pipeline"] > 1:
+        # a stage's chunk of the stack does not know its layers' global indices, which key
+        # each layer's masks
+        raise UsageError(
+            f"--lora-dropout {spec.dropout} with pp={mesh.shape['pipeline']} is not supported; "
+            f"use --lora-dropout 0 or pp=1"
+        )
     if sync is not None:
         if spec.frozen:
             raise UsageError("LoRA (--lora-rank > 0) does not run under --dcn-sync diloco yet")
@@ -160,7 +168,8 @@ def model_spec(
 
     loss = fam.loss if adapters is None else family.lora_loss(fam.loss)
     moe = bool(fam.shape(model_cfg).n_experts)
-    return ModelSpec(make, loss, check_layout, moe=moe, frozen=adapters is not None)
+    dropout = adapters.dropout if adapters is not None else 0.0
+    return ModelSpec(make, loss, check_layout, moe, frozen=adapters is not None, dropout=dropout)
 
 
 def options_of(

@@ -33,6 +33,7 @@ from spmd.estimate import cost, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, llama_shape
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.section_views import model_section
+from spmd.sections import LoraConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +100,7 @@ def run(argv: list[str]) -> int:
     plan = search.with_gpu(plan, given)
     check_values(cfg, plan)
     planned, n_params, name, model_args = model_shape(given, model_cfg, cfg, plan)
+    model_args = [*model_args, *lora_flags(cfg.lora)]  # the run's adapters, as asked
     shape = family.of(planned).shape(planned)
     sizes = parse_mesh(cfg.parallel.mesh)
     devices = cfg.parallel.devices or (
@@ -257,6 +259,20 @@ def _measure(s: cost.Setup, model_cfg: Any, cfg: Config) -> dict:
     devices = measure.simulated_devices(s.devices)
     program, mesh = engine_program(s, built, devices, cfg)
     return measure.measure(s, program, mesh, executor=cfg.parallel.collectives)
+
+
+def lora_flags(lora: LoraConfig) -> list[str]:
+    """The `spmd.train` flags of a [lora] section (none without LoRA; defaults left out)."""
+    if not lora.lora_rank:
+        return []
+    flags = ["--lora-rank", str(lora.lora_rank)]
+    for flag, value in (
+        ("--lora-alpha", lora.lora_alpha),
+        ("--lora-dropout", lora.lora_dropout),
+        ("--lora-targets", lora.lora_targets),
+    ):
+        flags += [flag, f"{value:g}" if isinstance(value, float) else value] if value else []
+    return flags
 
 
 def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:

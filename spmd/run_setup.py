@@ -87,15 +87,18 @@ def peft_base(run: RunConfig, adapter: family.PeftAdapter) -> RunConfig:
 
 
 def peft_lora(resolved: dict[str, Any], adapter: family.PeftAdapter) -> LoraConfig:
-    """The [lora] section of a run continuing peft `adapter`: its r, lora_alpha, lora_dropout
-    and target_modules (as the base's family names them). UsageError naming both values for a
-    --lora-* flag given (or a config file's value) that says otherwise."""
+    """The [lora] section of a run continuing peft `adapter`: its r, lora_alpha and
+    target_modules (as the base's family names them), and its lora_dropout unless
+    --lora-dropout is given (dropout is a training choice, not part of the adapter's weights).
+    UsageError naming both values for a --lora-rank/-alpha/-targets given (or a config file's
+    value) that says otherwise."""
     lora, given = resolved["lora"], resolved["given"]
     targets = family.peft_targets(adapter, resolved["model"])
+    dropout = lora.lora_dropout if "lora_dropout" in given else adapter.dropout
     read = {
         "lora_rank": (adapter.rank, "r", adapter.rank),
         "lora_alpha": (adapter.alpha, "lora_alpha", adapter.alpha),
-        "lora_dropout": (adapter.dropout, "lora_dropout", adapter.dropout),
+        "lora_dropout": (dropout, "lora_dropout", dropout),
         "lora_targets": (targets, "target_modules", f"{', '.join(adapter.modules)} ({targets})"),
     }
     for field, (value, key, shown) in read.items():

@@ -259,7 +259,7 @@ class LoraConfig:
 
     lora_rank: int = 0  # rank r of each adapter (0: no LoRA, every param is trained)
     lora_alpha: float = 0.0  # the adapters' scale is alpha / rank, as in peft (0: 2 x rank)
-    # dropout on the adapters' input (only 0: the adapters are merged into the weights)
+    # dropout on the adapters' input in training, in [0, 1) (models/adapter.py)
     lora_dropout: float = 0.0
     # comma list of the family's projections to adapt, e.g. q,k,v,o,gate,up,down (empty: the
     # family's default; an unknown name lists the valid ones)

@@ -116,8 +116,7 @@ LAYOUTS = [
     ("dp=2,fsdp=2,tp=2", 3, "auto", False),
     ("fsdp=4", 3, "auto", False),
     ("pp=2", 1, "auto", True),
-    ("dp=2,fsdp=2,tp=2", 3, "explicit", False),
-]
+]  # the explicit executor: tests/test_lora_layouts.py (fsdp=2,cp=2,tp=2 with SP, dropout)
 
 
 @pytest.mark.parametrize("mesh,zero,executor,pp", LAYOUTS)
@@ -144,7 +143,7 @@ BAD = [
     (dict(lora_rank=4, lora_alpha=-1.0), "--lora-alpha -1.0"),
     (dict(lora_rank=4, lora_alpha=float("inf")), "--lora-alpha inf"),
     (dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout 1.0"),
-    (dict(lora_rank=4, lora_dropout=0.1), "--lora-dropout 0.1"),
+    (dict(lora_rank=4, lora_dropout=-0.1), "--lora-dropout -0.1"),
     (dict(lora_rank=4, lora_targets="q,qkv"), "valid: q, k, v, o, gate, up, down"),
 ]
 

@@ -5,6 +5,7 @@ shardings hold them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from models import llama
 from spmd import config, lora_base, plan
 from spmd.engine.state_layout import sharded_bytes
-from spmd.estimate import cost, memory
+from spmd.estimate import cost, memory, timing
+from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import parse_mesh
 from spmd.sections import Config, LoraConfig
 
@@ -47,3 +49,35 @@ def test_lora_state_bytes_agree_with_the_engine(precision):
     # the adapters' optimizer state is a sliver of full fine-tuning's
     full = memory.model_state_bytes(dataclasses.replace(s, lora_rank=0, lora_targets=()))
     assert state["optimizer"] < 0.1 * full["optimizer"]
+
+
+def test_lora_executed_flops_match_the_compiled_dots():
+    """The planner's LoRA FLOPs (the base's weight matmuls forward and backward without their
+    weight gradients, attention three times, the adapters three times with the halves each
+    tensor device runs whole) equal the compiled step's dot FLOPs (tiny, dp=2,tp=2)."""
+    model = config.build(llama.LlamaConfig, config.preset("tiny"), "tiny")
+    lora = LoraConfig(lora_rank=8)
+    s = cost.Setup(
+        shape=model.shape(),
+        n_params=model.n_params(),
+        mesh=parse_mesh("dp=2,tp=2"),
+        zero=1,
+        precision="fp32",
+        optimizer="adamw",
+        batch=16,
+        seq_len=32,
+        **lora_base.planner_fields(model, lora),
+    )
+    program, _ = plan.engine_program(s, model, jax.devices()[:4], Config(model=model, lora=lora))
+    dots = hlo_dot_flops(program.compile_train_step(16, 32)) * s.devices
+    assert timing.executed_flops(s) == pytest.approx(dots, rel=1e-3)
+    full = dataclasses.replace(s, lora_rank=0, lora_targets=())
+    assert timing.model_flops(s) < 0.9 * timing.model_flops(full)  # no base weight gradients
+
+
+def test_the_recommended_train_command_carries_the_lora_flags(capsys):
+    args = ["--model", "tiny", "--devices", "4", "--batch", "16", "--seq-len", "64"]
+    lora = ["--lora-rank", "16", "--lora-dropout", "0.05", "--lora-targets", "q,v"]
+    assert plan.main([*args, *lora, "--recommend", "--json"]) == 0
+    command = json.loads(capsys.readouterr().out)["recommendation"]["train_command"]
+    assert " ".join(lora) in command

@@ -39,7 +39,10 @@ def auto_steps(
         # Differentiating w.r.t. params in the reduce dtype makes the gradients (their sums over
         # micro-batches and devices) that dtype: 16-bit halves the bytes, fp32 keeps precision.
         grad_params = precision.cast(params, policy.reduce_dtype)
-        with traced_layout.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp):
+        with (
+            traced_layout.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp),
+            traced_layout.training(),
+        ):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)
             else:

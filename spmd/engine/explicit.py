@@ -153,7 +153,7 @@ def explicit_steps(
             yield
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
-        with traced_on_devices():
+        with traced_on_devices(), traced_layout.training():
             params, fixed = frozen.split(params)  # frozen params: constants, passed through
             loss, grads = reduced_grads(
                 frozen.bind(local_loss, fixed),

@@ -68,3 +68,17 @@ def adapters_per_device(s: Any, fsdp_shards: bool) -> float:
 def adapter_params(s: Any) -> float:
     """Adapter scalars in all (the trainable params of the run)."""
     return sum(count for count, _ in adapter_groups(s.shape, s.lora_rank, s.lora_targets))
+
+
+def tensor_replicated_flops(s: Any) -> float:
+    """Forward FLOPs per token of the adapter matmuls that every tensor-parallel device runs
+    whole (models/adapter.py): x A of a column-parallel target (A and x whole over tensor) and
+    (x A) B of a row-parallel one (B whole, x A a partial sum): the halves whose `embed` side
+    tensor parallelism leaves unsplit."""
+    sizes = _sizes(s.shape)
+    return sum(
+        2 * s.shape.n_layers * s.lora_rank * size
+        for name in s.lora_targets
+        for size, kind in sizes[name]
+        if kind == EMBED
+    )

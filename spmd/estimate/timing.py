@@ -10,11 +10,19 @@ chunk's forward inside every backward slot (spmd.parallel.pipeline stashes chunk
 an MoE's fixed-shape routing runs every capacity slot. Under --precision fp8 the blocks' weight
 matmuls run at flops.FP8_MATMUL_SPEEDUP times the sustained rate (Hopper's fp8 tensor cores),
 the rest (attention, the head, recomputed attention) at it. Units: FLOPs, seconds, FLOP/s.
+
+Under LoRA (Setup.lora_rank) the frozen base has no weight gradients: its weight matmuls
+(blocks and head) run forward and the activations' backward only, two times their forward
+instead of three, attention three times as ever, and each adapter (x A, then (x A) B, beside
+its projection: models/adapter.py) adds 2 r (in + out) FLOPs per token forward, three times
+that with its backward (A's and B's gradients, and x's through the adapter); under tensor
+parallelism the adapter halves on the unsplit `embed` side run whole on every tensor device
+(spmd.estimate.lora.tensor_replicated_flops), executed tp times.
 """
 
 from __future__ import annotations
 
-from spmd.estimate import cost, experts, flops, offload, pipeline_figures
+from spmd.estimate import cost, experts, flops, lora, offload, pipeline_figures
 from spmd.estimate.shape import shape_params
 
 
@@ -30,12 +38,21 @@ def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
         "blocks": 2 * active * scale,
         "attention": 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim,
         "head": 2 * shape.vocab_size * shape.embed_dim * scale,
+        "adapters": 2 * lora.adapter_params(s) if s.lora_rank else 0.0,
     }
+
+
+def weight_passes(s: cost.Setup) -> int:
+    """How many times a step runs a weight matmul of the model: forward, the activations'
+    backward and the weight gradient (3), or a LoRA base's forward and backward (2)."""
+    return 2 if s.lora_rank else 3
 
 
 def model_flops(s: cost.Setup) -> float:
     """Model FLOPs of one optimizer step over all devices (recomputation not counted)."""
-    return 3 * s.batch * s.seq_len * sum(forward_flops_per_token(s).values())
+    f = forward_flops_per_token(s)
+    per_token = weight_passes(s) * (f["blocks"] + f["head"]) + 3 * (f["attention"] + f["adapters"])
+    return s.batch * s.seq_len * per_token
 
 
 def executed_flops(s: cost.Setup) -> float:
@@ -43,7 +60,7 @@ def executed_flops(s: cost.Setup) -> float:
     and attention scores, plus an MoE's routing padding
     (spmd.estimate.experts.padding_flops_per_token), forward and backward."""
     f = forward_flops_per_token(s)
-    layer = f["blocks"] + f["attention"]
+    layer = f["blocks"] + f["attention"] + f["adapters"]
     replays = layer * (s.pipelined + (s.remat == "full"))
     replays += f["attention"] * (s.remat in ("dots_saveable", "offload"))
     # without remat the attention kernel still recomputes its scores (q k^T) for the backward
@@ -51,6 +68,8 @@ def executed_flops(s: cost.Setup) -> float:
     replays += f["attention"] / 2 * (s.remat == "none")
     forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len)
     replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
+    if s.lora_rank:  # the adapters' halves each tensor device runs whole, three passes
+        replays += 3 * lora.tensor_replicated_flops(s) * (s.mesh.get("tensor", 1) - 1)
     return model_flops(s) + s.batch * s.seq_len * replays
 
 
@@ -58,7 +77,7 @@ def fp8_flops(s: cost.Setup) -> float:
     """FLOPs per optimizer step of the blocks' weight matmuls, which --precision fp8 runs as
     fp8 dots (forward and both backward products, and full remat's or a pipeline's replay);
     the planner assumes every block matmul reaches the size rule (--fp8-min-dim)."""
-    passes = 3 + s.pipelined + (s.remat == "full")
+    passes = weight_passes(s) + s.pipelined + (s.remat == "full")
     return s.batch * s.seq_len * forward_flops_per_token(s)["blocks"] * passes
 
 

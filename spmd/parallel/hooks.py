@@ -22,6 +22,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
                               `context`, then ring attention (spmd.parallel.ring_attention)
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
+    training()                whether a train step is being traced (dropout applies; not eval)
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -226,13 +227,14 @@ def context_ways() -> int:
     return _context()[2]
 
 
-def token_positions(x: jax.Array) -> jax.Array:
+def token_positions(x: jax.Array, whole: bool = False) -> jax.Array:
     """Positions in the whole sequence [batch, length] (int32) of the tokens that attention
     sees for residual activations x [batch, length, embed]: under sequence parallelism the
     residual holds 1/n of them and attention the gathered whole; under context parallelism
-    a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order)."""
+    a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order).
+    `whole`: x is whole along sequence parallelism's split (a batch field, a matmul's input)."""
     mesh, axis, ways, manual = _context()
-    sequence = _sequence_axes("heads")  # () outside the explicit executor
+    sequence = () if whole else _sequence_axes("heads")  # () outside the explicit executor
     length = x.shape[1] * math.prod(mesh.shape[a] for a in sequence)
     if axis is None:
         positions = jnp.arange(length, dtype=jnp.int32)
@@ -383,6 +385,11 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh, table, _ = traced.activations()
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def training() -> bool:
+    """Whether the engine is tracing a train step (dropout applies) rather than an eval."""
+    return traced.in_training()
 
 
 def fp8_site(k: int, n: int) -> Fp8Site | None:

@@ -12,6 +12,7 @@ The engine opens one of these contexts while it traces a step; the hooks read th
                                              context hooks act on this device's chunks
     params_whole()                           a layer of ZeRO-3's prefetching scan: its params
                                              arrive gathered
+    training()                               a train step (not eval): dropout applies
 
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
@@ -43,6 +44,22 @@ _EXPLICIT: list[ExplicitLayout] = []
 _ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
 _PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
+_TRAINING: list[bool] = []  # inside a train step's loss
+
+
+@contextlib.contextmanager
+def training() -> Iterator[None]:
+    """While tracing a train step's loss (its gradients are taken): dropout applies."""
+    _TRAINING.append(True)
+    try:
+        yield
+    finally:
+        _TRAINING.pop()
+
+
+def in_training() -> bool:
+    """Whether a train step is being traced (`training`)."""
+    return bool(_TRAINING)
 
 
 @contextlib.contextmanager
