@@ -46,6 +46,9 @@ def test_the_adapter_config_names_the_base_and_fills_the_lora_flags(monkeypatch)
         ["--init-from-peft", str(PEFT), "--init-from-hf", str(UNTIED), *agreeing], "t"
     )
     assert again["lora"] == lora and again["run"].init_from_hf == str(UNTIED)
+    # dropout is a training choice, not the adapter's weights: the flag given wins
+    dropped = run_setup.resolve_run(["--init-from-peft", str(PEFT), "--lora-dropout", "0.1"], "t")
+    assert dropped["lora"].lora_dropout == 0.1 and dropped["lora"].lora_rank == 4
 
 
 def test_the_lora_model_gives_peft_logits():
