@@ -53,7 +53,6 @@ from spmd import paths
 from spmd.errors import UsageError
 from spmd.io import manifest
 from spmd.io.save_failures import CLOSE_AFTER_FAILURE_S, SaveFailed, quiet_failed_saves
-from spmd.log import warn
 
 STATE, DATA, CONFIG = "state", "data", "config"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # the file orbax writes into every step it commits
@@ -165,6 +164,7 @@ class Manager(ocp.CheckpointManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
         self._in_flight: int | None = None  # the step whose save may still be running
+        self._manifest_failed: tuple[int, OSError] | None = None  # a step left without one
         self.failed: SaveFailed | None = None
         super().__init__(*args, **kwargs)
 
@@ -199,6 +199,9 @@ class Manager(ocp.CheckpointManager):
         thread, self._manifest_thread = self._manifest_thread, None
         if thread is not None:
             thread.join()
+        if self._manifest_failed is not None:  # the disk that took the step refused its manifest
+            step, error = self._manifest_failed
+            raise self._failure(step, error)
 
     def close(self) -> None:
         """orbax's close: waits for the save in flight. After a failed save its threads may
@@ -228,11 +231,13 @@ class Manager(ocp.CheckpointManager):
         return self.failed
 
     def _kept(self) -> int | None:
+        """The newest step a resume continues from: complete and with its manifest."""
         try:
             steps = complete_steps(str(self.directory))
+            verified = [s for s in steps if (self.directory / str(s) / manifest.MANIFEST).exists()]
         except Exception:  # the folder itself is gone or unreadable
             return None
-        return steps[-1] if steps else None
+        return verified[-1] if verified else None
 
     def _write_manifest(self, step: int) -> None:
         try:
@@ -241,8 +246,8 @@ class Manager(ocp.CheckpointManager):
             return
         try:
             manifest.write(self.directory / str(step))  # orbax keeps an epath.Path
-        except OSError as e:
-            warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
+        except OSError as e:  # a full disk, a quota: the step is not verified, so not saved
+            self._manifest_failed = (step, e)
 
 
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
@@ -287,11 +292,15 @@ def save(
 
 def error_line(error: BaseException) -> str:
     """One line for an orbax or tensorstore error: the first line of its innermost cause (the
-    outer ones wrap it in the full TensorStore spec, a hundred lines), at most 200 characters."""
+    outer ones wrap it in the full TensorStore spec, a hundred lines), at most about 300
+    characters: a longer one keeps its start and its end, where tensorstore puts the cause
+    (`... No space left on device [os_error_code='28']`)."""
     while error.__cause__ is not None:
         error = error.__cause__
-    lines = str(error).splitlines() or [""]
-    return f"{type(error).__name__}: {lines[0][:200]}"
+    line = (str(error).splitlines() or [""])[0]
+    if len(line) > 300:
+        line = f"{line[:120]} ... {line[-170:]}"
+    return f"{type(error).__name__}: {line}"
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Any:
