@@ -114,6 +114,7 @@ CASES = [
     # overrides, integers past 64 bits, the job's flags together, the host's limits, paths
     # that cannot be written
     *map(train, ["--config {stepz_toml}", "--config {steps_ten_toml} --steps 3"]),
+    train("--peer-timeout -1"),
     *map(train, ["--steps 99999999999999999999", "--mesh dp=9223372036854775808"]),
     *map(train, ["--coordinator bogus --num-processes 2 --process-id 1", "--num-processes 2"]),
     *map(train, ["--coordinator h:99999 --num-processes 2 --process-id 1", "--process-id 3"]),

@@ -320,6 +320,76 @@ def test_a_job_that_never_forms_gives_up_after_the_coordinator_timeout():
     assert time.monotonic() - started < 30
 
 
+JOIN = """
+import sys, time
+from spmd.parallel import distributed
+coordinator, rank = sys.argv[1], int(sys.argv[2])
+distributed.initialize(coordinator, 2, rank, timeout_s=30, peer_timeout_s=2)
+print("joined", flush=True)
+time.sleep(60)  # the job's work: a stopped peer stalls it
+"""
+
+
+def test_a_stopped_peer_outside_the_launcher_is_named_in_one_line():
+    """Two processes joined by --coordinator flags alone (as under SLURM: no launcher): SIGSTOP
+    of rank 1 ends rank 0 within seconds of --peer-timeout with one line naming rank 1, exit
+    124, before JAX's own heartbeat deadline would abort it (status 134, a C++ stack dump)."""
+    from spmd.launch import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOIN, coordinator, str(rank)],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline() == "joined\n", proc.stderr.read()
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        err = procs[0].communicate(timeout=30)[1]
+        assert time.monotonic() - started < 10
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode == 124, err
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        "error: process 1 stopped answering: silent for 2 s (stopped, killed or its host lost; "
+        "--peer-timeout); process 0 ends the job"
+    ), err
+    assert "Check failure" not in err and "Traceback" not in err, err
+
+
+def test_the_peer_watch_names_the_silent_rank_or_the_coordinator():
+    """On its own clock, without threads: a peer whose count stops moving is named once the
+    timeout passes, one that reached its exit is not, and a store that stops answering names
+    process 0, which holds it."""
+    from spmd.parallel.peer_watch import EXITED, PREFIX, PeerWatch
+
+    watch = PeerWatch(client=None, process_id=1, num_processes=4, timeout_s=10)
+    t0 = watch.answered
+    counts = {0: "1", 1: "1", 2: "1", 3: "1"}
+    watch.hear([(f"{PREFIX}{rank}", count) for rank, count in counts.items()], t0 + 1)
+    counts.update({0: "2", 3: EXITED})  # 0 moves on; 2 stops; 3 ends on purpose
+    watch.hear([(f"{PREFIX}{rank}", count) for rank, count in counts.items()], t0 + 8)
+    assert watch.silent(t0 + 10) is None
+    assert watch.silent(t0 + 12).startswith("process 2 stopped answering: silent for 10 s")
+    counts[2] = "2"
+    watch.hear([(f"{PREFIX}{rank}", count) for rank, count in counts.items()], t0 + 12)
+    assert watch.silent(t0 + 17) is None  # 3 is never named
+    line = watch.silent(t0 + 23)  # nothing answered since 12 s: the store is process 0's
+    assert line.startswith("process 0 (the job's coordinator) stopped answering"), line
+    assert line.endswith("process 1 ends the job"), line
+
+
 def mount_namespace() -> subprocess.Popen | None:
     """A process holding a mount namespace of its own (mounts made in it vanish with it), or
     None where this user may not make one (not root, no CAP_SYS_ADMIN, no `unshare`)."""
