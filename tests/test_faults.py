@@ -390,6 +390,82 @@ def test_the_peer_watch_names_the_silent_rank_or_the_coordinator():
     assert line.endswith("process 1 ends the job"), line
 
 
+def test_a_stop_during_eval_cuts_it_and_saves_that_step(tmp_path, shared_compiles):
+    """SIGTERM during an eval of 146829 batches (minutes): the eval stops at the next batch,
+    the run stops after the eval's step, saves it and exits 0 within seconds."""
+    checkpoints = tmp_path / "ck"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2", "--devices", "2"]
+        + ["--steps", "2000", "--eval-every", "2", "--eval-fraction", "0.5"]
+        + ["--eval-batches", "146829", "--checkpoint-dir", str(checkpoints)],
+        cwd=ROOT,
+        env=shared_compiles,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    read_until(proc, r"^step +2/", lines)  # its eval begins
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    out = "".join(lines) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert time.monotonic() - started < 15
+    assert "eval at step 2 cut short by SIGTERM to this process" in out, out[-3000:]
+    assert "stopped after step 2 (SIGTERM); checkpoint saved" in out, out[-3000:]
+    assert [p.name for p in checkpoints.iterdir() if p.name.isdigit()] == ["2"]
+
+
+class Store:
+    """The distributed runtime's key-value store, as AgreedStop uses it, for processes that
+    share this object."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        if key in self.values:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.values[key] = value
+
+    def key_value_try_get(self, key: str) -> str:
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+
+def test_the_processes_of_a_job_cut_an_eval_at_the_same_batch():
+    """Rank 1 is signalled before its batch 5 while rank 0 is two batches ahead (the most the
+    eval's wait allows): both cut the eval before batch 8 (5 + MARGIN), a later signal to
+    rank 0 does not move the cut, and both stop after the eval's step."""
+    from spmd.training.job import AgreedStop
+    from spmd.training.preemption import StopSignals
+
+    store = Store()
+    stops = [AgreedStop(StopSignals(), store, rank) for rank in (0, 1)]
+    for stop in stops:
+        stop.begin_eval()
+    cuts: dict[int, int] = {}
+
+    def dispatch(rank: int, batch: int) -> None:
+        if rank not in cuts and stops[rank].cut_eval(batch):
+            cuts[rank] = batch
+
+    for batch in range(7):
+        dispatch(0, batch)
+    for batch in range(5):
+        dispatch(1, batch)
+    stops[1].signals.received = "SIGTERM"
+    for batch in range(5, 20):
+        dispatch(1, batch)
+        dispatch(0, batch + 2)
+        stops[0].signals.received = "SIGINT"  # a second signal, elsewhere, later
+    assert cuts == {0: 8, 1: 8}
+    assert [stop.stop_now(2) for stop in stops] == ["SIGTERM", "SIGTERM"]
+    assert [stop.stop_after(3) for stop in stops] == [2, 2]
+
+
 def mount_namespace() -> subprocess.Popen | None:
     """A process holding a mount namespace of its own (mounts made in it vanish with it), or
     None where this user may not make one (not root, no CAP_SYS_ADMIN, no `unshare`)."""
