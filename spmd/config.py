@@ -317,6 +317,7 @@ def resolve(
     if printable:
         extra["print_config"] = flags.pop("print_config")
     given = _tables_by_section(load_toml(config_path) if config_path else {}, sections)
+    model_table = dict(given.get("model", {}))  # checked once its family is known, below
     owner = field_owners(sections)
     for key, value in flags.items():
         given[owner[key]][key] = value
@@ -338,6 +339,7 @@ def resolve(
         # only carries the flags given (an MoE's router knobs), whatever the preset's family
         from_hf = given.get("run", {}).get("init_from_hf")
         cls = sections["model"] if from_hf else family.check_fields(given["model"], source)
+        check_values(cls, model_table, "--config [model]")  # the values flags override too
         resolved = {"model": build(cls, given["model"], source)}
     else:
         resolved = {}
