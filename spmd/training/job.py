@@ -50,6 +50,7 @@ class AgreedStop:
         self.reason: str | None = None
         self._published = False
         self._evals = 0  # evals begun: each agrees on its own cut (EVAL_KEY + number)
+        self._batch = 0  # the current eval's next batch, over all its eval sets
         self._eval_published = False
         self.cut: tuple[str, str] | None = None  # (signal, where) of the eval cut last
 
@@ -88,14 +89,14 @@ class AgreedStop:
     def begin_eval(self) -> None:
         """Call at the start of every eval, on every process."""
         self._evals += 1
-        self._eval_published = False
+        self._batch, self._eval_published = 0, False
 
-    def cut_eval(self, batch: int) -> str | None:
-        """Why the current eval ends before dispatching `batch` (its number over all its eval
-        sets), once a stop reached a process and every process agrees on that batch; None
-        while it goes on. In a job, call before each batch and wait first for batch - 2's
-        loss (the module's text)."""
-        self.cut = None
+    def cut_eval(self) -> str | None:
+        """Why the current eval ends before its next batch, once a stop reached a process and
+        every process agrees on that batch; None while it goes on. Call before each batch
+        (over all the eval's sets); in a job, wait first for the loss of the batch two back
+        (the module's text)."""
+        batch, self._batch, self.cut = self._batch, self._batch + 1, None
         if self.client is None:
             if self.signals.received:
                 self.cut = (self.signals.received, "this process")

@@ -94,26 +94,24 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
             )
         sharding = program.layout.batch_sharding()
         sets = {"held-out": run.windows} if run.windows.n_eval else {}
-        losses, batches = {}, 0  # batches dispatched, over the sets
-        recent: list[Any] = []  # the losses of the last two batches dispatched
+        losses, recent = {}, list[Any]()  # recent: the losses of the last two batches dispatched
         run.stop.begin_eval()
         for name, windows in {**sets, **run.eval_sets}.items():
-            # one batch at a time, the sum kept on the device: memory does not grow with
-            # --eval-batches. The host keeps one batch queued ahead of the device, no more: a
-            # stop then waits for two batches, not for thousands dispatched, and no process
-            # of a job runs more than two batches ahead of another (AgreedStop.cut_eval)
+            # one batch at a time, the sum kept on the device (memory does not grow with
+            # --eval-batches), one batch queued ahead of the device: a stop waits for two
+            # batches, not thousands, and no process of a job gets more than two ahead
             total = None
             for i in range(run.cfg.data.eval_batches):
                 if len(recent) == 2:
-                    recent[0].block_until_ready()
-                cut = run.stop.cut_eval(batches)
+                    recent.pop(0).block_until_ready()
+                cut = run.stop.cut_eval()
                 if cut:
                     say(f"eval at step {step} cut short by {cut}")
                     return None
                 ids = data.eval_window_ids(i, run.cfg.run.batch, windows)
                 loss = compiled_eval[0](params, data.global_batch(windows, ids, sharding))
                 total = loss if total is None else total + loss
-                batches, recent = batches + 1, [*recent[-1:], loss]
+                recent.append(loss)
             losses[name] = float(np.asarray(jax.device_get(total))) / run.cfg.data.eval_batches
         loss = next(iter(losses.values()))
         if run.eval_sets:
