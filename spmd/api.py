@@ -32,7 +32,7 @@ from spmd.engine.diloco import AnyProgram, DilocoProgram, Sync
 from spmd.engine.options import StepOptions
 from spmd.engine.step import LossFn, Program, TrainState
 from spmd.errors import UsageError
-from spmd.io import checkpoint
+from spmd.io import checkpoint, checkpoint_restore
 from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel import rules
@@ -242,5 +242,5 @@ def restore(
     program's shardings (any mesh restores any checkpoint of the same model). A damaged step is
     moved aside to <step>.damaged and the next older one is used. UsageError if the shapes
     differ from the program's or nothing can be read."""
-    restored = checkpoint.restore_newest(manager, program.abstract_checkpoint(), {}, say)
+    restored = checkpoint_restore.restore_newest(manager, program.abstract_checkpoint(), {}, say)
     return restored.step, program.from_checkpoint(restored.state), restored.data

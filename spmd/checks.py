@@ -78,12 +78,18 @@ def check_counts(cfg: Config) -> None:
 def check_job_flags(run: Any) -> None:
     """UsageError unless --coordinator, --num-processes and --process-id describe a job
     together: all three (a HOST:PORT, a count, a rank in it) or none of them (spmd.launch or a
-    cluster JAX detects says the rest), and a --coordinator-timeout of at least one second."""
+    cluster JAX detects says the rest), a --coordinator-timeout of at least one second and a
+    --peer-timeout of at least one (or 0: the default)."""
     from spmd.parallel import distributed
 
     if run.coordinator_timeout < 1:
         raise UsageError(
             f"--coordinator-timeout {run.coordinator_timeout} must be at least 1 second"
+        )
+    if run.peer_timeout < 0:
+        raise UsageError(
+            f"--peer-timeout {run.peer_timeout} must be at least 1 second, or 0 (spmd.launch's "
+            f"--hang-timeout + 60, else 100)"
         )
     given = {"--num-processes": run.num_processes > 0, "--process-id": run.process_id >= 0}
     if not run.coordinator:

@@ -303,6 +303,7 @@ def resolve(
     if printable:
         extra["print_config"] = flags.pop("print_config")
     given = _tables_by_section(load_toml(config_path) if config_path else {}, sections)
+    model_table = dict(given.get("model", {}))  # checked once its family is known, below
     owner = field_owners(sections)
     for key, value in flags.items():
         given[owner[key]][key] = value
@@ -326,6 +327,7 @@ def resolve(
         run = given.get("run", {})
         from_hf = run.get("init_from_hf") or run.get("init_from_peft")
         cls = sections["model"] if from_hf else family.check_fields(given["model"], source)
+        check_values(cls, model_table, "--config [model]")  # the values flags override too
         resolved = {"model": build(cls, given["model"], source)}
     else:
         resolved = {}

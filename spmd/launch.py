@@ -14,7 +14,8 @@ process rank. The launcher owns its processes and never leaves one behind:
 - a process makes no step for --hang-timeout seconds (a heartbeat file it touches after each
   step stops changing: a dead peer, a collective that never completes): the job is stopped
   with a line naming the rank that stopped (a stopped process first, else the oldest step),
-  exit status 124; JAX's own heartbeat deadline is set beyond it, so this line comes first;
+  exit status 124; the processes' own peer watch (spmd.parallel.peer_watch, and JAX's heartbeat
+  deadline after it) is set beyond it, so this line comes first;
 - the launcher itself is killed (even SIGKILL): Linux sends each process SIGTERM
   (PR_SET_PDEATHSIG), so none is orphaned, and each stops after an agreed step and saves it
   (spmd.train survives its lost console: spmd.log.survive_a_lost_console).
@@ -133,7 +134,7 @@ def process_limit() -> int:
 def start(cfg: LaunchConfig, command: list[str], heartbeats: str) -> list[subprocess.Popen]:
     """The N processes, each in its own process group (a signal to the launcher's terminal
     group reaches them only through the launcher, once), each told where its heartbeat goes."""
-    from spmd.parallel.distributed import HEARTBEAT_TIMEOUT_ENV
+    from spmd.parallel.distributed import PEER_TIMEOUT_ENV
     from spmd.training.job import HEARTBEAT_ENV
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -147,8 +148,8 @@ def start(cfg: LaunchConfig, command: list[str], heartbeats: str) -> list[subpro
             "PYTHONUNBUFFERED": "1",
             HEARTBEAT_ENV: heartbeats,
         }
-        if cfg.hang_timeout:  # JAX's heartbeat deadline after the watchdog's (it names the rank)
-            env[HEARTBEAT_TIMEOUT_ENV] = str(int(cfg.hang_timeout) + JAX_HEARTBEAT_MARGIN_S)
+        if cfg.hang_timeout:  # the processes' peer watch after the launcher's (it watches steps)
+            env[PEER_TIMEOUT_ENV] = str(int(cfg.hang_timeout) + PEER_TIMEOUT_MARGIN_S)
         if cfg.devices_per_process:
             env["SPMD_LOCAL_DEVICES"] = str(cfg.devices_per_process)
         procs.append(
@@ -282,7 +283,7 @@ class Supervisor:
 
 
 HUNG_EXIT = 124  # as `timeout` reports a command it ended
-JAX_HEARTBEAT_MARGIN_S = 60
+PEER_TIMEOUT_MARGIN_S = 60
 
 
 def _stopped(pid: int) -> bool:

@@ -50,6 +50,10 @@ class RunConfig:
     # seconds to wait for the other processes of the job to join (the coordinator, every peer)
     # before giving up with one line (jax.distributed's initialization timeout)
     coordinator_timeout: int = 180
+    # seconds a process of the job may go silent (stopped, killed, its host lost) before the
+    # others end with one line naming it, before JAX's heartbeat deadline (0: spmd.launch's
+    # --hang-timeout + 60, else 100)
+    peer_timeout: int = 0
     # the run's folder: config.toml, metrics.jsonl, logs/, tensorboard/, checkpoints/, profile/
     # (empty: $SPMD_RUNS_DIR, else runs/, then --run-name; "none": no folder, only what the
     # path flags name); a path or a gs:// s3:// file:// URL

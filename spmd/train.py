@@ -50,8 +50,13 @@ def start_processes(cfg: Config) -> int:
     from spmd.log import set_primary
     from spmd.parallel import distributed
 
+    run = cfg.run
     n_processes = distributed.initialize(
-        cfg.run.coordinator, cfg.run.num_processes, cfg.run.process_id, cfg.run.coordinator_timeout
+        run.coordinator,
+        run.num_processes,
+        run.process_id,
+        run.coordinator_timeout,
+        run.peer_timeout,
     )
     set_primary(distributed.process_id() == 0)
     return n_processes

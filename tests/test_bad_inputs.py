@@ -122,6 +122,8 @@ CASES = [
     # overrides, integers past 64 bits, the job's flags together, the host's limits, paths
     # that cannot be written
     *map(train, ["--config {stepz_toml}", "--config {steps_ten_toml} --steps 3"]),
+    train("--peer-timeout -1"),
+    train("--config {layers_ten_toml} --n-layers 2"),  # the [model] table's values too
     *map(train, ["--steps 99999999999999999999", "--mesh dp=9223372036854775808"]),
     *map(train, ["--coordinator bogus --num-processes 2 --process-id 1", "--num-processes 2"]),
     *map(train, ["--coordinator h:99999 --num-processes 2 --process-id 1", "--process-id 3"]),
@@ -212,6 +214,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         b'{"kind": "train", "step": "x", "loss": 1.0}\n',
         "stepz_toml": b"[run]\nstepz = 2\n",
         "steps_ten_toml": b'[run]\nsteps = "ten"\n',
+        "layers_ten_toml": b'[model]\nn_layers = "ten"\n',
         "metrics": b'{"kind": "config", "config": {}, "mesh": {"data": 2}}\n'
         b'{"kind": "train", "step": 1, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 0.1}\n',
     }

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import UsageError
-from spmd.io import checkpoint
+from spmd.io import checkpoint, checkpoint_restore
 from spmd.parallel import mesh
 from spmd.train import main
 
@@ -63,7 +63,7 @@ def test_restore_reshards_onto_the_target_layout(tmp_path, spec, partition, devi
     save_steps(tmp_path, [1, 2])  # saved sharded over fsdp=8
     target = abstract(sharded_state(spec, partition, devices=devices))
     manager = checkpoint.open_manager(str(tmp_path), keep=5)
-    restored = checkpoint.restore_newest(manager, target, {"embed_dim": 4}, print)
+    restored = checkpoint_restore.restore_newest(manager, target, {"embed_dim": 4}, print)
     manager.close()
     assert restored.step == 2 and restored.data == {"step": 2}
     w = restored.state["params"]["w"]
@@ -79,7 +79,7 @@ def test_partial_step_is_set_aside_and_the_previous_one_restored(tmp_path):
     shutil.rmtree(tmp_path / "2" / "state")  # a step missing its arrays: its manifest says so
     messages = []
     manager = checkpoint.open_manager(str(tmp_path), keep=5)
-    restored = checkpoint.restore_newest(
+    restored = checkpoint_restore.restore_newest(
         manager, abstract(sharded_state("fsdp=8", PartitionSpec())), {}, messages.append
     )
     manager.close()
@@ -97,7 +97,7 @@ def test_no_readable_step_is_a_usage_error(tmp_path):
     (tmp_path / "1" / "state" / "_METADATA").unlink()
     manager = checkpoint.open_manager(str(tmp_path), keep=5)
     with pytest.raises(UsageError, match="no checkpoint in .* could be read .step 1: "):
-        checkpoint.restore_newest(
+        checkpoint_restore.restore_newest(
             manager, abstract(sharded_state("dp=8", PartitionSpec())), {}, print
         )
     manager.close()

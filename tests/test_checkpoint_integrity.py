@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from spmd import checkpoint as checkpoint_command
 from spmd import generate
-from spmd.io import checkpoint, manifest, stray_reads
+from spmd.io import checkpoint, checkpoint_restore, manifest, stray_reads
 from tests import cli
 from tests.test_checkpoint import abstract, save_steps, sharded_state
 
@@ -109,7 +109,7 @@ def test_a_step_without_a_manifest_is_read_unverified_and_its_damage_told_in_one
     truncate(largest_data_file(tmp_path / "2"))
     messages = []
     manager = checkpoint.open_manager(str(tmp_path), keep=5)
-    restored = checkpoint.restore_newest(
+    restored = checkpoint_restore.restore_newest(
         manager, abstract(sharded_state("fsdp=8", PartitionSpec())), {}, messages.append, True
     )  # allow_unverified: without it step 2 is set aside unread (tests/test_data_safety.py)
     manager.close()

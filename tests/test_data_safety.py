@@ -125,6 +125,27 @@ def test_a_run_refused_after_taking_its_locks_releases_them(tmp_path, capsys):
     assert not list(tmp_path.rglob(f"{LOCK_FILE}*"))
 
 
+def test_a_bucket_folder_is_not_locked_and_the_run_says_so(tmp_path, monkeypatch):
+    """A gs:// checkpoint folder beside a local run folder: the local one is locked, the bucket
+    is not (no exclusive create to lock it with), and one warning line says so."""
+    from spmd.config import flat
+    from spmd.training import claims
+
+    told: list[str] = []
+    monkeypatch.setattr("spmd.log.warn", told.append)
+    monkeypatch.setattr(claims, "check_unlocked", lambda cfg, folder: None)  # no bucket here
+    cfg = flat(checkpoint_dir="gs://bucket/ck")
+    locks = claims.claim(cfg, str(tmp_path / "R"))
+    try:
+        assert locks.paths == [tmp_path / "R" / LOCK_FILE]
+        assert told == [
+            "gs://bucket/ck is not locked (a bucket has no exclusive create spmd can use): a "
+            "second run writing it at the same time would not be refused; start one at a time"
+        ]
+    finally:
+        claims.release()
+
+
 def test_rotation_deletes_only_steps_spmd_wrote(tmp_path):
     """A folder named like a step without orbax's metadata and a manifest (the user's) is kept
     when rotation passes it; spmd's own older steps go."""

@@ -18,7 +18,7 @@ from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import TrainState
 from spmd.errors import UsageError
 from spmd.estimate import hlo
-from spmd.io import checkpoint, data
+from spmd.io import checkpoint, checkpoint_restore, data
 from tests import trainer
 from tests.cli import run
 
@@ -106,7 +106,7 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(programs, tmp_path):
     manager.wait_until_finished()
     view = jax.device_get(program.checkpoint_view(state))  # before the steps donate `state`
     uninterrupted, expected = run_diloco(program, state, 5, 7)
-    restored = checkpoint.restore_newest(manager, program.abstract_checkpoint(), {}, print)
+    restored = checkpoint_restore.restore_newest(manager, program.abstract_checkpoint(), {}, print)
     manager.close()
     resumed, losses = run_diloco(program, program.from_checkpoint(restored.state), 5, 7)
     assert losses == expected

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -296,33 +297,6 @@ def test_a_killed_launcher_leaves_its_process_to_stop_and_save(tmp_path, shared_
     assert steps == [step]
 
 
-def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path, shared_compiles):
-    """The checkpoint folder replaced by a file in the middle of a run (as a read-only or full
-    disk would fail a save, and root cannot be kept out of a folder by its mode): exit 2 within
-    30 s with one line naming the folder and the step kept, no traceback, no process left."""
-    checkpoints = tmp_path / "ck"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2", "--steps", "2000"]
-        + ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2", "--devices", "2"],
-        cwd=ROOT,
-        env=shared_compiles,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    read_until(proc, r"^step +3/", [])
-    checkpoints.rename(tmp_path / "kept")
-    checkpoints.write_text("a file where the folder was")
-    started = time.monotonic()
-    out, _ = proc.communicate(timeout=60)
-    assert time.monotonic() - started < 30
-    assert proc.returncode == 2, out[-3000:]
-    assert "Traceback" not in out and "ERROR:absl" not in out, out[-3000:]
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"could not be saved in {checkpoints}" in errors[0], out[-3000:]
-    assert gone(proc.pid)
-
-
 def test_a_job_that_never_forms_gives_up_after_the_coordinator_timeout():
     """--coordinator with no process 0 behind it: a line at once, then exit 2 in one line
     after --coordinator-timeout, not JAX's 300 s and a C++ stack dump."""
@@ -344,3 +318,90 @@ def test_a_job_that_never_forms_gives_up_after_the_coordinator_timeout():
     assert lines[0].startswith("process 1: joining a job of 2 processes"), lines
     assert lines[-1].startswith("error: no job formed") and "Traceback" not in result.stderr
     assert time.monotonic() - started < 30
+
+
+def mount_namespace() -> subprocess.Popen | None:
+    """A process holding a mount namespace of its own (mounts made in it vanish with it), or
+    None where this user may not make one (not root, no CAP_SYS_ADMIN, no `unshare`)."""
+    try:
+        holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sleep", "300"],
+            stderr=subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        return None
+    time.sleep(0.2)
+    probe = subprocess.run(["nsenter", "-t", str(holder.pid), "-m", "true"], capture_output=True)
+    if holder.poll() is not None or probe.returncode:
+        holder.kill()
+        return None
+    return holder
+
+
+def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path, shared_compiles):
+    """A save that fails in the middle of a run: exit 2 within 30 s with one line naming the
+    folder and the step kept, which is whole (its manifest), no traceback, no process left.
+    The failure is a real full disk: a 64 MiB tmpfs, mounted in a mount namespace of the test's
+    own, filled once step 2 is saved. Then the tmpfs remounted read-only: the same command is
+    refused before it trains, and the kept step is unchanged. Where no mount namespace can be
+    made (not root), the checkpoint folder is replaced by a file instead (root cannot be kept
+    out of a folder by its mode), and the read-only half is left out."""
+    holder = mount_namespace()
+    disk = tmp_path / "disk"  # with a holder, a tmpfs only inside its namespace
+    disk.mkdir()
+    inside = ["nsenter", "-t", str(holder.pid), "-m"] if holder else []
+    seen = Path(f"/proc/{holder.pid}/root{disk}") if holder else disk  # the disk, from here
+    checkpoints = disk / "ck"
+    command = [*inside, sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2"]
+    command += ["--devices", "2", "--steps", "2000", "--checkpoint-every", "2"]
+    command += ["--checkpoint-dir", str(checkpoints)]
+    try:
+        if holder:
+            subprocess.run([*inside, "mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)])
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=shared_compiles,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        read_until(proc, r"^step +2/", [])
+        while not (seen / "ck" / "2" / "manifest.json").exists():  # step 2 whole, then the fault
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        kept_in = seen / "ck"
+        if holder:
+            fill = f"of={disk}/filler"
+            subprocess.run([*inside, "dd", "if=/dev/zero", fill, "bs=1M"], capture_output=True)
+        else:
+            kept_in = checkpoints.rename(tmp_path / "kept")
+            checkpoints.write_text("a file where the folder was")
+        started = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - started < 30
+        assert proc.returncode == 2, out[-3000:]
+        assert "Traceback" not in out and "ERROR:absl" not in out, out[-3000:]
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"could not be saved in {checkpoints}" in errors[0], out
+        assert not holder or "No space left on device" in errors[0], errors
+        assert gone(proc.pid)
+        if not holder:  # the folder moved away whole, with step 2
+            assert (kept_in / "2" / "manifest.json").exists()
+            return
+        kept = re.search(r"it keeps step (\d+)", errors[0])
+        assert kept and (kept_in / kept.group(1) / "manifest.json").exists(), errors
+        before = {p: p.stat().st_mtime_ns for p in (kept_in / kept.group(1)).rglob("*")}
+        subprocess.run([*inside, "mount", "-o", "remount,ro", str(disk)], check=True)
+        again = subprocess.run(
+            command, cwd=ROOT, env=shared_compiles, capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 2, again.stderr[-3000:]
+        lines = again.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), again.stderr[-3000:]
+        assert "Read-only file system" in lines[0] and str(checkpoints) in lines[0], lines
+        assert {p: p.stat().st_mtime_ns for p in (kept_in / kept.group(1)).rglob("*")} == before
+    finally:
+        if holder:
+            holder.kill()
+            holder.wait()

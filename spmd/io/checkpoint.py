@@ -44,20 +44,15 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from spmd import paths
 from spmd.errors import UsageError
-from spmd.io import checkpoint_shapes as shapes
-from spmd.io import manifest, state_check
+from spmd.io import manifest
 from spmd.io.save_failures import CLOSE_AFTER_FAILURE_S, SaveFailed, quiet_failed_saves
-from spmd.io.stray_reads import quiet_stray_reads
-from spmd.log import warn
 
 STATE, DATA, CONFIG = "state", "data", "config"
 ORBAX_METADATA = "_CHECKPOINT_METADATA"  # the file orbax writes into every step it commits
@@ -169,6 +164,7 @@ class Manager(ocp.CheckpointManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._manifest_thread: threading.Thread | None = None  # before orbax may wait on it
         self._in_flight: int | None = None  # the step whose save may still be running
+        self._manifest_failed: tuple[int, OSError] | None = None  # a step left without one
         self.failed: SaveFailed | None = None
         super().__init__(*args, **kwargs)
 
@@ -203,6 +199,9 @@ class Manager(ocp.CheckpointManager):
         thread, self._manifest_thread = self._manifest_thread, None
         if thread is not None:
             thread.join()
+        if self._manifest_failed is not None:  # the disk that took the step refused its manifest
+            step, error = self._manifest_failed
+            raise self._failure(step, error)
 
     def close(self) -> None:
         """orbax's close: waits for the save in flight. After a failed save its threads may
@@ -232,11 +231,13 @@ class Manager(ocp.CheckpointManager):
         return self.failed
 
     def _kept(self) -> int | None:
+        """The newest step a resume continues from: complete and with its manifest."""
         try:
             steps = complete_steps(str(self.directory))
+            verified = [s for s in steps if (self.directory / str(s) / manifest.MANIFEST).exists()]
         except Exception:  # the folder itself is gone or unreadable
             return None
-        return steps[-1] if steps else None
+        return verified[-1] if verified else None
 
     def _write_manifest(self, step: int) -> None:
         try:
@@ -245,8 +246,8 @@ class Manager(ocp.CheckpointManager):
             return
         try:
             manifest.write(self.directory / str(step))  # orbax keeps an epath.Path
-        except OSError as e:
-            warn(f"checkpoint step {step}: cannot write its {manifest.MANIFEST} ({e}); unverified")
+        except OSError as e:  # a full disk, a quota: the step is not verified, so not saved
+            self._manifest_failed = (step, e)
 
 
 def open_manager(directory: str, keep: int) -> ocp.CheckpointManager:
@@ -289,124 +290,17 @@ def save(
     return time.perf_counter() - started
 
 
-def restore_newest(
-    manager: ocp.CheckpointManager,
-    abstract_state: dict[str, Any],
-    model_config: dict[str, Any],
-    say: Callable[[str], None],
-    allow_unverified: bool = False,
-) -> Restored:
-    """Restore the newest verified, readable and plausible checkpoint into `abstract_state`
-    (ShapeDtypeStructs with the current shardings). A damaged step (one that fails its
-    manifest, cannot be read, or restores to values unlike those saved: spmd.io.state_check)
-    is moved aside (`say` tells why, in one line) and the next older one is tried; so is a step
-    without a manifest when an older one has one, unless `allow_unverified`. UsageError if the
-    shapes differ from the model's or no step can be read."""
-    quiet_stray_reads()  # before any read: the stray ones come back after the failing one
-    manager.wait_until_finished()  # a rollback's newest step may still be getting its manifest
-    directory = manager.directory
-    steps = sorted(manager.all_steps(), reverse=True)
-    problems = []
-    for step in steps:
-        verdict = agreed_verdict(directory / str(step))
-        if verdict.status == "damaged":
-            problems.append(_set_aside(manager, step, f"{verdict.file} {verdict.why}", say))
-            continue
-        if verdict.status == "unverified":
-            older = [
-                s for s in steps if s < step and (directory / str(s) / manifest.MANIFEST).exists()
-            ]
-            if older and not allow_unverified:
-                target = set_aside(manager, step, UNVERIFIED_SUFFIX)
-                say(
-                    f"checkpoint step {step} has {verdict.why}: set it aside to {target}, "
-                    f"trying the older verified step {older[0]} (to read it, rename it back and "
-                    f"give --allow-unverified)"
-                )
-                continue
-            if not allow_unverified:
-                raise UsageError(
-                    f"--resume: checkpoint step {step} in {directory} has {verdict.why}; resume "
-                    f"from it unverified with --allow-unverified"
-                )
-            say(f"checkpoint step {step} has {verdict.why}: reading it unverified")
-        try:
-            saved_shapes = _saved_shapes(manager, step)
-            saved_config = manager.restore(
-                step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
-            )
-            saved_config = saved_config[CONFIG]
-        except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            problems.append(_set_aside(manager, step, error_line(e), say))
-            continue
-        shapes.check_shapes(
-            saved_shapes, abstract_state, step, directory, saved_config, model_config
-        )
-        try:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        STATE: ocp.args.StandardRestore(abstract_state),
-                        DATA: ocp.args.JsonRestore(),
-                    }
-                ),
-            )
-        except Exception as e:
-            problems.append(_set_aside(manager, step, error_line(e), say))
-            continue
-        state, data = dict(restored[STATE]), restored[DATA]
-        wrong = state_check.implausible(state, data.get(state_check.NORMS))
-        if wrong is not None:
-            problems.append(_set_aside(manager, step, f"restored, {wrong}", say))
-            continue
-        if problems:
-            say(f"resuming from step {step}, the newest readable checkpoint in {directory}")
-        return Restored(step, state, data, saved_config)
-    raise UsageError(
-        f"--resume: no checkpoint in {directory} could be read ({'; '.join(problems)}); "
-        f"the damaged steps were moved aside to <step>{DAMAGED_SUFFIX}"
-    )
-
-
-def agreed_verdict(step_dir: Any) -> manifest.Verdict:
-    """The manifest's verdict on a step folder, the same on every process: process 0 reads the
-    files and tells the others, so all set the step aside or all read it (and the folder is read
-    once, not once per process)."""
-    verdict = manifest.verify(step_dir) if jax.process_index() == 0 else manifest.Verdict("ok")
-    if jax.process_count() == 1:
-        return verdict
-    status = ocp.multihost.broadcast_one_to_all(np.int32(manifest.STATUSES.index(verdict.status)))
-    if jax.process_index() == 0:
-        return verdict
-    return manifest.Verdict(manifest.STATUSES[int(status)], "(see process 0)")
-
-
 def error_line(error: BaseException) -> str:
     """One line for an orbax or tensorstore error: the first line of its innermost cause (the
-    outer ones wrap it in the full TensorStore spec, a hundred lines), at most 200 characters."""
+    outer ones wrap it in the full TensorStore spec, a hundred lines), at most about 300
+    characters: a longer one keeps its start and its end, where tensorstore puts the cause
+    (`... No space left on device [os_error_code='28']`)."""
     while error.__cause__ is not None:
         error = error.__cause__
-    lines = str(error).splitlines() or [""]
-    return f"{type(error).__name__}: {lines[0][:200]}"
-
-
-def _saved_shapes(manager: ocp.CheckpointManager, step: int) -> dict[str, tuple[int, ...]]:
-    """{"params/embed/embedding": shape, ...} of the state arrays stored at `step`."""
-    metadata = manager.item_metadata(step)[STATE]
-    if metadata is None:
-        raise FileNotFoundError(f"step {step} has no readable `{STATE}` metadata")
-    return shapes.tree_shapes(metadata.tree)
-
-
-def _set_aside(
-    manager: ocp.CheckpointManager, step: int, what: str, say: Callable[[str], None]
-) -> str:
-    """Move a damaged step to <step>.damaged (kept for inspection, never reused); one line on
-    what was wrong with it (`what`)."""
-    target = set_aside(manager, step, DAMAGED_SUFFIX)
-    say(f"checkpoint step {step} is damaged: {what}; moved it to {target}, trying an older one")
-    return f"step {step}: {what}"
+    line = (str(error).splitlines() or [""])[0]
+    if len(line) > 300:
+        line = f"{line[:120]} ... {line[-170:]}"
+    return f"{type(error).__name__}: {line}"
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Any:

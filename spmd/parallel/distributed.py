@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from spmd.errors import UsageError
+from spmd.parallel.peer_watch import PeerWatch
 
 # What `initialize` found, for code that must behave differently in a multi-process job.
 _JOB = {"num_processes": 1, "process_id": 0}
@@ -101,19 +102,31 @@ def parse_coordinator(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# Set by spmd.launch: the seconds of missed heartbeats after which JAX's coordination service
-# declares a process dead, above the launcher's --hang-timeout so that its watchdog, which
-# names the stopped rank in one line, acts first.
-HEARTBEAT_TIMEOUT_ENV = "SPMD_JAX_HEARTBEAT_S"
-JAX_HEARTBEAT_S = 100  # jax.distributed.initialize's own default
+# Seconds a process of the job may go silent before the others end naming it
+# (spmd.parallel.peer_watch): --peer-timeout, else this variable, which spmd.launch sets above
+# its --hang-timeout so that its own watchdog (it watches steps) acts first, else JAX's own
+# heartbeat default. JAX's deadline is set JAX_DEADLINE_MARGIN_S later, so the watch speaks first.
+PEER_TIMEOUT_ENV = "SPMD_PEER_TIMEOUT_S"
+DEFAULT_PEER_TIMEOUT_S = 100  # jax.distributed.initialize's default heartbeat_timeout_seconds
+
+
+def peer_timeout(flag: int = 0) -> int:
+    """The seconds of silence after which a peer is named: `flag` if given, else spmd.launch's."""
+    return flag or int(os.environ.get(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S))
 
 
 def initialize(
-    coordinator: str = "", num_processes: int = 0, process_id: int = -1, timeout_s: int = 180
+    coordinator: str = "",
+    num_processes: int = 0,
+    process_id: int = -1,
+    timeout_s: int = 180,
+    peer_timeout_s: int = 0,
 ) -> int:
     """Start jax.distributed if this is a multi-process job (flags, spmd.launch, or a cluster
-    JAX detects; see the module's text); return the number of processes. `timeout_s`: the
-    seconds to wait for every process to join before a UsageError says who did not."""
+    JAX detects; see the module's text) and watch its peers; return the number of processes.
+    `timeout_s`: the seconds to wait for every process to join before a line says none formed;
+    `peer_timeout_s`: a peer silent that long ends this process naming it (0: `peer_timeout`)."""
+    silence = peer_timeout(peer_timeout_s)
     launched = False  # spmd.launch starts every process at once: no wait worth a line
     if not coordinator:
         env = cluster_from_env()
@@ -138,15 +151,16 @@ def initialize(
                 file=sys.stderr,
                 flush=True,
             )
-        _join(timeout_s, coordinator, num_processes=num_processes, process_id=process_id)
+        _join(timeout_s, silence, coordinator, num_processes=num_processes, process_id=process_id)
         _JOB.update(num_processes=num_processes, process_id=process_id)
+        PeerWatch(client(), process_id, num_processes, silence).start()
         return num_processes
     cluster = detected_cluster()
     if cluster is None:
         _refuse_an_undetected_job()
     else:
         _without_preemption_service()
-        _join(timeout_s)  # the same detection again: the coordinator, rank, devices
+        _join(timeout_s, silence)  # the same detection again: the coordinator, rank, devices
         # What it found, read where it keeps it: jax.process_count() would start the backend,
         # before spmd.parallel.mesh sets how many CPU devices to simulate.
         from jax._src import distributed
@@ -155,16 +169,17 @@ def initialize(
         _JOB.update(num_processes=state.num_processes, process_id=state.process_id)
         if state.process_id == 0:
             print(f"joined a {cluster[0]} job of {cluster[1]} processes", file=sys.stderr)
+        PeerWatch(client(), state.process_id, state.num_processes, silence).start()
         return state.num_processes
     return 1
 
 
-def _join(timeout_s: int, coordinator: str | None = None, **job: Any) -> None:
+def _join(timeout_s: int, silence_s: int, coordinator: str | None = None, **job: Any) -> None:
     """jax.distributed.initialize, given up after `timeout_s` seconds with one line and exit
     status 2. JAX itself does not raise when a peer or the coordinator never answers: its C++
     client ends the process (status 134, a stack dump) once its own deadline passes, so a
-    watchdog thread ends it first, and says every WAIT_NOTE_S seconds that it still waits."""
-    heartbeat = int(os.environ.get(HEARTBEAT_TIMEOUT_ENV, JAX_HEARTBEAT_S))
+    watchdog thread ends it first, and says every WAIT_NOTE_S seconds that it still waits.
+    JAX's heartbeat deadline goes after `silence_s`, the peer watch's."""
     joined = threading.Event()
     where = f"coordinator {coordinator}" if coordinator else "the detected cluster"
 
@@ -188,7 +203,7 @@ def _join(timeout_s: int, coordinator: str | None = None, **job: Any) -> None:
             coordinator,
             # JAX's own deadline after the watchdog's, so that the watchdog speaks first
             initialization_timeout=timeout_s + JAX_DEADLINE_MARGIN_S,
-            heartbeat_timeout_seconds=heartbeat,
+            heartbeat_timeout_seconds=silence_s + JAX_DEADLINE_MARGIN_S,
             **job,
         )
     finally:

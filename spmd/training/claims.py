@@ -14,6 +14,13 @@ of this run: its config names the same checkpoint folder.
 
 In a job of several processes, process 0 checks and takes the locks and tells the others the
 outcome through the distributed runtime's key-value store; all exit 2 together on a refusal.
+
+A bucket folder (gs://, s3://) is checked for foreign files but not locked, and the run says
+so in one line at its start. The lock needs an exclusive create (of two runs, exactly one
+gets the file) and an unlink only by its holder; GCS and S3 each have one (a generation or
+If-None-Match precondition), but the layer spmd writes buckets through (fsspec, under
+orbax's epath) offers neither, and a lock made by looking first and writing after would let
+two runs started together both take it: a lock that fails silently is worse than none.
 """
 
 from __future__ import annotations
@@ -172,6 +179,12 @@ def check_unlocked(cfg: Config, run_dir: str | None) -> None:
     check_metrics(cfg)
 
 
+def bucket_folders(cfg: Config, folder: str | None) -> list[str]:
+    """The bucket folders the run writes (its run folder, its checkpoint folder): not locked."""
+    found = [folder, cfg.checkpoint.checkpoint_dir]
+    return [f for f in dict.fromkeys(found) if f and paths.is_url(f)]
+
+
 def locked_folders(cfg: Config, folder: str | None) -> list[str]:
     """The local folders the run writes and locks: its run folder and checkpoint folder."""
     found = [folder, paths.local(cfg.checkpoint.checkpoint_dir)]
@@ -181,7 +194,7 @@ def locked_folders(cfg: Config, folder: str | None) -> list[str]:
 def claim(cfg: Config, folder: str | None) -> FolderLocks:
     """Check the run's folders and take their locks (process 0; the others learn the outcome
     and raise the same UsageError). Returns the locks, to release when the run ends."""
-    from spmd.log import say
+    from spmd.log import say, warn
     from spmd.parallel import distributed
 
     locks = FolderLocks([])  # none on the processes other than 0
@@ -195,6 +208,11 @@ def claim(cfg: Config, folder: str | None) -> FolderLocks:
         except UsageError as e:
             locks.release()
             refusal = str(e)
+        for bucket in [] if refusal else bucket_folders(cfg, folder):
+            warn(
+                f"{bucket} is not locked (a bucket has no exclusive create spmd can use): a "
+                f"second run writing it at the same time would not be refused; start one at a time"
+            )
     if client is not None:
         if rank == 0:
             client.key_value_set(CLAIM_KEY, refusal or "ok")

@@ -290,10 +290,10 @@ class Guard:
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
         from spmd import lora_base
-        from spmd.io import checkpoint
+        from spmd.io import checkpoint_restore
 
         data_step = self.data_step(anomaly.step)
-        restored = checkpoint.restore_newest(
+        restored = checkpoint_restore.restore_newest(
             run.manager,
             lora_base.restore_target(run.cfg, run.program),
             dataclasses.asdict(run.cfg.model),

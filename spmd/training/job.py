@@ -13,6 +13,12 @@ collective) while the others stepped on (another collective), and the job would 
   the previous step's metrics before it goes on, and those need every process's part of that
   step, so no process can be more than two steps ahead of another.
 
+An eval is agreed on the same way, batch by batch: the first process to see a signal during
+an eval publishes "stop this eval before batch b + MARGIN" under that eval's own key; every
+process reads it before dispatching each batch, and waits for the loss of the batch two
+before (which needs every process's part of it), so none is more than two batches ahead of
+another. A cut eval's step is then the step every process stops after and saves.
+
 `Heartbeat` touches a file per process after each step, which `spmd.launch --hang-timeout`
 watches: a process whose file stops changing is stuck (a dead peer, a collective that never
 completes), and the launcher ends the job naming it.
@@ -29,6 +35,7 @@ from spmd.training.preemption import StopSignals
 
 MARGIN = 3  # steps between a stop request and the step every process stops after
 STOP_KEY = "spmd/stop_after_step"
+EVAL_KEY = "spmd/stop_eval/"  # + the eval's number (every process runs the same evals)
 HEARTBEAT_ENV = "SPMD_HEARTBEAT_DIR"  # set by spmd.launch: where each rank's heartbeat file is
 
 
@@ -42,6 +49,10 @@ class AgreedStop:
         self.target: int | None = None
         self.reason: str | None = None
         self._published = False
+        self._evals = 0  # evals begun: each agrees on its own cut (EVAL_KEY + number)
+        self._batch = 0  # the current eval's next batch, over all its eval sets
+        self._eval_published = False
+        self.cut: tuple[str, str] | None = None  # (signal, where) of the eval cut last
 
     def stop_after(self, step: int) -> int | None:
         """The step this run stops after (and saves), once any process asked; None while none
@@ -74,6 +85,46 @@ class AgreedStop:
             target = str(step)
         self._agree(int(target), signal_name, f"process {process}")
         return self.target
+
+    def begin_eval(self) -> None:
+        """Call at the start of every eval, on every process."""
+        self._evals += 1
+        self._batch, self._eval_published = 0, False
+
+    def cut_eval(self) -> str | None:
+        """Why the current eval ends before its next batch, once a stop reached a process and
+        every process agrees on that batch; None while it goes on. Call before each batch
+        (over all the eval's sets); in a job, wait first for the loss of the batch two back
+        (the module's text)."""
+        batch, self._batch, self.cut = self._batch, self._batch + 1, None
+        if self.client is None:
+            if self.signals.received:
+                self.cut = (self.signals.received, "this process")
+        else:
+            self.cut = self._agreed_cut(batch)
+        return f"{self.cut[0]} to {self.cut[1]}" if self.cut else None
+
+    def _agreed_cut(self, batch: int) -> tuple[str, str] | None:
+        key = f"{EVAL_KEY}{self._evals}"
+        if self.signals.received and not self._eval_published:
+            self._eval_published = True
+            value = f"{batch + MARGIN} {self.process_id} {self.signals.received}"
+            try:
+                self.client.key_value_set(key, value)
+            except Exception:  # another process published first: its batch holds for all
+                pass
+        try:
+            published = self.client.key_value_try_get(key)
+        except Exception:  # no process asked (the store answers NOT_FOUND)
+            return None
+        target, process, signal_name = published.split()
+        return (signal_name, f"process {process}") if batch >= int(target) else None
+
+    def stop_now(self, step: int) -> str:
+        """After an eval cut at `step` (every process cut the same eval): stop after `step`."""
+        assert self.cut is not None
+        self._agree(step, *self.cut)
+        return self.cut[0]
 
     def _agree(self, target: int, signal_name: str, where: str) -> None:
         self.target, self.reason = target, signal_name

@@ -94,18 +94,24 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
             )
         sharding = program.layout.batch_sharding()
         sets = {"held-out": run.windows} if run.windows.n_eval else {}
-        losses = {}
+        losses, recent = {}, list[Any]()  # recent: the losses of the last two batches dispatched
+        run.stop.begin_eval()
         for name, windows in {**sets, **run.eval_sets}.items():
-            # one batch at a time, the sum kept on the device: memory does not grow with
-            # --eval-batches, and the host never waits between batches
+            # one batch at a time, the sum kept on the device (memory does not grow with
+            # --eval-batches), one batch queued ahead of the device: a stop waits for two
+            # batches, not thousands, and no process of a job gets more than two ahead
             total = None
             for i in range(run.cfg.data.eval_batches):
-                if interrupted(run):
-                    say(f"eval at step {step} cut short by {run.stop.signals.received}")
+                if len(recent) == 2:
+                    recent.pop(0).block_until_ready()
+                cut = run.stop.cut_eval()
+                if cut:
+                    say(f"eval at step {step} cut short by {cut}")
                     return None
                 ids = data.eval_window_ids(i, run.cfg.run.batch, windows)
                 loss = compiled_eval[0](params, data.global_batch(windows, ids, sharding))
                 total = loss if total is None else total + loss
+                recent.append(loss)
             losses[name] = float(np.asarray(jax.device_get(total))) / run.cfg.data.eval_batches
         loss = next(iter(losses.values()))
         if run.eval_sets:
@@ -117,13 +123,6 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
         return loss
 
     return evaluate
-
-
-def interrupted(run: Run) -> bool:
-    """Whether a stop signal reached this process while it runs alone: its eval then ends at
-    once (a job's processes run the same eval batches, whose collectives need them all, so
-    they stop at the next agreed step instead, after an eval bounded by its windows)."""
-    return run.stop.client is None and bool(run.stop.signals.received)
 
 
 def check_eval_batches(eval_batches: int, sets: dict[str, Any]) -> None:
@@ -339,6 +338,8 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             measured = evaluate(state["params"], step)
             eval_loss = eval_loss if measured is None else measured
             progress.clock.include("eval")  # the next step's time holds it: marked
+            if measured is None and not stop_reason:  # cut short by a stop all processes agreed
+                stop_reason, saving = run.stop.stop_now(step), run.manager is not None
         if saving:
             reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
             saved = save_checkpoint(run, step, state, reason)

@@ -53,7 +53,7 @@ def open_checkpoints(
     (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
     from spmd import lora_base
-    from spmd.io import checkpoint
+    from spmd.io import checkpoint, checkpoint_restore
 
     manager = checkpoint.open_manager(
         cfg.checkpoint.checkpoint_dir, cfg.checkpoint.keep_checkpoints
@@ -61,7 +61,7 @@ def open_checkpoints(
     if not resumes:
         return manager, None
     try:
-        restored = checkpoint.restore_newest(
+        restored = checkpoint_restore.restore_newest(
             manager,
             lora_base.restore_target(cfg, program),
             dataclasses.asdict(cfg.model),
