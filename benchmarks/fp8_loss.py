@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,11 +53,12 @@ def train(out: Path, model: str, recipe: str | None, min_dim: int, seed: int, st
     if len(losses(metrics)) >= steps:
         return
     metrics.unlink(missing_ok=True)
+    shutil.rmtree(out / "runs" / name, ignore_errors=True)  # a killed run's checkpoint: not resumed
     argv = [
         sys.executable, "-m", "spmd.train", "--model", model, "--steps", str(steps),
         "--batch", "16", "--seq-len", "64", "--seed", str(seed), "--log-every", "1",
-        "--eval-every", "0", "--checkpoint-every", "0", "--metrics", str(metrics),
-        "--run-dir", str(out / "runs" / name),
+        "--eval-every", "0", "--checkpoint-every", "0", "--resume", "fresh",
+        "--metrics", str(metrics), "--run-dir", str(out / "runs" / name),
     ]  # fmt: skip
     if recipe is not None:
         argv += ["--precision", "fp8", "--fp8-recipe", recipe, "--fp8-min-dim", str(min_dim)]
@@ -113,10 +115,10 @@ def table(
                     continue
                 change = {s: 100 * (final(v) / finals[s] - 1) for s, v in runs.items()}
                 first = runs.get(seeds[0])
+                each = " ".join(f"{final(runs[s]):.4f}" if s in runs else "—" for s in seeds)
+                paired = " ".join(f"{change[s]:+.2f}%" if s in runs else "—" for s in seeds)
                 lines.append(
-                    f"| {model} | fp8 {recipe} | {min_dim} | "
-                    f"{' '.join(f'{final(v):.4f}' for v in runs.values())} | "
-                    f"{' '.join(f'{c:+.2f}%' for c in change.values())} | "
+                    f"| {model} | fp8 {recipe} | {min_dim} | {each} | {paired} | "
                     f"**{mean(change.values()):+.2f}%** | {curve(first) if first else ''} |"
                 )
     return "\n".join(lines)
