@@ -1,7 +1,8 @@
 """fp8 matmuls: inputs and weights quantized to e4m3 in the forward pass, the output gradient
-to e5m2 in the backward pass, each dot an `lax.dot_general` of fp8 operands with a 32-bit
-`preferred_element_type` (what XLA:GPU turns into cuBLASLt fp8 GEMMs on Hopper; XLA:CPU
-converts the operands and emulates), its result multiplied by the two operands' scales.
+to e4m3 (rowwise scaling) or e5m2 (per-tensor scaling) in the backward pass, each dot an
+`lax.dot_general` of fp8 operands with a 32-bit `preferred_element_type` (what XLA:GPU turns
+into cuBLASLt fp8 GEMMs on Hopper; XLA:CPU converts the operands and emulates), its result
+multiplied by the two operands' scales.
 
 Scaling (`Site.recipe`, spmd.parallel.fp8_context):
 
@@ -12,9 +13,9 @@ Scaling (`Site.recipe`, spmd.parallel.fp8_context):
 - delayed: per-tensor scales from an amax history of earlier steps (Transformer Engine's and
   Flax's recipe); the amaxes this step saw come back as the cotangent of `site.probe`.
 
-e5m2 for the gradients, as Transformer Engine's HYBRID format, torchao and Flax do: gradients
-span a wider range than activations, and e5m2 has two more binades than e4m3 at one bit less
-of mantissa.
+The gradient's format is `Site.grad_format` (fp8_context.GRAD_FORMAT says why per recipe):
+e4m3's extra mantissa bit where per-row scales bound the range, e5m2's range where one scale
+covers a whole gradient tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jax import lax
 from spmd.parallel.hooks import Fp8Site, fp8_vary_like
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}  # Site.grad_format's names
 TINY = 1e-12  # amax floor: an all-zero tensor gets scale TINY / max instead of a 0 division
 
 
@@ -81,38 +83,40 @@ def _t(x: jax.Array) -> jax.Array:
 
 def matmul(x: jax.Array, w: jax.Array, site: Fp8Site) -> jax.Array:
     """x [..., m, k] @ w [..., k, n] in fp8 by `site`'s recipe, in x's dtype. Differentiable:
-    the gradients of x and w are fp8 dots too (e5m2 gradient against e4m3 operands)."""
+    the gradients of x and w are fp8 dots too (the gradient in `site.grad_format` against the
+    e4m3 operands)."""
     if site.recipe != "delayed":
         probe = scales = jnp.zeros((3,), jnp.float32)
     else:
         scales, probe = site.scales, site.probe
-    return _matmul(site.recipe, x, w, scales, probe)
+    return _matmul(site.recipe, site.grad_format, x, w, scales, probe)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _matmul(
-    recipe: str, x: jax.Array, w: jax.Array, scales: jax.Array, probe: jax.Array
+    recipe: str, grad: str, x: jax.Array, w: jax.Array, scales: jax.Array, probe: jax.Array
 ) -> jax.Array:
     delayed = (scales[0], scales[1]) if recipe == "delayed" else None
     return _scaled_dot(x, w, E4M3, E4M3, recipe, delayed).astype(x.dtype)
 
 
 def _matmul_fwd(
-    recipe: str, x: jax.Array, w: jax.Array, scales: jax.Array, probe: jax.Array
+    recipe: str, grad: str, x: jax.Array, w: jax.Array, scales: jax.Array, probe: jax.Array
 ) -> tuple[jax.Array, tuple]:
-    return _matmul(recipe, x, w, scales, probe), (x, w, scales, probe)
+    return _matmul(recipe, grad, x, w, scales, probe), (x, w, scales, probe)
 
 
-def _matmul_bwd(recipe: str, residuals: tuple, g: jax.Array) -> tuple:
+def _matmul_bwd(recipe: str, grad: str, residuals: tuple, g: jax.Array) -> tuple:
     x, w, scales, probe = residuals
+    g_dtype = FORMATS[grad]
     if recipe == "delayed":
-        gx = _scaled_dot(g, _t(w), E5M2, E4M3, recipe, (scales[2], scales[1]))
-        gw = _scaled_dot(_t(x), g, E4M3, E5M2, recipe, (scales[0], scales[2]))
+        gx = _scaled_dot(g, _t(w), g_dtype, E4M3, recipe, (scales[2], scales[1]))
+        gw = _scaled_dot(_t(x), g, E4M3, g_dtype, recipe, (scales[0], scales[2]))
         seen = jnp.stack([amax(x), amax(w), amax(g)])
         seen = fp8_vary_like(seen, probe)  # the probe's devices (explicit executor)
     else:
-        gx = _scaled_dot(g, _t(w), E5M2, E4M3, recipe)
-        gw = _scaled_dot(_t(x), g, E4M3, E5M2, recipe)
+        gx = _scaled_dot(g, _t(w), g_dtype, E4M3, recipe)
+        gw = _scaled_dot(_t(x), g, E4M3, g_dtype, recipe)
         seen = jnp.zeros_like(probe)
     return gx.astype(x.dtype), gw.astype(w.dtype), jnp.zeros_like(scales), seen
 

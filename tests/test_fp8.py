@@ -73,6 +73,18 @@ def fp8_recipes() -> tuple[str, ...]:
     return ("tensorwise", "rowwise", "delayed")
 
 
+def test_the_gradient_is_e4m3_under_rowwise_scaling_and_e5m2_under_per_tensor_scaling() -> None:
+    for recipe, formats in (
+        ("tensorwise", {"f8E4M3FN", "f8E5M2"}),
+        ("rowwise", {"f8E4M3FN"}),
+        ("delayed", {"f8E4M3FN", "f8E5M2"}),
+    ):
+        site = Site(recipe, jnp.zeros(3), jnp.zeros(3))
+        grads = jax.grad(lambda x, w, s=site: fp8.matmul(x, w, s).sum(), argnums=(0, 1))
+        text = jax.jit(grads).lower(jnp.ones((8, 16)), jnp.ones((16, 8))).as_text()
+        assert {f for f in ("f8E4M3FN", "f8E5M2") if f in text} == formats, recipe
+
+
 def gathers(policy: precision.Policy) -> tuple[dict, float]:
     """(the lowered step's all-gathers: bytes, by dtype; the theory's all-gather bytes) of
     the tiny model on fsdp=4, ZeRO-3, explicit executor."""

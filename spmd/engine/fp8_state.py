@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmd.parallel import traced_layout
-from spmd.parallel.fp8_context import SITES, Fp8Settings
+from spmd.parallel.fp8_context import FORMAT_MAX, GRAD_FORMAT, SITES, Fp8Settings
 
-# the largest finite e4m3, e4m3, e5m2: the input's, the weight's and the gradient's format
-FP8_MAX = (448.0, 448.0, 57344.0)
+# the largest finite value of the input's (e4m3), the weight's (e4m3) and the gradient's format
+FP8_MAX = (FORMAT_MAX["e4m3"], FORMAT_MAX["e4m3"], FORMAT_MAX[GRAD_FORMAT["delayed"]])
 SEEN = "fp8_seen"  # the loss-scale dict's key for the amaxes a step saw, until it is folded
 
 

@@ -93,6 +93,7 @@ POLICIES = {
     "bf16": Policy("bf16", BF16, BF16, BF16, F32),
     "fp16": Policy("fp16", F16, F16, F16, F32, loss_scaling=True),
     # bf16 whose blocks' matmuls are fp8 dots: e4m3 inputs and weights, e5m2 gradients
+    # (e4m3 under rowwise scaling: fp8_context.GRAD_FORMAT)
     "fp8": Policy("fp8", BF16, BF16, BF16, F32, fp8=Fp8Settings()),
 }
 DTYPE_NAMES = {"fp32": F32, "bf16": BF16, "fp16": F16}
@@ -175,7 +176,8 @@ def describe(policy: Policy) -> str:
         history = f" ({s.history}-step amax history)" if s.recipe == "delayed" else ""
         fp8 = (
             f"; the blocks' matmuls with k and n >= {s.min_dim} in fp8 (e4m3 inputs and "
-            f"weights, e5m2 gradients), {s.recipe} scaling{history}{gather}"
+            f"weights, {fp8_context.GRAD_FORMAT[s.recipe]} gradients), {s.recipe} "
+            f"scaling{history}{gather}"
         )
     return (
         f"precision {policy.name}: params {short(policy.param_dtype)}"

@@ -24,6 +24,17 @@ from collections.abc import Iterator
 from typing import Any
 
 RECIPES = ("tensorwise", "rowwise", "delayed")
+# The output gradient's fp8 format per recipe (docs/strategies/fp8.md, "Formats", measures
+# it). With one scale per row (rowwise) the range between a row's largest and smallest
+# gradients is small, and e4m3's third mantissa bit halves e5m2's rounding error (torchao's
+# rowwise recipe; DeepSeek-V3 with its tile scales). One scale for a whole [tokens, features]
+# gradient (tensorwise) must span its spread across tokens: in the tiny model up to 11% of a
+# gradient's elements fell below e4m3's normal range under a per-tensor scale, 0.2% below
+# e5m2's; and a delayed scale, from earlier steps' amaxes, can sit far above this step's.
+# There e5m2's 30 binades (e4m3: 15) keep them (Transformer Engine's HYBRID format, torchao's
+# tensorwise default).
+GRAD_FORMAT = {"tensorwise": "e5m2", "rowwise": "e4m3", "delayed": "e5m2"}
+FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # the largest finite value of each format
 SITES = 16  # fp8 matmuls a layer may hold under delayed scaling (Llama: 7, an MoE block: 7)
 
 
@@ -126,6 +137,11 @@ class Site:
     recipe: str
     scales: Any = None
     probe: Any = None
+
+    @property
+    def grad_format(self) -> str:
+        """The fp8 format of the output gradient in the backward products ("e4m3", "e5m2")."""
+        return GRAD_FORMAT[self.recipe]
 
 
 def site(k: int, n: int) -> Site | None:
