@@ -48,10 +48,9 @@ class AgreedStop:
         self.process_id = process_id
         self.target: int | None = None
         self.reason: str | None = None
-        self._published = False
+        self._published: set[str] = set()  # the store keys this process has published under
         self._evals = 0  # evals begun: each agrees on its own cut (EVAL_KEY + number)
         self._batch = 0  # the current eval's next batch, over all its eval sets
-        self._eval_published = False
         self.cut: tuple[str, str] | None = None  # (signal, where) of the eval cut last
 
     def stop_after(self, step: int) -> int | None:
@@ -63,33 +62,25 @@ class AgreedStop:
             if self.signals.received:
                 self._agree(step, self.signals.received, "this process")
             return self.target
-        if self.signals.received and not self._published:
-            self._published = True
-            value = f"{step + MARGIN} {self.process_id} {self.signals.received}"
-            try:
-                self.client.key_value_set(STOP_KEY, value)
-            except Exception:  # another process published first: its step holds for all
-                pass
-        try:
-            published = self.client.key_value_try_get(STOP_KEY)
-        except Exception:  # not published yet (the store answers NOT_FOUND)
+        published = self._publish_and_read(STOP_KEY, step)
+        if published is None:
             return None
-        target, process, signal_name = published.split()
-        if int(target) < step:  # cannot happen within MARGIN; if it did, stop at once
+        target, process, signal_name = published
+        if target < step:  # cannot happen within MARGIN; if it did, stop at once
             print(
                 f"spmd: process {self.process_id} is already at step {step}, past the agreed "
                 f"stop after step {target}; stopping here",
                 file=sys.stderr,
                 flush=True,
             )
-            target = str(step)
-        self._agree(int(target), signal_name, f"process {process}")
+            target = step
+        self._agree(target, signal_name, f"process {process}")
         return self.target
 
     def begin_eval(self) -> None:
         """Call at the start of every eval, on every process."""
         self._evals += 1
-        self._batch, self._eval_published = 0, False
+        self._batch = 0
 
     def cut_eval(self) -> str | None:
         """Why the current eval ends before its next batch, once a stop reached a process and
@@ -105,20 +96,29 @@ class AgreedStop:
         return f"{self.cut[0]} to {self.cut[1]}" if self.cut else None
 
     def _agreed_cut(self, batch: int) -> tuple[str, str] | None:
-        key = f"{EVAL_KEY}{self._evals}"
-        if self.signals.received and not self._eval_published:
-            self._eval_published = True
-            value = f"{batch + MARGIN} {self.process_id} {self.signals.received}"
+        published = self._publish_and_read(f"{EVAL_KEY}{self._evals}", batch)
+        if published is None:
+            return None
+        target, process, signal_name = published
+        return (signal_name, f"process {process}") if batch >= target else None
+
+    def _publish_and_read(self, key: str, at: int) -> tuple[int, str, str] | None:
+        """The agreed (step or batch, process, signal) under `key` in the job's store, after
+        publishing `at` + MARGIN once if this process received a signal; None while no
+        process did."""
+        if self.signals.received and key not in self._published:
+            self._published.add(key)
+            value = f"{at + MARGIN} {self.process_id} {self.signals.received}"
             try:
                 self.client.key_value_set(key, value)
-            except Exception:  # another process published first: its batch holds for all
+            except Exception:  # another process published first: its value holds for all
                 pass
         try:
             published = self.client.key_value_try_get(key)
-        except Exception:  # no process asked (the store answers NOT_FOUND)
+        except Exception:  # not published yet (the store answers NOT_FOUND)
             return None
         target, process, signal_name = published.split()
-        return (signal_name, f"process {process}") if batch >= int(target) else None
+        return int(target), process, signal_name
 
     def stop_now(self, step: int) -> str:
         """After an eval cut at `step` (every process cut the same eval): stop after `step`."""
