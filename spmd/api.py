@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from spmd import builder
-from spmd.engine import precision
+from spmd.engine import fp8_state, precision
 from spmd.engine.diloco import AnyProgram, DilocoProgram, Sync
 from spmd.engine.options import StepOptions
 from spmd.engine.step import LossFn, Program, TrainState
@@ -242,5 +242,7 @@ def restore(
     program's shardings (any mesh restores any checkpoint of the same model). A damaged step is
     moved aside to <step>.damaged and the next older one is used. UsageError if the shapes
     differ from the program's or nothing can be read."""
-    restored = checkpoint_restore.restore_newest(manager, program.abstract_checkpoint(), {}, say)
+    restored = checkpoint_restore.restore_newest(
+        manager, program.abstract_checkpoint(), {}, say, optional=fp8_state.CHECKPOINT_OPTIONAL
+    )
     return restored.step, program.from_checkpoint(restored.state), restored.data

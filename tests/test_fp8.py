@@ -6,6 +6,7 @@ Bad flags are in test_bad_inputs.py's table."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +16,12 @@ import pytest
 from models import fp8
 from spmd import builder
 from spmd.config import flat
-from spmd.engine import precision
+from spmd.engine import fp8_state, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
 from spmd.estimate import cost, flops, measure, theory, timing
 from spmd.estimate.shape import llama_shape
+from spmd.io import checkpoint, checkpoint_restore, state_check
 from spmd.model_shape import ModelShape
 from spmd.parallel.fp8_context import Fp8Settings, Site
 from tests import trainer
@@ -104,13 +106,19 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16_under_zero3_as_theory_says(
     assert fp8_gathers["bytes"] == fp8_theory and bf16["bytes"] == bf16_theory
 
 
-def test_delayed_fp8_lowers_to_fp8_dots_resumes_bitwise_and_trains_alike_when_sharded() -> None:
+@functools.cache
+def delayed() -> tuple:
+    """(the tiny delayed-fp8 program on one device, its lowered train step, compiled)."""
     prog = program("dp=1", fp8_policy("delayed"))
     lowered = prog.lower_train_step(trainer.BATCH, 32)
+    return prog, lowered, quickly_compiled(lowered)
+
+
+def test_delayed_fp8_lowers_to_fp8_dots_resumes_bitwise_and_trains_alike_when_sharded() -> None:
+    prog, lowered, train = delayed()
     text = lowered.as_text()
     # the 7 block matmuls: e4m3 x e4m3 forward, e5m2 gradients in both backward products
     assert text.count("xf8E4M3FN>, tensor<") >= 7 and "f8E5M2" in text
-    train = quickly_compiled(lowered)
     initial = jax.device_get(tuple(prog.init()))  # the sharded programs start from it too
     state, first = steps(prog, train, initial, range(2))
     saved = jax.device_get(prog.checkpoint_view(state))
@@ -128,6 +136,47 @@ def test_delayed_fp8_lowers_to_fp8_dots_resumes_bitwise_and_trains_alike_when_sh
         train = quickly_compiled(sharded.lower_train_step(trainer.BATCH, 32))
         losses = steps(sharded, train, placed(sharded, initial), range(4))[1]
         assert trainer.max_relative_difference(losses, one) < 1e-2, executor
+
+
+def test_a_precision_change_on_resume_starts_or_drops_the_amax_history(tmp_path) -> None:
+    prog, _, train = delayed()
+    state, _ = steps(prog, train, jax.device_get(tuple(prog.init())), range(2))
+    view = jax.device_get(prog.checkpoint_view(state))
+    # what a bf16 or tensorwise run saves: the same entries without the history
+    scalars = {k: v for k, v in view["loss_scale"].items() if k != "fp8"}
+    without = {**view, "loss_scale": scalars}
+    bf16 = program("dp=1", precision.POLICIES["bf16"])
+    got = {}
+    for saved, into, line in ((without, prog, "starts empty"), (view, bf16, "dropped it")):
+        restored, lines = saved_and_restored(saved, into, tmp_path / line)
+        # the saved norms checked all that was read (a mismatch: set aside as damaged)
+        assert restored.step == 2 and len(lines) == 1 and line in lines[0], lines
+        # params, optimizer state and loss scale as saved; the history fresh or gone
+        for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(without), strict=True):
+            np.testing.assert_array_equal(a, b)
+        got[line] = into.from_checkpoint(restored.state)
+    resumed = got["starts empty"]
+    assert not np.any(jax.device_get(resumed.loss_scale["fp8"]["amax_history"]))
+    # its first step scales as a fresh delayed run's from the same params, not as the run
+    # that kept its history
+    fresh = steps(prog, train, prog.start(without["params"]), [2])[1]
+    assert steps(prog, train, resumed, [2])[1] == fresh != steps(prog, train, state, [2])[1]
+    back = got["dropped it"]
+    targets = (bf16.abstract_params, bf16.abstract_opt_state, bf16.abstract_loss_scale)
+    assert jax.tree.structure(tuple(back)) == jax.tree.structure(targets)
+
+
+def saved_and_restored(saved: dict, into, folder) -> tuple:
+    """(`saved` written as a checkpoint of step 2 with its norms, then restored into program
+    `into` as a resume does; the lines said)."""
+    lines: list[str] = []
+    manager = checkpoint.open_manager(str(folder), 2)
+    checkpoint.save(manager, 2, saved, {state_check.NORMS: state_check.state_norms(saved)}, {})
+    target = into.abstract_checkpoint()
+    optional = fp8_state.CHECKPOINT_OPTIONAL
+    restored = checkpoint_restore.restore_newest(manager, target, {}, lines.append, False, optional)
+    manager.close()
+    return restored, lines
 
 
 def quickly_compiled(lowered):

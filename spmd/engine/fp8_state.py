@@ -27,6 +27,19 @@ from spmd.parallel.fp8_context import FORMAT_MAX, GRAD_FORMAT, SITES, Fp8Setting
 FP8_MAX = (FORMAT_MAX["e4m3"], FORMAT_MAX["e4m3"], FORMAT_MAX[GRAD_FORMAT["delayed"]])
 SEEN = "fp8_seen"  # the loss-scale dict's key for the amaxes a step saw, until it is folded
 
+# The history is the one part of a checkpoint that a change of precision on resume may add or
+# drop (spmd.io.checkpoint_restore's `optional`): {its path in the checkpoint: (the line said
+# when the checkpoint lacks it, the line said when only the checkpoint holds it)}.
+CHECKPOINT_OPTIONAL = {
+    "loss_scale/fp8": (
+        "checkpoint step {step} has no fp8 amax history (saved without --fp8-recipe delayed): "
+        "the params, optimizer state and step come from it, the history starts empty as a new "
+        "delayed run's does",
+        "checkpoint step {step} holds an fp8 amax history (saved with --fp8-recipe delayed), "
+        "which this run does not scale by: dropped it",
+    )
+}
+
 
 def init(settings: Fp8Settings) -> dict[str, jax.Array]:
     """The state at step 0: an empty (all-zero) history."""

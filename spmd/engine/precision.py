@@ -201,6 +201,19 @@ def init_loss_scale(policy: Policy) -> LossScale:
     return state
 
 
+def restored_loss_scale(saved: LossScale, policy: Policy) -> LossScale:
+    """A checkpoint's loss-scale dict for this policy: with an empty amax history when the run
+    scales delayed and the checkpoint has none (it was saved under another precision or
+    recipe), without the checkpoint's history when the run does not scale delayed."""
+    state = dict(saved)
+    if policy.delayed and "fp8" not in state:
+        assert policy.fp8 is not None
+        state["fp8"] = fp8_state.init(policy.fp8)
+    elif not policy.delayed:
+        state.pop("fp8", None)
+    return state
+
+
 def all_finite(tree: Any) -> jax.Array:
     """True (a bool scalar) when every element of every leaf is finite."""
     return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()

@@ -293,7 +293,8 @@ def _state_makers(
         master = frozen.trainable(saved["params"])
         opt_state = precision.join_opt_state(master, saved["opt_state"], policy)
         params = precision.cast(saved["params"], policy.param_dtype)
-        return TrainState(params, opt_state, saved["loss_scale"])
+        loss_scale = precision.restored_loss_scale(saved["loss_scale"], policy)
+        return TrainState(params, opt_state, loss_scale)
 
     return _StateMakers(init, start, from_checkpoint)
 

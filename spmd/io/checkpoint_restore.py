@@ -6,12 +6,14 @@ norms saved with it; a step that fails is set aside with one line, never deleted
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import UsageError
 from spmd.io import checkpoint_shapes as shapes
@@ -35,13 +37,21 @@ def restore_newest(
     model_config: dict[str, Any],
     say: Callable[[str], None],
     allow_unverified: bool = False,
+    optional: Mapping[str, tuple[str, str]] | None = None,
 ) -> Restored:
     """Restore the newest verified, readable and plausible checkpoint into `abstract_state`
     (ShapeDtypeStructs with the current shardings). A damaged step (one that fails its
     manifest, cannot be read, or restores to values unlike those saved: spmd.io.state_check)
     is moved aside (`say` tells why, in one line) and the next older one is tried; so is a step
     without a manifest when an older one has one, unless `allow_unverified`. UsageError if the
-    shapes differ from the model's or no step can be read."""
+    shapes differ from the model's or no step can be read.
+
+    `optional` names state entries ("loss_scale/fp8") that belong to one setting of the run,
+    with the lines to say (formatted with {step}) when the checkpoint lacks one that
+    `abstract_state` holds, and when it holds one that `abstract_state` lacks: the first is
+    left out of the restored state (the caller starts it fresh), the second is read, so that
+    the saved norms check all that was saved, and then dropped."""
+    optional = optional or {}
     quiet_stray_reads()  # before any read: the stray ones come back after the failing one
     manager.wait_until_finished()  # a rollback's newest step may still be getting its manifest
     directory = manager.directory
@@ -71,7 +81,7 @@ def restore_newest(
                 )
             say(f"checkpoint step {step} has {verdict.why}: reading it unverified")
         try:
-            saved_shapes = _saved_shapes(manager, step)
+            saved_tree = _saved_tree(manager, step)
             saved_config = manager.restore(
                 step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
             )
@@ -79,15 +89,16 @@ def restore_newest(
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
             problems.append(_set_aside(manager, step, error_line(e), say))
             continue
+        target, absent, extra = _with_saved_optional(abstract_state, saved_tree, optional)
         shapes.check_shapes(
-            saved_shapes, abstract_state, step, directory, saved_config, model_config
+            shapes.tree_shapes(saved_tree), target, step, directory, saved_config, model_config
         )
         try:
             restored = manager.restore(
                 step,
                 args=ocp.args.Composite(
                     **{
-                        STATE: ocp.args.StandardRestore(abstract_state),
+                        STATE: ocp.args.StandardRestore(target),
                         DATA: ocp.args.JsonRestore(),
                     }
                 ),
@@ -102,6 +113,11 @@ def restore_newest(
             continue
         if problems:
             say(f"resuming from step {step}, the newest readable checkpoint in {directory}")
+        for path in absent:
+            say(optional[path][0].format(step=step))
+        for path in extra:
+            say(optional[path][1].format(step=step))
+            state = _without(state, path)
         return Restored(step, state, data, saved_config)
     raise UsageError(
         f"--resume: no checkpoint in {directory} could be read ({'; '.join(problems)}); "
@@ -122,12 +138,60 @@ def agreed_verdict(step_dir: Any) -> manifest.Verdict:
     return manifest.Verdict(manifest.STATUSES[int(status)], "(see process 0)")
 
 
-def _saved_shapes(manager: ocp.CheckpointManager, step: int) -> dict[str, tuple[int, ...]]:
-    """{"params/embed/embedding": shape, ...} of the state arrays stored at `step`."""
+def _saved_tree(manager: ocp.CheckpointManager, step: int) -> Any:
+    """The state arrays stored at `step`: their metadata (shape, dtype), in the state's tree."""
     metadata = manager.item_metadata(step)[STATE]
     if metadata is None:
         raise FileNotFoundError(f"step {step} has no readable `{STATE}` metadata")
-    return shapes.tree_shapes(metadata.tree)
+    return metadata.tree
+
+
+def _with_saved_optional(
+    target: dict[str, Any], saved: Any, optional: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(the restore target, the optional paths it leaves out, those it adds): `target` without
+    the optional entries the checkpoint lacks, and with those only the checkpoint holds, as
+    saved (shape, dtype) and replicated, to be read and dropped."""
+    absent, extra = [], []
+    for path in optional:
+        here, there = _entry(target, path), _entry(saved, path)
+        if here is not None and there is None:
+            absent.append(path)
+            target = _without(target, path)
+        elif here is None and there is not None:
+            extra.append(path)
+            # replicated on the run's mesh, as the loss scale's entries are
+            mesh = jax.tree.leaves(target)[0].sharding.mesh
+            as_saved = functools.partial(_abstract, sharding=NamedSharding(mesh, PartitionSpec()))
+            target = _with(target, path, jax.tree.map(as_saved, there))
+    return target, absent, extra
+
+
+def _abstract(saved: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=sharding)
+
+
+def _entry(tree: Any, path: str) -> Any:
+    """The subtree of nested dicts `tree` at "a/b/c", or None."""
+    for key in path.split("/"):
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _with(tree: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of nested dicts `tree` with `value` at "a/b/c" (the dicts on the way copied)."""
+    key, _, rest = path.partition("/")
+    return {**tree, key: _with(dict(tree.get(key, {})), rest, value) if rest else value}
+
+
+def _without(tree: dict[str, Any], path: str) -> dict[str, Any]:
+    """A copy of nested dicts `tree` without the entry at "a/b/c"."""
+    key, _, rest = path.partition("/")
+    if not rest:
+        return {k: v for k, v in tree.items() if k != key}
+    return {**tree, key: _without(dict(tree[key]), rest)}
 
 
 def _set_aside(

@@ -290,6 +290,7 @@ class Guard:
     def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
         from spmd import lora_base
+        from spmd.engine import fp8_state
         from spmd.io import checkpoint_restore
 
         data_step = self.data_step(anomaly.step)
@@ -299,6 +300,7 @@ class Guard:
             dataclasses.asdict(run.cfg.model),
             say,
             run.cfg.checkpoint.allow_unverified,
+            fp8_state.CHECKPOINT_OPTIONAL,
         )
         undone = [self.data_step(t) for t in range(restored.step + 1, anomaly.step + 1)]
         saved = restored.data.get("skipped_data_steps", [])

@@ -53,6 +53,7 @@ def open_checkpoints(
     (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
     from spmd import lora_base
+    from spmd.engine import fp8_state
     from spmd.io import checkpoint, checkpoint_restore
 
     manager = checkpoint.open_manager(
@@ -67,6 +68,7 @@ def open_checkpoints(
             dataclasses.asdict(cfg.model),
             say,
             cfg.checkpoint.allow_unverified,
+            fp8_state.CHECKPOINT_OPTIONAL,
         )
         restored.state = lora_base.with_base(cfg, program, restored)  # LoRA: reload the base
         current = run_data_state(cfg, restored.step, fingerprint)
