@@ -23,7 +23,7 @@ from spmd.engine import offload as engine_offload
 from spmd.engine import precision
 from spmd.engine.precision import Policy  # the Setup field `precision` shadows the module
 from spmd.errors import UsageError
-from spmd.estimate import long_sequence, volumes
+from spmd.estimate import long_sequence, lora, volumes
 from spmd.estimate.pipeline_figures import pipeline_ticks
 from spmd.estimate.shape import EXPERT_AXES, NO_FSDP, param_groups, shape_params
 from spmd.model_shape import REMATS, ModelShape
@@ -275,6 +275,9 @@ def collectives(s: Setup) -> list[Comm]:
             activation, tokens, norms, tensor, s.sequence_parallel, passes
         )
         out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
+        if s.lora_rank:  # each adapter's low-rank partial sums
+            size, calls = lora.tensor_traffic(s, executions, layers)
+            out.append(Comm("all-reduce", ("tensor",), tensor, size, calls, "adapter activations"))
     block, sends = ring_traffic(s)
     if sends:
         out.append(Comm("collective-permute", ("context",), s.context, block, sends, "ring k, v"))
@@ -288,7 +291,8 @@ def collectives(s: Setup) -> list[Comm]:
         local = params_per_device(s, fsdp_shards=False, experts=False)
         blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         tables = (local - blocks) * s.bytes_of("grads") / (fsdp if s.zero >= 2 else 1)
-        out.append(Comm("all-reduce", ("pipeline",), pipeline, tables, 1, "embed, head grads"))
+        if not s.lora_rank:  # LoRA: the embedding and head are frozen, no gradients
+            out.append(Comm("all-reduce", ("pipeline",), pipeline, tables, 1, "embed, head grads"))
         if s.virtual > 1:
             moved = blocks * (pipeline - 1) / pipeline / (fsdp if s.zero == 3 else 1)
             per_param = s.bytes_of("weights") + s.bytes_of("grads")
@@ -305,7 +309,9 @@ def state_collectives(s: Setup) -> list[Comm]:
     ever held; with a data (expert, context) axis beside fsdp the shards are then all-reduced
     over it once. ZeRO-1 and -2 all-gather the updated params (W) once; ZeRO-3 all-gathers
     each block's params before its forward and again for its backward (and once more for the
-    pipeline's recomputation), the embedding, head and final norm once."""
+    pipeline's recomputation), the embedding, head and final norm once. Under LoRA the
+    gradients and updates are the adapters' alone (spmd.estimate.lora.state_traffic); ZeRO-3
+    gathers the frozen base's blocks all the same, and the adapters with them."""
     mesh, n, fsdp = s.mesh, s.micro_steps, s.sharded_fsdp
     local = params_per_device(s, fsdp_shards=False, experts=False)
     blocks = params_per_device(s, fsdp_shards=False, layers=True, experts=False)
@@ -313,11 +319,15 @@ def state_collectives(s: Setup) -> list[Comm]:
     # the expert and context axes replicate the (other) params and average their gradients
     replicas = mesh["data"] * mesh.get("expert", 1) * s.context
     outer = tuple(a for a in ("data", "expert", "context") if mesh.get(a, 1) > 1)
-    if fsdp == 1:
+    if s.lora_rank:
+        out = [Comm(*row) for row in lora.state_traffic(s)]
+        if fsdp == 1 or s.zero != 3:
+            return out
+    elif fsdp == 1:
         axes = tuple(a for a in ("data", "fsdp", "expert", "context") if mesh.get(a, 1) > 1)
         group = s.data_parallel * s.context
         return [Comm("all-reduce", axes, group, grads, 1, "gradients", True)] if group > 1 else []
-    if s.zero == 1:
+    elif s.zero == 1:
         axes = (*outer[:1], "fsdp", *outer[1:])
         out = [Comm("all-reduce", axes, replicas * fsdp, grads, 1, "gradients", True)]
     else:
@@ -329,6 +339,7 @@ def state_collectives(s: Setup) -> list[Comm]:
     # all blocks' params, gathered as one; --fp8-all-gather sends them in e4m3 (1 byte; the
     # norms' few params and one fp32 scale per device and matrix left out: under 1%)
     gathered = blocks * (1 if s.fp8_all_gather else s.bytes_of("weights"))
+    gathered += lora.gathered_bytes(s)
     gathers = volumes.param_gathers(n, 1, s.pipelined, prefetch=False)
     return out + [
         Comm("all-gather", ("fsdp",), fsdp, gathered, gathers, "block params", True),

@@ -84,6 +84,7 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
       dots_saveable: T*(3e + (h + 2k)*d + 2m) (the weight matmuls' outputs);
       full: T*e/r (the block input only);
       offload: as full on the device (dots_saveable's set waits in host memory).
+    LoRA adds rank x targets per token to none and dots_saveable (each adapter's x A).
     An MoE block replaces 3m (2m) by its buffers: per token E x capacity / t slots of the
     dispatched input and expert output (2e), gate, up, product (3m, m the expert width /
     tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
@@ -100,9 +101,12 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         mlp_none = slots * (2 * e + 3 * width + 2) + 3 * shared
         mlp_dots = slots * (e + 2 * width) + 2 * shared
     attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
+    # LoRA beside the matmul: each target's x A [tokens, r] too (whole over tensor); its x is
+    # one the block keeps anyway, and the frozen W needs no other input for a gradient
+    adapters = s.lora_rank * len(s.lora_targets)
     return {
-        "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none) + attention,
-        "dots_saveable": tokens * (3 * e + (h + 2 * k) * d + mlp_dots),
+        "none": tokens * (4 * e / r + (h + 2 * k) * d + h * d + mlp_none + adapters) + attention,
+        "dots_saveable": tokens * (3 * e + (h + 2 * k) * d + mlp_dots + adapters),
         "full": tokens * e / r,
         # dots_saveable's set goes to host memory: the device keeps what full keeps
         "offload": tokens * e / r,

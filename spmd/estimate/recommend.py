@@ -150,8 +150,9 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
         lines.append(f"fsdp={mesh['fsdp']} with ZeRO-{s.zero}: {what} split {mesh['fsdp']} ways")
     if mesh["data"] > 1:
         ways = (mesh["fsdp"] if s.zero >= 2 else 1) * mesh["tensor"] * mesh["pipeline"]
-        share = f"1/{ways} of the gradients" if ways > 1 else "all the gradients"
-        lines.append(f"dp={mesh['data']}: replicas that all-reduce the {share} each holds")
+        grads = "adapters' gradients" if s.lora_rank else "gradients"  # LoRA: the base's none
+        share = f"1/{ways} of the {grads}" if ways > 1 else f"all the {grads}"
+        lines.append(f"dp={mesh['data']}: replicas that all-reduce {share} each holds")
     return lines
 
 
