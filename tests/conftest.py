@@ -21,13 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared by the subprocesses the tests start
 # (they inherit the environment): many tests compile the same step (the tiny preset on a few
 # meshes, in-process and as commands), and a cached executable loads in a fraction of a second
-# instead of seconds. A fresh folder per session: nothing carries over between runs. The first
-# pytest process makes it (xdist's controller, which loads this file before it starts the
-# workers) and removes it at exit; the workers inherit it, so each reads what the other compiled.
-if "SPMD_TEST_JAX_CACHE" not in os.environ:
-    os.environ["SPMD_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="spmd-test-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["SPMD_TEST_JAX_CACHE"], ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["SPMD_TEST_JAX_CACHE"]
+# instead of seconds. A fresh folder per session: nothing carries over between runs.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-test-jax-cache-")
+atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 # Tokenized corpora (spmd.io.tokens), W&B's and matplotlib's caches: one folder per pytest
 # process (each xdist worker, shared with the processes it starts), never the user's ~/.cache
 # (the examples wrote the stdlib corpus's tokens there).
