@@ -21,7 +21,7 @@ from spmd.engine import frozen, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.errors import UsageError
-from spmd.io import data, safetensors_io
+from spmd.io import safetensors_io
 from spmd.parallel.pipeline import Pipeline
 from spmd.sections import LoraConfig
 from tests import trainer
@@ -55,20 +55,7 @@ def one_device() -> tuple[Program, tuple]:
 
 def train(prog: Program, initial: tuple) -> tuple[np.ndarray, dict]:
     """Losses of STEPS steps from `initial` and the final params (numpy)."""
-    state = jax.tree.map(
-        lambda x, t: jax.device_put(x, t.sharding),
-        initial,
-        (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale),
-    )
-    win = trainer.windows(SEQ_LEN)
-    losses = []
-    for step in range(STEPS):
-        batch = data.global_batch(
-            win, data.train_window_ids(0, step, BATCH, win.n_train), prog.layout.batch_sharding()
-        )
-        *state, metrics = prog.train_step(*state, batch)
-        losses.append(metrics["loss"])
-    return np.asarray(jax.device_get(losses)), jax.device_get(state[0])
+    return trainer.train_losses(prog, STEPS, initial, batch=BATCH, seq_len=SEQ_LEN)
 
 
 @functools.cache

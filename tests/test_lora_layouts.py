@@ -23,7 +23,6 @@ from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.errors import UsageError
-from spmd.io import data
 from spmd.parallel import traced_layout
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
@@ -66,20 +65,8 @@ def program(
 
 def train(prog: Program, initial: tuple) -> tuple[np.ndarray, np.ndarray, dict]:
     """(losses, grad norms) of STEPS steps from `initial`, and the final params (numpy)."""
-    state = jax.tree.map(
-        lambda x, t: jax.device_put(x, t.sharding),
-        initial,
-        (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale),
-    )
-    win = trainer.windows(SEQ_LEN)
-    metrics = []
-    for step in range(STEPS):
-        ids = data.train_window_ids(0, step, BATCH, win.n_train)
-        batch = data.global_batch(win, ids, prog.layout.batch_sharding())
-        *state, out = prog.train_step(*state, batch)
-        metrics.append((out["loss"], out["grad_norm"]))
-    losses, norms = np.asarray(jax.device_get(metrics)).T
-    return losses, norms, jax.device_get(state[0])
+    metrics, params = trainer.train_metrics(prog, STEPS, initial, batch=BATCH, seq_len=SEQ_LEN)
+    return metrics["loss"], metrics["grad_norm"], params
 
 
 @functools.cache

@@ -89,12 +89,18 @@ def initial_state() -> tuple:
     return jax.device_get(tuple(compiled("dp=1")[0].init()))
 
 
-def train_losses(
-    prog: Program, steps: int = STEPS, initial=None, step_fn=None
-) -> tuple[np.ndarray, dict]:
-    """Losses of `steps` optimizer steps and the final params (as numpy). `initial` (params,
-    opt state, loss scale) from another program of the same model skips compiling this one's init;
-    `step_fn` (e.g. an AOT-compiled train step) replaces `prog.train_step`."""
+def train_metrics(
+    prog: Program,
+    steps: int = STEPS,
+    initial=None,
+    step_fn=None,
+    batch: int = BATCH,
+    seq_len: int = SEQ_LEN,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Each step's metrics ({name: [steps]}) of `steps` optimizer steps on `batch` x `seq_len`
+    windows, and the final params (as numpy). `initial` (params, opt state, loss scale) from
+    another program of the same model skips compiling this one's init; `step_fn` (e.g. an
+    AOT-compiled train step) replaces `prog.train_step`."""
     if initial is None:
         params, opt_state, loss_scale = prog.init()
     else:
@@ -103,16 +109,25 @@ def train_losses(
             tuple(initial),
             (prog.abstract_params, prog.abstract_opt_state, prog.abstract_loss_scale),
         )
-    win = windows()
-    losses = []
+    win = windows(seq_len)
+    history = []
     for step in range(steps):
-        ids = data.train_window_ids(0, step, BATCH, win.n_train)
-        batch = data.global_batch(win, ids, prog.layout.batch_sharding())
+        ids = data.train_window_ids(0, step, batch, win.n_train)
+        batch_arrays = data.global_batch(win, ids, prog.layout.batch_sharding())
         params, opt_state, loss_scale, metrics = (step_fn or prog.train_step)(
-            params, opt_state, loss_scale, batch
+            params, opt_state, loss_scale, batch_arrays
         )
-        losses.append(metrics["loss"])
-    return np.asarray(jax.device_get(losses)), jax.device_get(params)
+        history.append(metrics)
+    stacked = jax.tree.map(lambda *values: np.asarray(values), *jax.device_get(history))
+    return stacked, jax.device_get(params)
+
+
+def train_losses(
+    prog: Program, steps: int = STEPS, initial=None, step_fn=None, **shape: int
+) -> tuple[np.ndarray, dict]:
+    """`train_metrics`' losses and final params (`shape`: its batch and seq_len)."""
+    metrics, params = train_metrics(prog, steps, initial, step_fn, **shape)
+    return metrics["loss"], params
 
 
 @functools.cache
