@@ -37,3 +37,19 @@ def run(
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`spmd.train args` run by this test process (its 8 devices), its output captured, as a
+    CompletedProcess like `run` gives. The same code as the command minus the interpreter's
+    start and JAX's import (about 2.5 s of CPU each): for runs whose point is not the process
+    itself (signals, exits, several processes)."""
+    import contextlib
+    import io
+
+    from spmd import train
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train.main(list(args))
+    return subprocess.CompletedProcess(["spmd.train", *args], code, out.getvalue(), err.getvalue())

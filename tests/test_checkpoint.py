@@ -1,6 +1,7 @@
 """Checkpoints: spmd.io.checkpoint on small pytrees (resharding restore, partial and damaged steps),
-then the real CLI in subprocesses: bitwise resume, resume on another mesh, falling back past a
-damaged step, SIGTERM, kill -9 in the middle of a save, and bad --resume input.
+then the CLI: bitwise resume, resume on another mesh, falling back past a damaged step, SIGTERM
+and kill -9 in the middle of a save (real processes), and bad --resume input. The runs that
+are not stopped by a signal run in this process (tests/cli.train_in_process).
 
 Every CLI run trains the tiny model under one 400-step schedule and ends early with --stop-after, so
 all fsdp=8 runs share one compiled program (cached on disk by JAX for the module's runs)."""
@@ -25,6 +26,7 @@ from spmd.errors import UsageError
 from spmd.io import checkpoint, checkpoint_restore
 from spmd.parallel import mesh
 from spmd.train import main
+from tests.cli import train_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--model", "tiny", "--steps", "400", "--batch", "16", "--seq-len", "32"]
@@ -128,14 +130,9 @@ def cli_env(workdir: Path) -> dict[str, str]:
 
 
 def train(workdir: Path, *args: str, mesh: str = "fsdp=8") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cli_args(workdir, *args, mesh=mesh),
-        cwd=ROOT,
-        env=cli_env(workdir),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """The command's run in this process: what a resume restores is the same whichever process
+    wrote it (the preempted and killed runs above and below are real processes)."""
+    return train_in_process(*cli_args(workdir, *args, mesh=mesh)[3:])
 
 
 def losses(metrics: Path) -> dict[int, float]:

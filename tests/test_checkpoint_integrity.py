@@ -182,8 +182,8 @@ def trained(tmp_path_factory):
     data = ["--data", str(root / "corpus.txt"), "--data-cache", str(root / "tokens")]
     directory, metrics = root / "ckpt", root / "run.jsonl"
     saving = ["--checkpoint-dir", str(directory), "--checkpoint-every", "2"]
-    result = run(
-        "spmd.train", *TRAIN, *data, *saving, "--stop-after", "3", "--metrics", str(metrics)
+    result = cli.train_in_process(
+        *TRAIN, *data, *saving, "--stop-after", "3", "--metrics", str(metrics)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpoint.complete_steps(str(directory)) == [2, 3]
@@ -236,8 +236,8 @@ def test_flipped_bytes_generate_and_convert_exit_2_in_one_line(trained, tmp_path
 def test_flipped_bytes_resume_sets_the_step_aside_and_goes_on_from_the_previous(trained, tmp_path):
     directory, name = damaged_copy(trained, tmp_path, flip)
     metrics = tmp_path / "resumed.jsonl"
-    result = run("spmd.train", *TRAIN, *trained[2], "--checkpoint-dir", str(directory),
-                 "--resume", "--stop-after", "4", "--metrics", str(metrics))  # fmt: skip
+    resume = ("--checkpoint-dir", str(directory), "--resume", "--stop-after", "4")
+    result = cli.train_in_process(*TRAIN, *trained[2], *resume, "--metrics", str(metrics))
     assert result.returncode == 0, result.stderr[-3000:]
     short_and_clean(result.stderr)
     assert f"checkpoint step 3 is damaged: {name} fails its crc32 check" in result.stdout
@@ -263,8 +263,8 @@ def test_truncated_file_of_a_step_without_manifest_falls_back_quietly(trained, t
     directory, _ = damaged_copy(trained, tmp_path, truncate)
     for step_manifest in directory.glob(f"*/{manifest.MANIFEST}"):  # as an older spmd saved
         step_manifest.unlink()
-    result = run("spmd.train", *TRAIN, *trained[2], "--checkpoint-dir", str(directory),
-                 "--resume", "--stop-after", "3", "--allow-unverified")  # fmt: skip
+    resume = ("--checkpoint-dir", str(directory), "--resume", "--stop-after", "3")
+    result = cli.train_in_process(*TRAIN, *trained[2], *resume, "--allow-unverified")
     assert result.returncode == 0, result.stderr[-3000:]
     short_and_clean(result.stderr)
     told = [line for line in result.stdout.splitlines() if "checkpoint step 3" in line]

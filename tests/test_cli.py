@@ -9,15 +9,14 @@ import typing
 
 import pytest
 
-from tests.cli import records, run
+from tests.cli import records, run, train_in_process
 
 TINY = ("--model", "tiny", "--seq-len", "32", "--batch", "16")
 
 
 def test_loss_falls_on_the_stdlib_corpus(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    result = run(
-        "spmd.train",
+    result = train_in_process(
         *TINY,
         "--mesh",
         "dp=2",

@@ -1,17 +1,14 @@
 """A diverging run never costs its good checkpoints: non-finite and spiking losses are noticed on
 every step, the run stops (exit 3) or rolls back, and only finite states are ever saved.
 
-The CLI run is a real subprocess made to diverge by a huge LR. The rollback and rotation runs are
-`spmd.train.main` in-process with a fault injected into the compiled step (NaN params fed to one
-call, as test_precision injects an fp16 overflow); all of them train the same 12-step schedule,
+Every run is `spmd.train.main` in this process: the stopping run made to diverge by a huge LR,
+the rollback and rotation runs with a fault injected into the compiled step (NaN params fed to
+one call, as test_precision injects an fp16 overflow); all of them train the same 12-step schedule,
 so they share one compiled step, and the rollback's reference run reuses the step that the
 resumed run compiled for the lowered LR."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -26,7 +23,7 @@ from spmd.io import checkpoint, data, tokens
 from spmd.sections import DivergenceConfig
 from spmd.training import divergence
 from spmd.training.resume import program_state_target
-from tests.cli import ROOT, records
+from tests.cli import records, train_in_process
 from tests.tiny_run import tiny_program
 
 RUN = ["--model", "tiny", "--steps", "12", "--batch", "8", "--seq-len", "32", "--log-every", "1"]
@@ -39,10 +36,6 @@ def corpus(tmp_path_factory):
     stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:6]
     (root / "corpus.txt").write_text("".join(p.read_text() for p in stdlib))
     return root
-
-
-def cli_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
 
 
 def data_args(root: Path) -> list[str]:
@@ -114,10 +107,7 @@ def test_a_diverging_run_stops_with_status_3_and_leaves_only_finite_checkpoints(
     directory, metrics = corpus / "stop", corpus / "stop.jsonl"
     args = [*RUN, *data_args(corpus), "--lr", "1e3", "--checkpoint-every", "2"]
     args += ["--checkpoint-dir", str(directory), "--metrics", str(metrics)]
-    command = [sys.executable, "-m", "spmd.train", *args]
-    result = subprocess.run(
-        command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300
-    )
+    result = train_in_process(*args)
     assert result.returncode == divergence.DIVERGED_EXIT, result.stdout[-2000:] + result.stderr
     trained = train_records(metrics)
     [anomaly] = [r for r in records(metrics) if r["kind"] == "anomaly"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli import CACHE_HOME, ROOT, records
+from tests.cli import CACHE_HOME, ROOT, records, train_in_process
 
 RUN = (
     *("--model", "tiny", "--mesh", "dp=4", "--batch", "8", "--seq-len", "16"),
@@ -113,15 +113,8 @@ def test_a_stop_signal_ends_the_job_at_one_saved_step(tmp_path, target):
         tail = [*two_more, "--checkpoint-dir", str(checkpoints), "--resume"]
         unbroken = tmp_path / "unbroken.jsonl"
         fresh = [*two_more, "--checkpoint-dir", str(tmp_path / "unbroken")]
-        for extra, metrics in ((tail, resumed), (fresh, unbroken)):
-            result = subprocess.run(
-                [sys.executable, "-m", "spmd.train", *RUN, *extra, "--metrics", str(metrics)],
-                cwd=ROOT,
-                env=ENV,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+        for extra, metrics in ((tail, resumed), (fresh, unbroken)):  # in this process
+            result = train_in_process(*RUN, *extra, "--metrics", str(metrics))
             assert result.returncode == 0, result.stderr[-3000:]
         losses = {
             name: {r["step"]: r["loss"] for r in records(path) if r["kind"] == "train"}

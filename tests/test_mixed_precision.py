@@ -67,14 +67,15 @@ def test_16bit_reduction_moves_half_the_bytes():
     assert emitted(bf16_fp32_reduce, "all-gather") == emitted(bf16, "all-gather")
 
 
+# Each ZeRO stage's own layout in bf16 (the state-bytes test's programs), and the 3-D layout,
+# whose tp and dp cover dp=2,tp=4 and dp=8 (cells dropped for the suite's time, 2026-11-27);
+# fp16 on a sharded and the 3-D layout (its loss scaling: tests/test_precision.py).
 PARITY = [
     ("dp=8", 3, "bf16"),
     ("fsdp=8", 1, "bf16"),
     ("fsdp=8", 2, "bf16"),
     ("fsdp=8", 3, "bf16"),
-    ("dp=2,tp=4", 3, "bf16"),
     ("dp=2,fsdp=2,tp=2", 3, "bf16"),
-    ("dp=8", 3, "fp16"),
     ("fsdp=8", 2, "fp16"),
     ("dp=2,fsdp=2,tp=2", 3, "fp16"),
 ]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from spmd.launch import free_port
-from tests.cli import CACHE_HOME, ROOT, records
+from tests.cli import CACHE_HOME, ROOT, records, train_in_process
 
 RUN = (
     "--model",
@@ -35,21 +35,16 @@ RUN = (
 
 
 def train(tmp, name: str, processes: int, *args: str) -> list[float]:
-    """Run spmd.train on `processes` x (8 / processes) CPU devices; the train losses by step."""
+    """Run spmd.train on `processes` x (8 / processes) CPU devices; the train losses by step.
+    One process is this test process (tests/cli.train_in_process), several are real ones."""
     metrics = tmp / f"{name}.jsonl"
+    if processes == 1:
+        result = train_in_process(*RUN, "--metrics", str(metrics), *args)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return {r["step"]: r["loss"] for r in records(metrics) if r["kind"] == "train"}
     command = [sys.executable, "-m", "spmd.train", *RUN, "--metrics", str(metrics), *args]
-    if processes > 1:
-        command = [
-            sys.executable,
-            "-m",
-            "spmd.launch",
-            "-n",
-            str(processes),
-            "--devices-per-process",
-            str(8 // processes),
-            "--",
-            *command,
-        ]
+    per_process = ("-n", str(processes), "--devices-per-process", str(8 // processes))
+    command = [sys.executable, "-m", "spmd.launch", *per_process, "--", *command]
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -60,9 +55,9 @@ def train(tmp, name: str, processes: int, *args: str) -> list[float]:
     }
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    if processes > 1:  # only process 0 reports
-        assert "[0] step 6/6" in result.stdout or "[0] step 3/6" in result.stdout
-        assert "[1] step" not in result.stdout
+    # only process 0 reports
+    assert "[0] step 6/6" in result.stdout or "[0] step 3/6" in result.stdout
+    assert "[1] step" not in result.stdout
     return {r["step"]: r["loss"] for r in records(metrics) if r["kind"] == "train"}
 
 

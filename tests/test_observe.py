@@ -11,7 +11,7 @@ from spmd.errors import UsageError
 from spmd.estimate import flops
 from spmd.observe import profile, stragglers
 from tests import trainer
-from tests.cli import records, run
+from tests.cli import records, train_in_process
 from tests.test_multihost import train as train_processes
 
 TINY = ("--model", "tiny", "--seq-len", "32", "--batch", "16", "--eval-every", "0")
@@ -22,8 +22,7 @@ FAKE_PEAK = 0.05  # TFLOP/s: above what a CPU reaches on the tiny model, so MFU 
 def dp8_run(tmp_path_factory):
     """A dp=8 run with steps 3-4 profiled, TensorBoard scalars and a fake peak."""
     out = tmp_path_factory.mktemp("dp8")
-    result = run(
-        "spmd.train",
+    result = train_in_process(
         *TINY,
         "--mesh", "dp=8",
         "--steps", "6",

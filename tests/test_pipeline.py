@@ -16,7 +16,7 @@ from spmd.io import data
 from spmd.parallel import schedules
 from spmd.parallel.pipeline import Pipeline, check
 from tests import trainer
-from tests.cli import records, run
+from tests.cli import records, train_in_process
 
 GRID_STEPS = 5  # the schedule x stages x micro-batches grid; the 3-D run keeps all 20 steps
 
@@ -111,8 +111,8 @@ def test_bad_settings_are_usage_errors(pipeline, n_layers, batch, message):
 
 
 def test_cli_exits_2_on_an_impossible_schedule():
-    result = run(
-        "spmd.train", "--model", "tiny", "--mesh", "pp=4", "--pp-schedule", "1f1b",
+    result = train_in_process(
+        "--model", "tiny", "--mesh", "pp=4", "--pp-schedule", "1f1b",
         "--microbatches", "2",
     )  # fmt: skip
     assert result.returncode == 2
@@ -285,8 +285,8 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_while_gpipe_grows():
 def test_cli_trains_interleaved_and_records_the_schedule(tmp_path):
     corpus, metrics = tmp_path / "corpus.txt", tmp_path / "m.jsonl"
     corpus.write_bytes(bytes(trainer.windows().tokens[:100_000].astype(np.uint8)))
-    result = run(
-        "spmd.train", "--model", "tiny", "--mesh", "pp=2", "--pp-schedule", "interleaved",
+    result = train_in_process(
+        "--model", "tiny", "--mesh", "pp=2", "--pp-schedule", "interleaved",
         "--pp-virtual", "2", "--microbatches", "4", "--batch", "8", "--seq-len", "32",
         "--steps", "2", "--log-every", "1", "--eval-fraction", "0",
         "--data", str(corpus), "--metrics", str(metrics),

@@ -303,18 +303,19 @@ def test_bad_input_exits_2_with_one_line(capsys, args, named):
     assert err.startswith("error: ") and named in err and err.count("\n") == 1
 
 
-def test_module_entry_point_help_and_errors():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "spmd.plan"]
-    shown = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert shown.returncode == 0
+def test_module_entry_point_help_and_errors(capsys):
+    # --help and a bad value through plan.main (the code `python -m spmd.plan` runs) ...
+    assert plan.main(["--help"]) == 0
+    out = capsys.readouterr().out
     for flag in ("--params", "--devices", "--zero", "--precision", "--hbm", "--overhead"):
-        assert flag in shown.stdout
-    assert "--bandwidth" in shown.stdout and "GB (1e9 bytes)" in shown.stdout
-    bad = subprocess.run([*cmd, "--zero", "9"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert flag in out
+    assert "--bandwidth" in out and "GB (1e9 bytes)" in out
+    assert plan.main(["--zero", "9"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    # ... and the module entry point itself, as a user runs it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     table = subprocess.run(
-        [*cmd, "--model", "tiny", "--devices", "4", "--batch", "8"],
+        [sys.executable, "-m", "spmd.plan", "--model", "tiny", "--devices", "4", "--batch", "8"],
         capture_output=True, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     assert table.returncode == 0
