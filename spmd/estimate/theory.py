@@ -44,6 +44,8 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
   forward (collective-permutes) and as many of their gradients in the backward (+ the
   forward's again under remat); the grads of
   the params, replicated over `context`, are averaged over it like over a batch axis;
+- frozen params (a LoRA base, spmd.engine.frozen): gathered as above under ZeRO-3, never
+  reduced or updated (no gradient, no optimizer state);
 - scalars: the loss mean and the gradient norms (4 bytes each).
 """
 
@@ -58,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.engine import frozen
 from spmd.estimate import experts as experts_math
 from spmd.estimate import hlo, units, volumes
 from spmd.model_shape import ModelShape
@@ -237,7 +240,11 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
         role: _specs(rules.tree_shardings(names_tree, shapes_tree, mesh, zero, role))
         for role in ("params", "grads", "opt_state")
     }
-    names = jax.tree.leaves(names_tree, is_leaf=lambda x: isinstance(x, tuple))
+    named = jax.tree_util.tree_flatten_with_path(
+        names_tree, is_leaf=lambda x: isinstance(x, tuple)
+    )[0]
+    names = [leaf for _, leaf in named]
+    fixed = [frozen.has_frozen(names_tree) and path[0].key == frozen.FROZEN for path, _ in named]
     shapes = jax.tree.leaves(shapes_tree)
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
 
@@ -256,10 +263,10 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
         # dtype (16-bit under bf16 / fp16): the ZeRO paper's 2 + 2 bytes per param.
         grad_bytes = _local_bytes(leaf.shape, program.policy.reduce_dtype, grad, mesh)
         layers = leaf.shape[0] if leaf_names and leaf_names[0] == "layers" else 1
-        if _gathered(param, leaf_names) & batch_axes:  # ZeRO-3: gathered before use,
-            # reduce-scattered by autodiff; it gathers what autodiff differentiates: the params
-            # in the reduce dtype.
-            gather_dtype = program.policy.reduce_dtype
+        zero3 = bool(_gathered(param, leaf_names) & batch_axes)
+        if zero3:  # ZeRO-3: gathered before use, reduce-scattered by autodiff; it gathers what
+            # autodiff differentiates: the params in the reduce dtype (a frozen one as stored)
+            gather_dtype = leaf.dtype if fixed[i] else program.policy.reduce_dtype
             whole = _whole(param, batch_axes, leaf_names)
             fp8_scales = _fp8_gathered(program, leaf_names, leaf.shape, whole, param, mesh)
             gather_dtype = np.dtype(jnp.float8_e4m3fn) if fp8_scales else gather_dtype
@@ -270,6 +277,9 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
             add("all-gather", gathers, gathers * gathered // layers)
             if fp8_scales:  # and one fp32 scale per device beside each e4m3 gather
                 add("all-gather", gathers, gathers * 4 * fp8_scales)
+        if fixed[i]:  # a frozen param: no gradient to reduce, no update to gather
+            continue
+        if zero3:
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
             add("reduce-scatter", 1, grad_bytes)
