@@ -213,7 +213,7 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
     """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
     compiled collectives against theory, the gradient reductions and the memory report."""
     from spmd import lora_base
-    from spmd.estimate import hlo, measure, theory
+    from spmd.estimate import dry_run_table, hlo, measure
     from spmd.observe.observer import dry_run_report
 
     mesh = program.layout.mesh
@@ -233,7 +233,8 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
     )
     shape = family.of(model_cfg).shape(model_cfg)
     if cfg.parallel.dcn_sync != "diloco":  # DiLoCo's cross-host bytes were printed at compile
-        say(theory.report(program, compiled, shape, cfg.run.batch, cfg.run.seq_len, pipe_report))
+        run = cfg.run
+        say(dry_run_table.report(program, compiled, shape, run.batch, run.seq_len, pipe_report))
     if program.policy.fp8 is not None and program.policy.fp8.all_gather:
         say(measure.fp8_gather_line(program, shape, cfg.run.batch, cfg.run.seq_len))
     say(hlo.format_grad_reductions(hlo.collectives(compiled, mesh)))

@@ -17,7 +17,7 @@ from spmd import run_setup
 from spmd.config import resolve
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
-from spmd.estimate import hlo, theory
+from spmd.estimate import dry_run_table, hlo, theory
 from spmd.model_shape import ModelShape
 from spmd.parallel import mesh
 from spmd.train import main as train_main
@@ -134,7 +134,7 @@ def test_accumulation_reduces_gradients_once_per_step():
 
 def test_dry_run_report_sets_measured_beside_expected():
     program, compiled = _compiled(*LAYOUTS["zero2"], "explicit")
-    report = theory.report(program, compiled, _shape(), BATCH, SEQ)
+    report = dry_run_table.report(program, compiled, _shape(), BATCH, SEQ)
     rows = {line.split()[0]: line.split() for line in report.splitlines()}
     assert rows["reduce-scatter"][-2] == "1.000"  # ratio column, then the axes
     assert rows["argument"][-1] == "1.000"
