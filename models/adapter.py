@@ -15,10 +15,11 @@ with x W's partial sums, (x A) B being linear in x A.
 
 Dropout (--lora-dropout P): each element of the adapter's input is zeroed with probability P
 and the rest scaled by 1 / (1 - P), in the train step only (`noise`, which models/lora.py opens
-there). An element's fate is a hash of (the run's seed, its row's tokens, its position in the
-sequence, the layer, the projection, its feature index): the same on every layout (the mask
-of the global [batch, length, in] shape, each device computing its own block of it), the same
-on a resume, and recomputed rather than stored by the backward pass.
+there). An element's fate is a hash of (the run's seed, the optimizer step, its row's tokens, its
+position in the sequence, the layer, the projection, its feature index): the same on every
+layout (the mask of the global [batch, length, in] shape, each device computing its own block
+of it), the same on a resume (the step is the optimizer state's update count), new when a
+window comes back in a later epoch, and recomputed rather than stored by the backward pass.
 """
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def token_keys(tokens: jax.Array, seed: int) -> jax.Array:
+def token_keys(tokens: jax.Array, seed: int, step: jax.Array | None = None) -> jax.Array:
     """Per-token dropout keys [batch, length] uint32 of token ids [batch, length] (this
-    device's, in the layout's sequence order): a hash of the seed, the row's tokens (an
-    order-free sum, so that context parallelism's chunks add up to it) and the position."""
+    device's, in the layout's sequence order): a hash of the seed, the optimizer step (None:
+    the same keys at every step), the row's tokens (an order-free sum, so that context
+    parallelism's chunks add up to it) and the position."""
     row = jnp.sum(_mix(tokens.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)), axis=1)
     row = tp_sum(row.astype(jnp.uint32), "length")  # the row's other chunks (cp)
     positions = token_positions(tokens[..., None], whole=True).astype(jnp.uint32)
-    return _mix(_mix(row[:, None] ^ jnp.uint32(seed & 0xFFFFFFFF)) + positions)
+    run = jnp.uint32(seed & 0xFFFFFFFF)
+    if step is not None:  # a window seen again in a later epoch gets new masks
+        run = run ^ _mix(jnp.asarray(step).astype(jnp.uint32) + jnp.uint32(0x85EBCA6B))
+    return _mix(_mix(row[:, None] ^ run) + positions)
 
 
 @jax.tree_util.register_dataclass

@@ -36,7 +36,7 @@ from flax import nnx
 from models import adapter
 from models.hf_tensors import STACKED, Rule
 from spmd.errors import UsageError
-from spmd.parallel.hooks import training
+from spmd.parallel.hooks import training, training_step
 
 # The projections of a Llama-shaped block (its param paths), by peft's short names.
 ATTENTION: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -225,7 +225,8 @@ def adapted_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict]
     def lora_loss(model: Any, batch: dict) -> jax.Array:
         if not (model.rate and training()):
             return loss(model.adapted(), batch)
-        with adapter.noise(adapter.token_keys(batch["inputs"], model.seed)):
+        keys = adapter.token_keys(batch["inputs"], model.seed, training_step())
+        with adapter.noise(keys):
             return loss(model.adapted(), batch)
 
     return lora_loss

@@ -1,6 +1,7 @@
 """LoRA with dropout on the adapters' input (models/adapter.py) and on the layouts
-tests/test_lora.py leaves out: the masks are deterministic and the same on every layout,
-dropout changes the gradients but not the eval loss, and context parallelism, tensor
+tests/test_lora.py leaves out: the masks are deterministic, the same on every layout and new
+at each optimizer step, dropout changes the gradients but not the eval loss, and context
+parallelism, tensor
 parallelism with sequence parallelism and expert parallelism train as one device does (or
 exit 2 in one line)."""
 
@@ -107,6 +108,23 @@ def test_dropout_changes_the_gradients_but_not_the_eval():
     for a, b in zip(jax.tree.leaves(dropped), jax.tree.leaves(plain), strict=True):
         assert np.max(np.abs(a - b)) > 1e-3 * np.max(np.abs(b))  # every adapter's gradient
     assert eval_loss == plain_loss  # eval runs without dropout, as peft's model.eval()
+
+
+def test_each_optimizer_step_draws_new_masks():
+    """The masks hash in the optimizer state's update count: the same params and batch one
+    step later drop other elements (a window seen again in a later epoch), the same step the
+    same ones (a resume)."""
+    prog, (params, opt_state, loss_scale), _ = one_device("dense")
+    batch = jax.device_put(trainer_batch(), prog.layout.batch_sharding())
+
+    def grad_norm_at(count: int) -> float:  # B's gradient sees the dropped x A (B = 0 yet)
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + count if jax.tree_util.keystr(path).endswith(".count") else x,
+            opt_state,
+        )
+        return float(prog.train_step(params, state, loss_scale, batch)[-1]["grad_norm"])
+
+    assert grad_norm_at(0) == grad_norm_at(0) != grad_norm_at(1)
 
 
 def trainer_batch() -> dict:

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import optax
 
-from spmd.engine import frozen, precision
+from spmd.engine import frozen, optim, precision
 from spmd.engine.accumulate import accumulated_grads
 from spmd.engine.options import StepOptions
 from spmd.parallel import traced_layout
@@ -41,7 +41,7 @@ def auto_steps(
         grad_params = precision.cast(params, policy.reduce_dtype)
         with (
             traced_layout.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp),
-            traced_layout.training(),
+            traced_layout.training(optim.update_count(opt_state)),
         ):
             if accum == 1:
                 loss, grads = grad_fn(grad_params, batch)

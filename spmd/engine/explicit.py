@@ -26,7 +26,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.engine import frozen, precision
+from spmd.engine import frozen, optim, precision
 from spmd.engine.options import StepOptions
 from spmd.parallel import buckets, collectives, traced_layout
 from spmd.parallel.layout import Layout
@@ -153,7 +153,7 @@ def explicit_steps(
             yield
 
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
-        with traced_on_devices(), traced_layout.training():
+        with traced_on_devices(), traced_layout.training(optim.update_count(opt_state)):
             params, fixed = frozen.split(params)  # frozen params: constants, passed through
             loss, grads = reduced_grads(
                 frozen.bind(local_loss, fixed),

@@ -19,6 +19,16 @@ LR_SCALINGS = choices(OptimizerConfig, "lr_scaling")
 LR_SCHEDULES = choices(OptimizerConfig, "lr_schedule")
 
 
+def update_count(opt_state: Any) -> jax.Array | None:
+    """The number of updates `opt_state` has applied (optax's `count`: the first one found,
+    all of them advance together), or None for a state without one."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        last = path[-1] if path else None
+        if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "count":
+            return leaf
+    return None
+
+
 def check_number(flag: str, value: float, low: float, high: float, valid: str) -> None:
     """UsageError unless `value` is a finite number in [low, high] (NaN and infinities fail
     every comparison, so they are named here rather than slipping through one); `valid` says

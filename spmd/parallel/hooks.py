@@ -23,6 +23,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
     training()                whether a train step is being traced (dropout applies; not eval)
+    training_step()           that step's number (traced), for masks that change every step
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -390,6 +391,12 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 def training() -> bool:
     """Whether the engine is tracing a train step (dropout applies) rather than an eval."""
     return traced.in_training()
+
+
+def training_step() -> jax.Array | None:
+    """The optimizer steps taken before the train step being traced (a traced int32 scalar,
+    the same on every device and after a resume); None outside a train step."""
+    return traced.training_step()
 
 
 def fp8_site(k: int, n: int) -> Fp8Site | None:

@@ -12,7 +12,8 @@ The engine opens one of these contexts while it traces a step; the hooks read th
                                              context hooks act on this device's chunks
     params_whole()                           a layer of ZeRO-3's prefetching scan: its params
                                              arrive gathered
-    training()                               a train step (not eval): dropout applies
+    training(step)                           a train step (not eval): dropout applies, its
+                                             masks drawn anew for each optimizer step
 
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
@@ -44,13 +45,15 @@ _EXPLICIT: list[ExplicitLayout] = []
 _ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
 _PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
-_TRAINING: list[bool] = []  # inside a train step's loss
+_TRAINING: list[jax.Array | None] = []  # inside a train step's loss: its step number
 
 
 @contextlib.contextmanager
-def training() -> Iterator[None]:
-    """While tracing a train step's loss (its gradients are taken): dropout applies."""
-    _TRAINING.append(True)
+def training(step: jax.Array | None = None) -> Iterator[None]:
+    """While tracing a train step's loss (its gradients are taken): dropout applies. `step`:
+    the optimizer steps taken so far (a traced int scalar, the same on every device), which
+    dropout's masks hash in; None draws the same masks at every step."""
+    _TRAINING.append(step)
     try:
         yield
     finally:
@@ -60,6 +63,11 @@ def training() -> Iterator[None]:
 def in_training() -> bool:
     """Whether a train step is being traced (`training`)."""
     return bool(_TRAINING)
+
+
+def training_step() -> jax.Array | None:
+    """The step number `training` was given (None outside a train step or without one)."""
+    return _TRAINING[-1] if _TRAINING else None
 
 
 @contextlib.contextmanager
