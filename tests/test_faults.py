@@ -29,16 +29,16 @@ ENV = {
 BOUND_S = 90  # the issue's bound on how long a stopped job may take to end
 
 
-def launch(*command: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def piped(command: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
+    """`command` started from the repository root, its stdout and stderr in one text pipe."""
     return subprocess.Popen(
-        [sys.executable, "-m", "spmd.launch", "-n", "2", "--devices-per-process", "2", *extra]
-        + ["--", *command],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def launch(*command: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    launcher = [sys.executable, "-m", "spmd.launch", "-n", "2", "--devices-per-process", "2"]
+    return piped([*launcher, *extra, "--", *command])
 
 
 def read_until(proc: subprocess.Popen, pattern: str, lines: list[str]) -> None:
@@ -152,15 +152,8 @@ def test_a_process_that_makes_no_step_ends_the_job_naming_it():
 def test_a_signal_during_compile_ends_a_run_before_its_first_step(tmp_path):
     """A first SIGTERM before training starts is noted (the process is not killed mid-start)
     and ends the run with status 0 and a line saying nothing was trained."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spmd.train", *RUN, "--steps", "50"]
-        + ["--checkpoint-dir", str(tmp_path / "ck")],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    command = [sys.executable, "-m", "spmd.train", *RUN, "--steps", "50"]
+    proc = piped([*command, "--checkpoint-dir", str(tmp_path / "ck")])
     lines: list[str] = []
     read_until(proc, r"^xla flags", lines)  # configured, not yet compiled
     proc.send_signal(signal.SIGTERM)
@@ -261,15 +254,8 @@ def test_a_killed_launcher_leaves_its_process_to_stop_and_save(tmp_path, shared_
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "spmd.train", *RUN, "--mesh", "dp=2", "--steps", "2000"]
     command += ["--run-dir", str(run_dir), "--checkpoint-every", "1000", "--tracker", "none"]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "spmd.launch", "-n", "1", "--devices-per-process", "2", "--"]
-        + command,
-        cwd=ROOT,
-        env=shared_compiles,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    one_process = [sys.executable, "-m", "spmd.launch", "-n", "1", "--devices-per-process", "2"]
+    launcher = piped([*one_process, "--", *command], shared_compiles)
     read_until(launcher, r"\[0\] step +3/", [])
     child = int(
         subprocess.run(
@@ -351,14 +337,7 @@ def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path, shared_compiles):
     try:
         if holder:
             subprocess.run([*inside, "mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)])
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=shared_compiles,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = piped(command, shared_compiles)
         read_until(proc, r"^step +2/", [])
         while not (seen / "ck" / "2" / "manifest.json").exists():  # step 2 whole, then the fault
             assert proc.poll() is None, proc.stdout.read()

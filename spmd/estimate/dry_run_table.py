@@ -40,15 +40,11 @@ def report(
             "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
             "recomputation and the sum of the embedding and head gradients over pipeline"
         )
-    experts = theory.expert_all_to_all(
-        model,
-        program.layout.mesh,
-        global_batch,
-        seq_len,
-        program.accum,
-        element_bytes=theory.activation_bytes(program),
-    )
     if model.n_experts:
+        mesh, element_bytes = program.layout.mesh, theory.activation_bytes(program)
+        experts = theory.expert_all_to_all(
+            model, mesh, global_batch, seq_len, program.accum, element_bytes=element_bytes
+        )
         text += f"\n{theory.expert_summary(program, experts)}"
     return text
 

@@ -202,7 +202,8 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
         names_tree, is_leaf=lambda x: isinstance(x, tuple)
     )[0]
     names = [leaf for _, leaf in named]
-    fixed = [frozen.has_frozen(names_tree) and path[0].key == frozen.FROZEN for path, _ in named]
+    has_frozen = frozen.has_frozen(names_tree)  # a LoRA base: its top-level key
+    fixed = [has_frozen and path[0].key == frozen.FROZEN for path, _ in named]
     shapes = jax.tree.leaves(shapes_tree)
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
 
