@@ -272,7 +272,7 @@ def collectives(s: Setup) -> list[Comm]:
         norms = (s.shape.norms_per_block * layers + 1, norm)
         passes = (executions, layers, s.remat != "none", s.pipelined)
         traffic = volumes.tensor_traffic(
-            activation, tokens, norms, tensor, s.sequence_parallel, passes
+            activation, tokens, norms, tensor, s.sequence_parallel, passes, bool(s.lora_rank)
         )
         out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
         if s.lora_rank:  # each adapter's low-rank partial sums

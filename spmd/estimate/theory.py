@@ -250,7 +250,14 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
     if mesh.shape["tensor"] > 1:
         sequence_parallel = getattr(program.layout, "sequence_parallel", False)
         _tensor_parallel(
-            out, model, mesh, zero, accum, (global_batch, seq_len, element_bytes), sequence_parallel
+            out,
+            model,
+            mesh,
+            zero,
+            accum,
+            (global_batch, seq_len, element_bytes),
+            sequence_parallel,
+            frozen_embedding=has_frozen,
         )
     experts = expert_all_to_all(
         model, mesh, global_batch, seq_len, accum, element_bytes=element_bytes
@@ -312,10 +319,11 @@ def _tensor_parallel(
     accum: int,
     step: tuple[int, int, int],
     sequence_parallel: bool = False,
+    frozen_embedding: bool = False,
 ) -> None:
     """Add Megatron's activation all-reduces over `tensor` (see the module docstring), or
     under sequence parallelism their all-gathers and reduce-scatters; `step`: (global batch,
-    sequence length, bytes per activation element)."""
+    sequence length, bytes per activation element); `frozen_embedding`: a LoRA base's."""
     global_batch, seq_len, element_bytes = step
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
     tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
@@ -324,7 +332,9 @@ def _tensor_parallel(
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
     norms = (model.norms_per_block * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
     passes = (accum, model.n_layers, model.remat != "none", False)
-    traffic = volumes.tensor_traffic(activation, tokens, norms, tensor, sequence_parallel, passes)
+    traffic = volumes.tensor_traffic(
+        activation, tokens, norms, tensor, sequence_parallel, passes, frozen_embedding
+    )
     for kind, nbytes, count, _ in traffic:
         out[kind]["count"] += count
         out[kind]["bytes"] += count * nbytes

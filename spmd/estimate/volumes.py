@@ -53,6 +53,7 @@ def tensor_traffic(
     tensor: int,
     sequence_parallel: bool,
     passes: tuple[int, int, bool, bool],
+    frozen_embedding: bool = False,
 ) -> list[tuple[str, float, float, str]]:
     """(kind, bytes per call, calls per step, purpose) of tensor parallelism's activation
     collectives, for `passes` = (executions per step, layers, remat, pipelined): the
@@ -61,16 +62,18 @@ def tensor_traffic(
     layer the backward replays (remat): the replay gathers the MLP's input as well as the
     attention's, but scatters only the attention's output (the MLP's is not needed by the
     layer's backward); and per execution an all-reduce of each norm weight's gradient
-    (`norms`: how many, bytes of each). Either way the vocab-parallel cross-entropy's 3 sums
-    of its `tokens` in fp32 per execution."""
+    (`norms`: how many, bytes of each). A `frozen_embedding` (LoRA) takes no gradient: under
+    sequence parallelism its output's backward all-gather is not made. Either way the
+    vocab-parallel cross-entropy's 3 sums of its `tokens` in fp32 per execution."""
     executions, layers, remat, _ = passes
     calls = tensor_parallel_calls(*passes)
     sums = ("all-reduce", tokens * 4, 3 * executions, "cross-entropy sums")
     if not sequence_parallel:
         return [("all-reduce", activation, calls, "activations"), sums]
     count, each = norms
+    gathers = calls + executions * (layers * int(remat) - int(frozen_embedding))
     return [
-        ("all-gather", activation, calls + executions * layers * int(remat), "activations (SP)"),
+        ("all-gather", activation, gathers, "activations (SP)"),
         ("reduce-scatter", activation / tensor, calls, "activations (SP)"),
         ("all-reduce", each, count * executions, "norm grads (SP)"),
         sums,

@@ -290,15 +290,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.
     return ring(q, k, v)
 
 
-def _gathering() -> bool:
-    """Whether the layout being traced gathers params per layer (explicit ZeRO-3)."""
+def _gathering_axes() -> frozenset[str]:
+    """The mesh axes the layout being traced gathers params over per layer (explicit ZeRO-3's
+    `fsdp`; empty when it gathers none)."""
     layout = traced.explicit()
     if layout is None:
-        return False
-    return any(
-        set(traced.mesh_axes(layout, layout.param_rules, n))
-        - set(traced.mesh_axes(layout, layout.compute_rules, n))
-        for n in layout.param_rules
+        return frozenset()
+    return frozenset().union(
+        *(
+            set(traced.mesh_axes(layout, layout.param_rules, n))
+            - set(traced.mesh_axes(layout, layout.compute_rules, n))
+            for n in layout.param_rules
+        )
     )
 
 
@@ -319,7 +322,7 @@ def scan_layers(
     per layer than XLA's scan), there are at least 2 and `layer` closes over no traced float
     (pass such values in `carry` or `stacked`). Where prefetch was asked for, `note("layer_scan",
     ...)` says whether it ran."""
-    gathering = _gathering()
+    gathering = _gathering_axes()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     layer, carry = _in_fp8_blocks(layer, n_layers, carry)

@@ -62,10 +62,16 @@ def tag_gathered(value: jax.Array) -> jax.Array:
     return checkpoint_name(value, GATHERED)
 
 
-def _not_saved(primitive: Any, params: dict) -> bool:
+def _not_saved(primitive: Any, params: dict, axes: frozenset[str]) -> bool:
+    """Whether the remat policy of a layer whose params are gathered over `axes` must not
+    save this op's output: a gathered param, a param all-gathered over `axes`, a re-layout.
+    An all_gather over other axes (sequence parallelism's activations over `tensor`, context
+    parallelism's keys and values) is an activation, saved as the policy says."""
     if primitive.name == "name":
         return params.get("name") == GATHERED
-    if primitive.name in ("all_gather", "all_gather_invariant", *_LAYOUT_OPS):
+    if primitive.name in ("all_gather", "all_gather_invariant"):
+        return bool(axes & set(_axis_names(params.get("axis_name"))))
+    if primitive.name in _LAYOUT_OPS:
         return True
     # a custom_vjp that gathers (spmd.parallel.fp8_gather): the policy sees the call, not
     # the all_gather inside it, and would keep every layer's gathered weights
@@ -74,15 +80,19 @@ def _not_saved(primitive: Any, params: dict) -> bool:
     return any(e.primitive.name == "all_gather" for e in getattr(inner, "eqns", ()))
 
 
-def remat_policy(policy: Callable | None, gathering: bool) -> Callable | None:
+def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def remat_policy(policy: Callable | None, gathering: frozenset[str]) -> Callable | None:
     """The remat policy of one layer (None: no remat). While params are gathered per layer
-    (`gathering`, explicit ZeRO-3) it is `policy` minus the gathered params and their
-    re-layouts: the backward pass gathers them again."""
+    over the mesh axes `gathering` (explicit ZeRO-3) it is `policy` minus the gathered params
+    and their re-layouts: the backward pass gathers them again."""
     if not gathering:
         return policy
 
     def saveable(primitive: Any, *avals: Any, **params: Any) -> bool:
-        if _not_saved(primitive, params):
+        if _not_saved(primitive, params, gathering):
             return False
         return True if policy is None else policy(primitive, *avals, **params)
 
