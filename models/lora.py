@@ -36,7 +36,7 @@ from flax import nnx
 from models import adapter
 from models.hf_tensors import STACKED, Rule
 from spmd.errors import UsageError
-from spmd.parallel.hooks import training, training_step
+from spmd.parallel.hooks import chunk_inputs, first_layer, training, training_step
 
 # The projections of a Llama-shaped block (its param paths), by peft's short names.
 ATTENTION: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -168,8 +168,9 @@ class LoraModel(nnx.Module):
             a = self.lora[name]["a"]
             stacked = paths[0][0] == STACKED
             layers = None
-            if self.rate and stacked:  # each layer's index, for its own dropout masks
-                layers = nnx.Variable(jnp.arange(a[...].shape[0], dtype=jnp.float32))
+            if self.rate and stacked:  # each layer's global index, for its own dropout masks
+                index = jnp.arange(a[...].shape[0]) + first_layer()
+                layers = nnx.Variable(index.astype(jnp.float32))
             for path in paths:
                 module = model
                 for key in path[:-1]:
@@ -201,7 +202,12 @@ class LoraModel(nnx.Module):
         return self.frozen.embed_tokens(tokens)  # no target is the embedding
 
     def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        return self.adapted().apply_blocks(x, segments)
+        model, inputs = self.adapted(), chunk_inputs()
+        if inputs is None or not (self.rate and training()):
+            return model.apply_blocks(x, segments)
+        # a pipeline chunk (the loss, which opens the masks, runs outside the schedule)
+        with adapter.noise(adapter.token_keys(inputs, self.seed, training_step())):
+            return model.apply_blocks(x, segments)
 
     def head_logits(self, x: jax.Array) -> jax.Array:
         return self.frozen.head_logits(x)  # no target is the head

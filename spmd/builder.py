@@ -122,13 +122,6 @@ def build(
         )
     if spec.check_layout is not None:
         spec.check_layout(mesh, options.executor)
-    if spec.dropout and options.pipeline is not None and mesh.shape["pipeline"] > 1:
-        # a stage's chunk of the stack does not know its layers' global indices, which key
-        # each layer's masks
-        raise UsageError(
-            f"--lora-dropout {spec.dropout} with pp={mesh.shape['pipeline']} is not supported; "
-            f"use --lora-dropout 0 or pp=1"
-        )
     if sync is not None:
         if spec.frozen:
             raise UsageError("LoRA (--lora-rank > 0) does not run under --dcn-sync diloco yet")

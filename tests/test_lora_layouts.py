@@ -2,8 +2,8 @@
 tests/test_lora.py leaves out: the masks are deterministic, the same on every layout and new
 at each optimizer step, dropout changes the gradients but not the eval loss, and context
 parallelism, tensor
-parallelism with sequence parallelism and expert parallelism train as one device does (or
-exit 2 in one line)."""
+parallelism with sequence parallelism, expert parallelism and pipelines train as one device
+does."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from spmd.config import build, flat, preset
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
-from spmd.errors import UsageError
 from spmd.parallel import traced_layout
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
@@ -149,10 +148,17 @@ def test_lora_with_dropout_on_a_layout_equals_one_device(model, mesh, executor, 
         assert np.max(np.abs(a - b)) < 1e-5
 
 
-def test_dropout_with_a_pipeline_exits_2_in_one_line():
-    with pytest.raises(UsageError) as err:
-        program("dense", "pp=2", pp=True)
-    assert "--lora-dropout 0.5 with pp=2" in str(err.value) and "\n" not in str(err.value)
+@pytest.mark.parametrize("mesh,executor", [("pp=2", "auto"), ("dp=2,pp=2", "explicit")])
+def test_lora_with_dropout_in_a_pipeline_equals_one_device(mesh, executor):
+    """Each stage runs its chunk of the layers with their global indices (hooks.first_layer),
+    so the masks are one device's: with the chunk's own indices, stage 1's layer would draw
+    layer 0's masks."""
+    _, initial, (want_losses, want_norms, want) = one_device("dense")
+    losses, norms, got = train(program("dense", mesh, executor, pp=True), initial)
+    assert np.max(np.abs(losses - want_losses)) < 1e-5
+    assert np.max(np.abs(norms - want_norms)) < 1e-5
+    for a, b in zip(jax.tree.leaves(got["lora"]), jax.tree.leaves(want["lora"]), strict=True):
+        assert np.max(np.abs(a - b)) < 1e-5
 
 
 PHI3 = Path(__file__).resolve().parent / "fixtures" / "hf_phi3"

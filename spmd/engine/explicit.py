@@ -140,6 +140,7 @@ def explicit_steps(
     batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
     # what the gradients and the update see: the trainable params (spmd.engine.frozen)
     trained = specs | {"params": frozen.trainable(specs["params"])}
+    pipelined = options.pipeline is not None and mesh.shape["pipeline"] > 1
 
     @contextlib.contextmanager
     def traced_on_devices() -> Iterator[None]:
@@ -155,8 +156,13 @@ def explicit_steps(
     def train_step(params: Any, opt_state: Any, loss_scale: Any, batch: dict[str, jax.Array]):
         with traced_on_devices(), traced_layout.training(optim.update_count(opt_state)):
             params, fixed = frozen.split(params)  # frozen params: constants, passed through
+            held = fixed
+            if pipelined and fixed is not None:
+                # the schedule's custom_vjp returns a gradient for every param it takes, per
+                # device (varying over the batch axes): its frozen inputs must vary as well
+                held = collectives.vary_over(fixed, batch_axes)
             loss, grads = reduced_grads(
-                frozen.bind(local_loss, fixed),
+                frozen.bind(local_loss, held),
                 params,
                 loss_scale,
                 batch,

@@ -24,6 +24,9 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
     training()                whether a train step is being traced (dropout applies; not eval)
     training_step()           that step's number (traced), for masks that change every step
+    first_layer()             the global index of the first stacked layer being run (a
+                              pipeline stage's chunk counts its layers from 0)
+    chunk_inputs()            a pipeline chunk's micro-batch token ids (None elsewhere)
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -400,6 +403,19 @@ def training_step() -> jax.Array | None:
     """The optimizer steps taken before the train step being traced (a traced int32 scalar,
     the same on every device and after a resume); None outside a train step."""
     return traced.training_step()
+
+
+def first_layer() -> jax.Array | int:
+    """The global index of the first of the stacked layers a model's `apply_blocks` runs:
+    0, or under a pipeline the first layer of the stage's chunk (a traced int32 scalar)."""
+    return traced.chunk_first_layer()
+
+
+def chunk_inputs() -> jax.Array | None:
+    """Under a pipeline, the token ids [batch, length] of the micro-batch whose activations a
+    model's `apply_blocks` runs on (for per-token masks); None elsewhere (the model's loss
+    sees the batch)."""
+    return traced.chunk_inputs()
 
 
 def fp8_site(k: int, n: int) -> Fp8Site | None:

@@ -77,10 +77,21 @@ class Stage:
         """Micro-batch m of a batch field, None where the batch does not carry it."""
         return self.batch[key][m] if key in self.batch else None
 
-    def run_chunk(self, block_params: list, x: jax.Array, m: jax.Array) -> jax.Array:
+    def run_chunk(self, k: jax.Array, x: jax.Array, m: jax.Array, blocks: list) -> jax.Array:
+        """This stage's chunk k (its params `blocks`) on micro-batch m's activations x. The
+        chunk is global chunk k p + s of the stack (pipeline.py's [v, p, L/C] reshape); models
+        read its first layer's index and the micro-batch's tokens through hooks.first_layer
+        and hooks.chunk_inputs (LoRA's dropout masks)."""
         segments = self.field("segments", m)
-        model = self.merge(block_params, self.outer)
-        return model.apply_blocks(x) if segments is None else model.apply_blocks(x, segments)
+        model = self.merge(blocks, self.outer)
+        size = self.chunks[0].shape[1]  # L/C layers
+        stage = jax.lax.axis_index(AXIS)
+        first = (jnp.maximum(k, 0) * self.sched.stages + stage) * size
+        inputs = self.batch["inputs"][m]
+        with traced_layout.pipeline_chunk(first.astype(jnp.int32), inputs):
+            if segments is None:
+                return model.apply_blocks(x)
+            return model.apply_blocks(x, segments)
 
     def embed(self, outer_params: list, tokens: jax.Array) -> jax.Array:
         return self.merge(self.blocks_of(0), outer_params).embed_tokens(tokens)
@@ -109,7 +120,8 @@ def forward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.Ar
     )
     if sched.backward:  # the first chunk's input (the embedding) is kept for its vjp
         stash = st.pin_buffer(_write(stash, row[col["f_slot"]], x, first))
-    y = st.pin_act(st.run_chunk(st.blocks_of(row[col["f_chunk"]]), x, m))
+    k = row[col["f_chunk"]]
+    y = st.pin_act(st.run_chunk(k, x, m, st.blocks_of(k)))
 
     def head(operands: tuple) -> tuple:
         inbox, g_outer, loss = operands
@@ -134,7 +146,7 @@ def backward_slot(st: Stage, carry: tuple, row: jax.Array) -> tuple[tuple, jax.A
     k, m = row[col["b_chunk"]], row[col["b_mb"]]
     x = st.pin_act(_read(stash, row[col["b_slot"]]))
     dy = st.pin_act(_read(inbox, row[col["b_inbox"]]))
-    _, chunk_vjp = jax.vjp(lambda p, x: st.run_chunk(p, x, m), st.blocks_of(k), x)
+    _, chunk_vjp = jax.vjp(lambda p, x: st.run_chunk(k, x, m, p), st.blocks_of(k), x)
     g_blocks, dx = chunk_vjp(dy)
     g_chunks = st.pin_chunk_grads(
         [

@@ -14,6 +14,9 @@ The engine opens one of these contexts while it traces a step; the hooks read th
                                              arrive gathered
     training(step)                           a train step (not eval): dropout applies, its
                                              masks drawn anew for each optimizer step
+    pipeline_chunk(first_layer, inputs)      a pipeline stage's chunk of the layer stack: the
+                                             global index of its first layer and the token
+                                             ids of its micro-batch
 
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
@@ -46,6 +49,7 @@ _ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
 _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
 _PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
 _TRAINING: list[jax.Array | None] = []  # inside a train step's loss: its step number
+_CHUNK: list[tuple[jax.Array, jax.Array]] = []  # a pipeline chunk: (first layer, token ids)
 
 
 @contextlib.contextmanager
@@ -68,6 +72,30 @@ def in_training() -> bool:
 def training_step() -> jax.Array | None:
     """The step number `training` was given (None outside a train step or without one)."""
     return _TRAINING[-1] if _TRAINING else None
+
+
+@contextlib.contextmanager
+def pipeline_chunk(first_layer: jax.Array, inputs: jax.Array) -> Iterator[None]:
+    """While tracing a pipeline stage's chunk of the stacked layers on one micro-batch:
+    `first_layer` (a traced int32 scalar) is the global index of the chunk's first layer (the
+    chunk counts from 0), `inputs` the micro-batch's token ids [batch, length]."""
+    _CHUNK.append((first_layer, inputs))
+    try:
+        yield
+    finally:
+        _CHUNK.pop()
+
+
+def chunk_first_layer() -> jax.Array | int:
+    """The global index of the first layer of the stack being traced (`pipeline_chunk`; 0
+    outside a pipeline chunk)."""
+    return _CHUNK[-1][0] if _CHUNK else 0
+
+
+def chunk_inputs() -> jax.Array | None:
+    """The token ids of the micro-batch a pipeline chunk runs on (`pipeline_chunk`; None
+    outside one, where a model's loss sees the whole batch)."""
+    return _CHUNK[-1][1] if _CHUNK else None
 
 
 @contextlib.contextmanager
