@@ -19,7 +19,7 @@ from spmd.config import flat
 from spmd.engine import fp8_state, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
-from spmd.estimate import cost, flops, measure, theory, timing
+from spmd.estimate import comms, cost, flops, measure, theory, timing
 from spmd.estimate.shape import llama_shape
 from spmd.io import checkpoint, checkpoint_restore, state_check
 from spmd.model_shape import ModelShape
@@ -222,8 +222,8 @@ def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_agai
         "NVIDIA H100 80GB HBM3", "bf16"
     )
     # --fp8-all-gather: ZeRO-3's block gathers in 1 byte a param, the rest in bf16's 2
-    gathers = {c.purpose: c.bytes for c in cost.collectives(bf16) if c.kind == "all-gather"}
+    gathers = {c.purpose: c.bytes for c in comms.collectives(bf16) if c.kind == "all-gather"}
     halved = dataclasses.replace(fp8, fp8_all_gather=True)
-    fp8_gathers = {c.purpose: c.bytes for c in cost.collectives(halved) if c.kind == "all-gather"}
+    fp8_gathers = {c.purpose: c.bytes for c in comms.collectives(halved) if c.kind == "all-gather"}
     assert fp8_gathers["block params"] == gathers["block params"] / 2
     assert fp8_gathers["embed, head"] == gathers["embed, head"]

@@ -14,7 +14,7 @@ import pytest
 from models import llama
 from spmd import config, lora_base, plan
 from spmd.engine.state_layout import sharded_bytes
-from spmd.estimate import cost, hlo, measure, memory, timing
+from spmd.estimate import comms, cost, hlo, measure, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import parse_mesh
 from spmd.sections import Config, LoraConfig
@@ -97,7 +97,7 @@ def test_lora_collective_bytes_match_the_compiled_step():
     assert predicted.keys() == got.keys()
     for kind, size in predicted.items():
         assert got[kind] == pytest.approx(size, rel=1e-3), kind
-    (adapters,) = [c for c in cost.collectives(s) if c.purpose == "adapter activations"]
+    (adapters,) = [c for c in comms.collectives(s) if c.purpose == "adapter activations"]
     assert adapters.bytes == 16 // 2 * 32 * 8 * 4  # [tokens, r] fp32
 
 

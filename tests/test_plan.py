@@ -20,6 +20,7 @@ from models import llama, moe
 from spmd import config, plan, plan_flags, run_setup
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
+    comms,
     cost,
     memory,
     pipeline_figures,
@@ -69,11 +70,11 @@ def setup_2b(**changes) -> cost.Setup:
 
 def test_ring_all_reduce_worked_example():
     # 400 MB over 4 devices at 25 GB/s, 5 us per step: 2*3/4 * 16 ms = 24.0 ms (+ 30 us).
-    seconds = cost.ring_time("all-reduce", 400e6, 4, 25e9, 5e-6)
+    seconds = comms.ring_time("all-reduce", 400e6, 4, 25e9, 5e-6)
     assert seconds == pytest.approx(24.0e-3, abs=0.05e-3)
-    assert cost.ring_time("all-reduce", 400e6, 4, 25e9, 0.0) == pytest.approx(24.0e-3)
-    assert cost.ring_time("all-gather", 400e6, 4, 25e9, 0.0) == pytest.approx(12.0e-3)
-    assert cost.wire_bytes(cost.Comm("all-reduce", ("data",), 4, 400e6, 1, "")) == 600e6
+    assert comms.ring_time("all-reduce", 400e6, 4, 25e9, 0.0) == pytest.approx(24.0e-3)
+    assert comms.ring_time("all-gather", 400e6, 4, 25e9, 0.0) == pytest.approx(12.0e-3)
+    assert comms.wire_bytes(comms.Comm("all-reduce", ("data",), 4, 400e6, 1, "")) == 600e6
 
 
 def test_2b_params_zero3_over_8_devices_fits_16_gb():
@@ -96,7 +97,7 @@ def test_zero_stages_follow_the_zero_paper(zero, expected):
 def test_communication_volume_per_layout():
     # Bytes each device sends per step: DDP 2(N-1)/N P; ZeRO-2 the same; ZeRO-1 and -3 1.5x.
     def sent(s):
-        return sum(cost.wire_bytes(c) * c.count for c in cost.collectives(s))
+        return sum(comms.wire_bytes(c) * c.count for c in comms.collectives(s))
 
     ddp = sent(setup_2b(zero=0))
     assert ddp == pytest.approx(2 * 7 / 8 * 8e9)
@@ -106,7 +107,7 @@ def test_communication_volume_per_layout():
     tables = cost.params_per_device(setup_2b(), fsdp_shards=False, layers=False) * 4
     assert sent(setup_2b(zero=3)) == pytest.approx(1.5 * ddp - 7 / 8 * tables)
     tp = setup_2b(mesh={"data": 2, "pipeline": 1, "fsdp": 1, "tensor": 4}, zero=0, accum=2)
-    (activations,) = [c for c in cost.collectives(tp) if c.purpose == "activations"]
+    (activations,) = [c for c in comms.collectives(tp) if c.purpose == "activations"]
     layers = tp.shape.n_layers
     assert activations.count == 2 * (4 * layers + 2)  # per micro-batch: 4 per block + 2
     assert activations.bytes == 2 * 128 * tp.shape.embed_dim * 4  # micro-batch 2 x seq x embed
@@ -144,13 +145,13 @@ def test_step_time_counts_recomputation_bubble_and_what_overlap_hides():
     assert timing.executed_flops(dots) - timing.model_flops(s) == tokens * f["attention"]
     t = timing.step_time(s, net, 400e12)
     assert t["step"] == t["compute"] + t["comm"] and t["bubble"] == 0
-    comms = {c.purpose: cost.comm_time(s, c, net) for c in cost.collectives(s)}
+    times = {c.purpose: comms.comm_time(s, c, net) for c in comms.collectives(s)}
     hidden = timing.step_time(s, net, 400e12, overlap=1.0)  # behind compute, at most all of it
-    assert hidden["hidden"] == min(comms["gradients"], t["compute"]) == t["compute"]
+    assert hidden["hidden"] == min(times["gradients"], t["compute"]) == t["compute"]
     big = dataclasses.replace(s, batch=512, seq_len=2048)
-    comms = {c.purpose: cost.comm_time(big, c, net) for c in cost.collectives(big)}
+    times = {c.purpose: comms.comm_time(big, c, net) for c in comms.collectives(big)}
     hidden = timing.step_time(big, net, 400e12, overlap=1.0)  # the gradients hide entirely
-    assert hidden["exposed"] == pytest.approx(comms["activations"] + comms["cross-entropy sums"])
+    assert hidden["exposed"] == pytest.approx(times["activations"] + times["cross-entropy sums"])
     piped = setup_2b(
         mesh={"data": 1, "pipeline": 4, "fsdp": 1, "tensor": 1}, zero=0, microbatches=8
     )
@@ -639,16 +640,16 @@ def test_context_parallel_splits_activations_and_sends_theorys_ring():
     one, cp4 = tiny_setup("dp=1"), tiny_setup("cp=4")
     ratio = memory.activation_bytes(cp4) / memory.activation_bytes(one)
     assert 0.25 < ratio < 0.35  # 0.31 here; compiled temp 0.31 at batch 1 (docs/planning.md)
-    (ring,) = [c for c in cost.collectives(cp4) if c.kind == "collective-permute"]
+    (ring,) = [c for c in comms.collectives(cp4) if c.kind == "collective-permute"]
     layers = cp4.shape.n_layers
     assert (ring.count, ring.bytes) == (2 * 2 * 3 * layers, 8 * 256 * 4 * 8 * 4)
     model = cp4.shape
     count, nbytes = theory.ring_sends(model, types.SimpleNamespace(shape=cp4.mesh), 1, 8, 1024, 4)
     assert (count, nbytes) == (ring.count, ring.count * ring.bytes)
-    (grads,) = [c for c in cost.collectives(cp4) if c.purpose == "gradients"]
+    (grads,) = [c for c in comms.collectives(cp4) if c.purpose == "gradients"]
     assert (grads.axes, grads.group) == (("context",), 4)  # averaged over context too
     remat = dataclasses.replace(cp4, remat="full")  # the backward replays the forward's ring
-    (replayed,) = [c for c in cost.collectives(remat) if c.kind == "collective-permute"]
+    (replayed,) = [c for c in comms.collectives(remat) if c.kind == "collective-permute"]
     assert replayed.count == ring.count * 3 // 2
     out = planned("--model", "tiny", "--mesh", "cp=4", "--batch", "8", "--seq-len", "1024",
                   "--precision", "fp32")  # fmt: skip
@@ -663,15 +664,17 @@ def test_sequence_parallel_moves_the_all_reduces_bytes_and_keeps_less():
     sp = dataclasses.replace(tp, sequence_parallel=True)
 
     def wire(s: cost.Setup, kinds: set) -> float:
-        return sum(cost.wire_bytes(c) * c.count for c in cost.collectives(s) if c.kind in kinds)
+        return sum(comms.wire_bytes(c) * c.count for c in comms.collectives(s) if c.kind in kinds)
 
-    kinds = {c.kind for c in cost.collectives(sp) if c.purpose == "activations (SP)"}
+    kinds = {c.kind for c in comms.collectives(sp) if c.purpose == "activations (SP)"}
     assert kinds == {"all-gather", "reduce-scatter"}
-    assert [c for c in cost.collectives(tp) if c.purpose == "activations"][0].kind == "all-reduce"
+    assert [c for c in comms.collectives(tp) if c.purpose == "activations"][0].kind == "all-reduce"
     activations = wire(sp, kinds)
     assert activations == pytest.approx(
         sum(
-            cost.wire_bytes(c) * c.count for c in cost.collectives(tp) if c.purpose == "activations"
+            comms.wire_bytes(c) * c.count
+            for c in comms.collectives(tp)
+            if c.purpose == "activations"
         )
     )
     # the residual stream (4 x embed per token per layer, embedding output, final norm) / tp

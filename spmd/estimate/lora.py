@@ -11,7 +11,7 @@ memory); the adapters add to its params, and are all the gradients and optimizer
 What a step communicates for them (`state_traffic`, `tensor_traffic`): the engine forms and
 reduces the adapters' gradients only (spmd.engine.frozen), so the gradient reduction and the
 ZeRO-1/2 gather of the updated params carry the adapters alone; ZeRO-3 still gathers the
-frozen base's blocks for the forward and backward passes (spmd.estimate.cost), and the
+frozen base's blocks for the forward and backward passes (spmd.estimate.comms), and the
 adapters' `embed`-side matrices with them. Under tensor parallelism each adapter adds a
 reduction of its [tokens, r] low-rank activation (models/adapter.py).
 """
@@ -25,7 +25,7 @@ from spmd.errors import UsageError
 from spmd.estimate.shape import NO_FSDP
 
 EMBED = "embed"
-# one collective in spmd.estimate.cost.Comm's fields: kind, axes, group, bytes, count,
+# one collective in spmd.estimate.comms.Comm's fields: kind, axes, group, bytes, count,
 # purpose, hideable
 Traffic = tuple[str, tuple[str, ...], int, float, float, str, bool]
 
@@ -90,9 +90,9 @@ def split_per_device(s: Any) -> tuple[float, float]:
 
 
 def state_traffic(s: Any) -> list[Traffic]:
-    """(kind, axes, group, bytes, count, purpose, hideable), spmd.estimate.cost.Comm's fields,
+    """(kind, axes, group, bytes, count, purpose, hideable), spmd.estimate.comms.Comm's fields,
     of the adapters' gradient reduction and, under ZeRO-1 and -2, the gather of the updated
-    adapters, as spmd.estimate.cost.state_collectives reduces a full model's params: with E
+    adapters, as spmd.estimate.comms.state_collectives reduces a full model's params: with E
     the bytes of the `embed`-side matrices one device holds after tensor and pipeline split
     them and R the others' (whole over fsdp), DDP and ZeRO-1 all-reduce E + R once per step;
     ZeRO-2 and -3 reduce-scatter E over fsdp and all-reduce R every micro-batch, then
@@ -141,7 +141,7 @@ def tensor_traffic(s: Any, executions: int, layers: int) -> tuple[float, float]:
     the split input dim: reduced in the forward (again when remat or a pipeline's backward
     slot replays it); a column-parallel target's (q, k, v, gate, up) gradient of x A, dy B^T,
     sums the split output dim: reduced in the backward. `executions` and `layers` are
-    spmd.estimate.cost.tensor_passes'."""
+    spmd.estimate.comms.tensor_passes'."""
     sizes = _sizes(s.shape)
     row = sum(1 for name in s.lora_targets if sizes[name][0][1] != EMBED)
     column = len(s.lora_targets) - row

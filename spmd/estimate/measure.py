@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from spmd.engine import offload as engine_offload
 from spmd.errors import UsageError
-from spmd.estimate import cost, memory
+from spmd.estimate import comms, cost, memory
 from spmd.estimate import offload as offload_model
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
@@ -68,15 +68,15 @@ def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
     `cpu_auto` (the auto executor compiled by XLA:CPU) as that program reduces: reduce-scatters
     as whole-buffer all-reduces, and 3 more tensor-parallel reductions per layer backward."""
     out: dict[str, float] = {}
-    for c in cost.collectives(s):
+    for c in comms.collectives(s):
         kind, size = c.kind, c.bytes * c.count
         if cpu_auto and kind == "reduce-scatter":
             kind, size = "all-reduce", size * c.group
         out[kind] = out.get(kind, 0.0) + size
     if separate_reductions(s, cpu_auto):
-        executions, layers = cost.tensor_passes(s)
+        executions, layers = comms.tensor_passes(s)
         separate = CPU_SEPARATE_INPUT_GRAD_REDUCTIONS * layers * executions
-        out["all-reduce"] = out.get("all-reduce", 0.0) + separate * cost.activation_bytes(s)
+        out["all-reduce"] = out.get("all-reduce", 0.0) + separate * comms.activation_bytes(s)
     return out
 
 
@@ -146,7 +146,7 @@ def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto
             "XLA:CPU promotes the e4m3 and bf16 all-gathers to f32 when it compiles; the "
             "lowered program's row is what a GPU compiler receives"
         )
-    if cpu_auto and any(c.kind == "reduce-scatter" for c in cost.collectives(s)):
+    if cpu_auto and any(c.kind == "reduce-scatter" for c in comms.collectives(s)):
         notes.append(
             "XLA:CPU reports an auto-mode reduce-scatter as an all-reduce of the whole "
             "buffer; the analytic reduce-scatters are counted that way here"

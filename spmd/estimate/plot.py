@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.estimate import cost, memory, search, timing
+from spmd.estimate import comms, cost, memory, search, timing
 from spmd.parallel.mesh import format_mesh
 
 ROLES = ("params", "grads", "optimizer", "activations", "overhead")
@@ -27,14 +27,14 @@ def exposed_parts(s: cost.Setup, cluster: search.Cluster) -> dict[str, float]:
     """Seconds of one step by part: compute (model FLOPs), recomputation, each collective's
     exposed time, bubble."""
     t = timing.step_time(s, cluster.net, cluster.flops, cluster.overlap)
-    comms = cost.collectives(s)
-    hideable = sum(cost.comm_time(s, c, cluster.net) for c in comms if c.hideable)
+    planned = comms.collectives(s)
+    hideable = sum(comms.comm_time(s, c, cluster.net) for c in planned if c.hideable)
     kept = 1 - t["hidden"] / hideable if hideable else 1.0
     model = timing.model_flops(s) / s.devices / cluster.flops
     parts = {"compute": model, "recomputation": t["compute"] - model}
-    for c in comms:
+    for c in planned:
         key = f"{c.kind} {'+'.join(c.axes)} ({c.purpose})"
-        seconds = cost.comm_time(s, c, cluster.net) * (kept if c.hideable else 1.0)
+        seconds = comms.comm_time(s, c, cluster.net) * (kept if c.hideable else 1.0)
         parts[key] = parts.get(key, 0.0) + seconds
     parts["bubble"] = t["bubble"]
     parts["host transfers (--offload, --remat offload)"] = t["host"]

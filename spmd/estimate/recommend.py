@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmd.estimate import cost, memory, pipeline_figures, search
+from spmd.estimate import comms, cost, memory, pipeline_figures, search
 from spmd.estimate.units import ms
 from spmd.parallel.mesh import format_mesh
 
@@ -118,10 +118,10 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
 def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
     s = best.setup
     mesh, lines = s.mesh, []
-    comms = cost.collectives(s)
+    planned = comms.collectives(s)
     if mesh["tensor"] > 1:
-        tp = [c for c in comms if c.axes == ("tensor",)]
-        seconds = sum(cost.comm_time(s, c, net) for c in tp)
+        tp = [c for c in planned if c.axes == ("tensor",)]
+        seconds = sum(comms.comm_time(s, c, net) for c in tp)
         what = "all-gathers + reduce-scatters (SP)" if s.sequence_parallel else "all-reduces"
         lines.append(
             f"tp={mesh['tensor']} inside a node of {net.devices_per_node}: its "
@@ -129,8 +129,8 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
             f"{net.intra_bandwidth / 1e9:g} GB/s links"
         )
     if s.context > 1:
-        ring = [c for c in comms if c.kind == "collective-permute" and c.axes == ("context",)]
-        seconds = sum(cost.comm_time(s, c, net) for c in ring)
+        ring = [c for c in planned if c.kind == "collective-permute" and c.axes == ("context",)]
+        seconds = sum(comms.comm_time(s, c, net) for c in ring)
         lines.append(
             f"cp={s.context}: each device holds {s.seq_len // s.context} of the {s.seq_len} "
             f"tokens of a sequence; ring attention's {sum(c.count for c in ring):g} key/value "

@@ -10,9 +10,10 @@ import dataclasses
 from typing import Any
 
 from spmd.engine.optim import peak_lr
-from spmd.estimate import cost, experts, memory, offload, pipeline_figures, search, timing, volumes
+from spmd.estimate import comms, cost, experts, memory, offload, pipeline_figures, search, timing
 from spmd.estimate.shape import shape_params
 from spmd.estimate.units import ms, si
+from spmd.estimate.volumes import all_to_all
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import OptimizerConfig
 
@@ -36,12 +37,12 @@ def collective_rows(s: cost.Setup, net: cost.Network) -> list[dict]:
             "group": c.group,
             "count": c.count,
             "bytes": round(c.bytes * c.count),
-            "wire_bytes": round(cost.wire_bytes(c) * c.count),
-            "link_gb_s": cost.link_bandwidth(s, c.axes, net) / 1e9,
-            "time_s": cost.comm_time(s, c, net),
+            "wire_bytes": round(comms.wire_bytes(c) * c.count),
+            "link_gb_s": comms.link_bandwidth(s, c.axes, net) / 1e9,
+            "time_s": comms.comm_time(s, c, net),
             "hideable": c.hideable,
         }
-        for c in cost.collectives(s)
+        for c in comms.collectives(s)
     ]
 
 
@@ -50,7 +51,7 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
     routed experts' params and model-state bytes per device, and the token all-to-all bytes
     per MoE layer per step on one device (spmd.estimate.volumes.all_to_all)."""
     shape = s.shape
-    moved = volumes.all_to_all(
+    moved = all_to_all(
         shape,
         s.sharding_mesh,
         s.batch,
@@ -76,7 +77,7 @@ def sequence_figures(s: cost.Setup) -> dict[str, Any]:
     """Context and sequence parallelism's figures: tokens of a sequence per device, the ring's
     sends and bytes per layer per step (spmd.estimate.volumes, the formula theory checks
     against compiled HLO), and the activations per device without either split."""
-    block, sends = cost.ring_traffic(s)
+    block, sends = comms.ring_traffic(s)
     layers = s.shape.n_layers // s.mesh["pipeline"]
     whole = dataclasses.replace(s, mesh={**s.mesh, "context": 1}, sequence_parallel=False)
     return {

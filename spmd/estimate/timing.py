@@ -22,7 +22,7 @@ parallelism the adapter halves on the unsplit `embed` side run whole on every te
 
 from __future__ import annotations
 
-from spmd.estimate import cost, experts, flops, lora, offload, pipeline_figures
+from spmd.estimate import comms, cost, experts, flops, lora, offload, pipeline_figures
 from spmd.estimate.shape import shape_params
 
 
@@ -97,7 +97,7 @@ def step_time(
         compute -= saved / s.devices / flops_per_device
     share = pipeline_figures.bubble_share(s)
     bubble = compute * share / (1 - share)
-    times = [(c, cost.comm_time(s, c, net)) for c in cost.collectives(s)]
+    times = [(c, comms.comm_time(s, c, net)) for c in comms.collectives(s)]
     comm = sum(t for _, t in times)
     hidden = min(overlap * sum(t for c, t in times if c.hideable), compute)
     exposed = comm - hidden

@@ -1,5 +1,5 @@
 """How many collectives of which size one training step makes: one formula for each, shared by
-the planner (spmd.estimate.cost) and --dry-run's figures of the compiled step
+the planner (spmd.estimate.comms) and --dry-run's figures of the compiled step
 (spmd.estimate.theory), so the plan and the check against compiled HLO cannot drift apart.
 
 Units are spmd.estimate.hlo's: bytes of each op's result on one device; counts are executions
@@ -40,7 +40,7 @@ def tensor_parallel_calls(executions: int, layers: int, remat: bool, pipelined: 
     MLP row-parallel matmuls) and 2 backward (at their column-parallel inputs), 1 more when the
     backward replays the forward (remat), 2 more when a pipeline recomputes the chunk; plus the
     vocab-parallel embedding (forward) and head (backward); each of the `executions` (the
-    micro-batches, or a pipeline's ticks over one chunk of `layers`: spmd.estimate.cost's
+    micro-batches, or a pipeline's ticks over one chunk of `layers`: spmd.estimate.comms'
     tensor_passes)."""
     per_layer = 4 + int(remat) + 2 * int(pipelined)
     return executions * (per_layer * layers + 2)
