@@ -6,6 +6,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
 
     constrain(x, names)       auto executor: pin an activation to the layout's sharding
     gather(param)             explicit ZeRO-3: all_gather a param's shards just before use
+                              (spmd.parallel.param_gather)
     tp_enter(x, name)         Megatron's f: identity forward, psum over `tensor` in backward
     tp_reduce(x, name)        Megatron's g: psum of a row-parallel matmul's partial sums
     tp_sum / tp_max / tp_rank the vocab-parallel cross-entropy's reductions and block index
@@ -51,20 +52,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import fp8_context, fp8_gather, layer_scan, ring_attention, rules
+from spmd.parallel import fp8_context, layer_scan, param_gather, ring_attention, rules
 from spmd.parallel import traced_layout as traced
 from spmd.parallel.fp8_context import Site as Fp8Site
 
 __all__ = ["Fp8Site"]  # re-exported: models/fp8.py's type of a site
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
-
-
-def logical_names(variable: Any) -> tuple[str | None, ...]:
-    """The logical axis names an NNX variable was created with (Nones when it has none)."""
-    meta = variable.get_metadata()
-    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-    return tuple(names) if names else (None,) * variable[...].ndim
 
 
 def gather(variable: Any) -> jax.Array:
@@ -75,45 +69,7 @@ def gather(variable: Any) -> jax.Array:
     value = variable[...]
     if traced.explicit() is None or traced.params_arrive_whole():
         return value
-    return _gather_value(value, logical_names(variable))
-
-
-def _gathered_axes(names: tuple[str | None, ...]) -> list[tuple[str, ...]]:
-    """Per dim of a param with logical `names`: the mesh axes it is gathered over before use
-    (stored split, computed whole; empty where nothing is gathered)."""
-    layout = traced.explicit()
-    used: set[str] = set()
-    out = []
-    for name in names:
-        stored = [a for a in traced.mesh_axes(layout, layout.param_rules, name) if a not in used]
-        used.update(stored)
-        computed = traced.mesh_axes(layout, layout.compute_rules, name)
-        out.append(tuple(a for a in stored if a not in computed))
-    return out
-
-
-def _gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = True) -> jax.Array:
-    """`value` all_gathered over `_gathered_axes(names)`, tagged for the remat policy (`tag`).
-    A stacked block's matrix under --fp8-all-gather travels in e4m3 with its scales."""
-    gathered = False
-    dims = [(d, axes) for d, axes in enumerate(_gathered_axes(names[-value.ndim :])) if axes]
-    stacked = len(names) > value.ndim  # a block's param, its `layers` dim scanned away
-    if len(dims) == 1 and stacked and fp8_context.gather_in_fp8(_whole_shape(value, dims)):
-        value, dims = fp8_gather.gather(value, *dims[0]), []
-        gathered = True
-    for dim, axes in dims:
-        value = lax.all_gather(value, axes, axis=dim, tiled=True)
-        gathered = True
-    return layer_scan.tag_gathered(value) if gathered and tag else value
-
-
-def _whole_shape(value: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> tuple[int, ...]:
-    """The shape `value` has once gathered along `dims`."""
-    mesh = traced.explicit_mesh()
-    shape = list(value.shape)
-    for dim, axes in dims:
-        shape[dim] *= math.prod(mesh.shape[a] for a in axes)
-    return tuple(shape)
+    return param_gather.gather_value(value, param_gather.logical_names(variable))
 
 
 def _sequence_axes(name: str) -> tuple[str, ...]:
@@ -293,21 +249,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.
     return ring(q, k, v)
 
 
-def _gathering_axes() -> frozenset[str]:
-    """The mesh axes the layout being traced gathers params over per layer (explicit ZeRO-3's
-    `fsdp`; empty when it gathers none)."""
-    layout = traced.explicit()
-    if layout is None:
-        return frozenset()
-    return frozenset().union(
-        *(
-            set(traced.mesh_axes(layout, layout.param_rules, n))
-            - set(traced.mesh_axes(layout, layout.compute_rules, n))
-            for n in layout.param_rules
-        )
-    )
-
-
 def scan_layers(
     layer: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
@@ -325,7 +266,7 @@ def scan_layers(
     per layer than XLA's scan), there are at least 2 and `layer` closes over no traced float
     (pass such values in `carry` or `stacked`). Where prefetch was asked for, `note("layer_scan",
     ...)` says whether it ran."""
-    gathering = _gathering_axes()
+    gathering = param_gather.gathering_axes()
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     layer, carry = _in_fp8_blocks(layer, n_layers, carry)
@@ -339,11 +280,13 @@ def scan_layers(
         return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
     note("layer_scan", "prefetch")
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
-    names = [logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
+    names = [param_gather.logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
 
     def gather_layer(shards: list[jax.Array]) -> list[jax.Array]:
         # untagged: these arrive as inputs of the layer, which its remat never saves anyway
-        return [_gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)]
+        return [
+            param_gather.gather_value(s, n, tag=False) for s, n in zip(shards, names, strict=True)
+        ]
 
     return _scan_result(
         layer_scan.prefetched_scan(
