@@ -141,7 +141,7 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
-    from spmd.training.loop import check_eval_batches
+    from spmd.training.evaluation import check_eval_batches
 
     check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
     from spmd.parallel.mesh import setup_mesh
