@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.matmul import matmul
 from spmd.parallel.hooks import gather, token_positions, tp_rank, tp_sum, tp_ways
 
 SUFFIX = "_lora"  # a site's attribute: the weight's name + SUFFIX
@@ -129,14 +129,6 @@ class Site(nnx.Module):
         return Adapted(w, a, b, layer, self.scale, self.rate, self.site, self.in_names)
 
 
-def _matmul(x: jax.Array, w: jax.Array, inputs: int) -> jax.Array:
-    """x [..., *in] @ w [*in, *out] as one 2-D matmul, in x's dtype."""
-    lead, ins, outs = x.shape[: x.ndim - inputs], w.shape[:inputs], w.shape[inputs:]
-    rows = x.reshape(math.prod(lead), math.prod(ins))
-    y = rows @ w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))
-    return y.reshape(*lead, *outs)
-
-
 def _feature_ids(local: tuple[int, ...], names: tuple[str | None, ...]) -> jax.Array:
     """The global row-major index [*local] uint32 of each input feature this device holds
     (its blocks of the dims `names` split over devices; all of them under auto)."""
@@ -163,5 +155,5 @@ def dense(x: jax.Array, w: Adapted, inputs: int, base: jax.Array) -> jax.Array:
     """`base` (x W) plus the adapter's scale * dropout(x) A B, in base's dtype."""
     if w.rate and _NOISE:
         x = _dropped(x, w, inputs, _NOISE[-1])
-    low = _matmul(x, w.a, inputs)  # [..., r]
-    return base + (w.scale * _matmul(low, w.b, 1)).astype(base.dtype)
+    low = matmul(x, w.a, inputs)  # [..., r]
+    return base + (w.scale * matmul(low, w.b, 1)).astype(base.dtype)

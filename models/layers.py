@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import adapter, fp8
+from models.matmul import matmul
 from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import fp8_site, gather, tp_sum
 
@@ -132,12 +133,8 @@ def slice_out(w: Weight, start: jax.Array | int, size: int, axis: int) -> Weight
 
 def dense(x: jax.Array, w: Weight, inputs: int = 1) -> jax.Array:
     """x [..., *in] times a weight w [*in, *out] (its first `inputs` dims contracted) ->
-    [..., *out] in x's dtype, computed as one 2-D matmul [rows, in] @ [in, out].
-
-    The same sum as `jnp.einsum("bte,ehd->bthd", ...)`, written so that the backward pass's
-    weight gradient contracts one merged rows dim: XLA:CPU lowers an einsum's gradient, which
-    contracts batch and length separately, to transposed copies around the matmul, and a
-    Llama MLP's forward + backward ran 1.9x slower that way (docs/speed.md).
+    [..., *out] in x's dtype, computed as models.matmul writes it (one 2-D matmul of merged
+    rows where the partitioner allows).
 
     Under --precision fp8 a stacked block's matmul whose k and n reach the size rule is an
     fp8 dot (models/fp8.py, spmd.parallel.fp8_context). A weight with a LoRA adapter
@@ -145,11 +142,12 @@ def dense(x: jax.Array, w: Weight, inputs: int = 1) -> jax.Array:
     if isinstance(w, adapter.Adapted):
         return adapter.dense(x, w, inputs, dense(x, w.w, inputs))
     lead, ins, outs = x.shape[: x.ndim - inputs], w.shape[:inputs], w.shape[inputs:]
+    site = fp8_site(math.prod(ins), math.prod(outs))
+    if site is None:
+        return matmul(x, w, inputs)
     rows = x.reshape(math.prod(lead), math.prod(ins))
     matrix = w.astype(x.dtype).reshape(math.prod(ins), math.prod(outs))
-    site = fp8_site(math.prod(ins), math.prod(outs))
-    y = rows @ matrix if site is None else fp8.matmul(rows, matrix, site)
-    return y.reshape(*lead, *outs)
+    return fp8.matmul(rows, matrix, site).reshape(*lead, *outs)
 
 
 def expert_dense(x: jax.Array, w: jax.Array) -> jax.Array:

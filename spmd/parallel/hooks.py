@@ -28,6 +28,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     first_layer()             the global index of the first stacked layer being run (a
                               pipeline stage's chunk counts its layers from 0)
     chunk_inputs()            a pipeline chunk's micro-batch token ids (None elsewhere)
+    length_split_by_partitioner()  whether XLA splits the length (auto CP): keep it apart
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -352,6 +353,13 @@ def first_layer() -> jax.Array | int:
     """The global index of the first of the stacked layers a model's `apply_blocks` runs:
     0, or under a pipeline the first layer of the stage's chunk (a traced int32 scalar)."""
     return traced.chunk_first_layer()
+
+
+def length_split_by_partitioner() -> bool:
+    """Whether the auto executor splits the activations' `length` over devices (context
+    parallelism under jit): XLA's partitioner gathers the whole sequence to merge a split
+    length with the batch into one rows dim, so a matmul keeps them apart there."""
+    return traced.auto_splits("length")
 
 
 def chunk_inputs() -> jax.Array | None:
