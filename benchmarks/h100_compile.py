@@ -141,8 +141,9 @@ def train_step(argv: list[str]) -> None:
     cfg = Config.of(run_setup.resolve_run(argv, "h100_compile.py train", printable=True))
     parallel = cfg.parallel
     wanted = xla_flags.wanted("gpu", parallel.xla_preset, parallel.bucket_mb, parallel.collectives)
+    # XLA reads the flags when the first backend starts: h100_mesh below, nothing before it
     os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), wanted)[0]
-    trace_as_gpu()
+    trace_as_gpu()  # for this process: the script runs nothing on the CPU afterwards
     program = builder.program(cfg, h100_mesh(MESH_AXES))
     start = time.perf_counter()
     compiled = program.lower_train_step(cfg.run.batch, cfg.run.seq_len).compile()
@@ -160,7 +161,10 @@ def main() -> None:
     mode, argv = (sys.argv[1:2] or ["fp8"])[0], sys.argv[2:]
     if mode not in ("fp8", "train"):
         sys.exit(f"mode {mode!r}: use fp8 or train")
-    fp8_matmuls() if mode == "fp8" else train_step(argv)
+    if mode == "fp8":
+        fp8_matmuls()
+    else:
+        train_step(argv)
 
 
 if __name__ == "__main__":

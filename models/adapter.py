@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.matmul import matmul
-from spmd.parallel.hooks import gather, token_positions, tp_rank, tp_sum, tp_ways
+from spmd.parallel.hooks import gather, sequence_sum, token_positions, tp_rank, tp_ways
 
 SUFFIX = "_lora"  # a site's attribute: the weight's name + SUFFIX
 
@@ -66,7 +66,7 @@ def token_keys(tokens: jax.Array, seed: int, step: jax.Array | None = None) -> j
     the same keys at every step), the row's tokens (an order-free sum, so that context
     parallelism's chunks add up to it) and the position."""
     row = jnp.sum(_mix(tokens.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)), axis=1)
-    row = tp_sum(row.astype(jnp.uint32), "length")  # the row's other chunks (cp)
+    row = sequence_sum(row.astype(jnp.uint32))  # the row's other chunks (cp)
     positions = token_positions(tokens[..., None], whole=True).astype(jnp.uint32)
     run = jnp.uint32(seed & 0xFFFFFFFF)
     if step is not None:  # a window seen again in a later epoch gets new masks

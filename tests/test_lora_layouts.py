@@ -1,9 +1,8 @@
 """LoRA with dropout on the adapters' input (models/adapter.py) and on the layouts
 tests/test_lora.py leaves out: the masks are deterministic, the same on every layout and new
 at each optimizer step, dropout changes the gradients but not the eval loss, and context
-parallelism, tensor
-parallelism with sequence parallelism, expert parallelism and pipelines train as one device
-does."""
+parallelism, tensor parallelism with sequence parallelism, expert parallelism and pipelines
+train as one device does."""
 
 from __future__ import annotations
 
@@ -39,6 +38,8 @@ def model_cfg(name: str) -> Any:
     if name == "moe":
         cfg = build(moe.MoEConfig, preset("moe-tiny"), "moe-tiny preset")
         return dataclasses.replace(cfg, n_layers=1)  # one layer compiles in half the time
+    if name == "dense4":  # pp=2 x 2 chunks per stage (interleaved)
+        return dataclasses.replace(trainer.tiny_config(), n_layers=4)
     return dataclasses.replace(trainer.tiny_config(), n_layers=2)
 
 
@@ -48,7 +49,7 @@ def program(
     executor: str = "auto",
     sp: bool = False,
     lora: LoraConfig = DROPOUT,
-    pp: bool = False,
+    pp: tuple[str, int] | None = None,
 ) -> Program:
     cfg = model_cfg(model)
     train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=1, lr=1e-2)
@@ -56,7 +57,7 @@ def program(
     sizes = parse_mesh(mesh)
     devices = jax.devices()[: int(np.prod(list(sizes.values())))]
     lay = Layout(build_mesh(sizes, devices), 3, sequence_parallel=sp)
-    pipe = Pipeline("1f1b", 2, 1, llama.logits_loss) if pp else None
+    pipe = Pipeline(pp[0], 2, pp[1], llama.logits_loss) if pp else None  # (schedule, virtual)
     options = StepOptions(executor=executor, pipeline=pipe)
     built = builder.build(spec, builder.optimizer(train), lay, options, None, BATCH, SEQ_LEN)
     assert isinstance(built, Program)
@@ -148,13 +149,22 @@ def test_lora_with_dropout_on_a_layout_equals_one_device(model, mesh, executor, 
         assert np.max(np.abs(a - b)) < 1e-5
 
 
-@pytest.mark.parametrize("mesh,executor", [("pp=2", "auto"), ("dp=2,pp=2", "explicit")])
-def test_lora_with_dropout_in_a_pipeline_equals_one_device(mesh, executor):
-    """Each stage runs its chunk of the layers with their global indices (hooks.first_layer),
-    so the masks are one device's: with the chunk's own indices, stage 1's layer would draw
-    layer 0's masks."""
-    _, initial, (want_losses, want_norms, want) = one_device("dense")
-    losses, norms, got = train(program("dense", mesh, executor, pp=True), initial)
+PIPELINES = [  # (model, mesh, executor, schedule, chunks per stage)
+    ("dense", "pp=2", "auto", "1f1b", 1),
+    ("dense", "dp=2,pp=2", "explicit", "1f1b", 1),
+    ("dense", "cp=2,pp=2", "auto", "1f1b", 1),  # the stage manual over context: rows in chunks
+    ("dense4", "pp=2", "auto", "interleaved", 2),  # stage s, chunk k: layers of chunk k p + s
+]
+
+
+@pytest.mark.parametrize("model,mesh,executor,schedule,chunks", PIPELINES)
+def test_lora_with_dropout_in_a_pipeline_equals_one_device(model, mesh, executor, schedule, chunks):
+    """Each stage runs its chunk of the layers with their global indices (hooks.first_layer)
+    on its micro-batch's tokens (hooks.chunk_inputs), so the masks are one device's: with the
+    chunk's own indices, stage 1's layers would draw stage 0's masks."""
+    _, initial, (want_losses, want_norms, want) = one_device(model)
+    prog = program(model, mesh, executor, pp=(schedule, chunks))
+    losses, norms, got = train(prog, initial)
     assert np.max(np.abs(losses - want_losses)) < 1e-5
     assert np.max(np.abs(norms - want_norms)) < 1e-5
     for a, b in zip(jax.tree.leaves(got["lora"]), jax.tree.leaves(want["lora"]), strict=True):

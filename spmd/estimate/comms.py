@@ -61,9 +61,12 @@ def collectives(s: Setup) -> list[Comm]:
         executions, layers = tensor_passes(s)
         norms = (s.shape.norms_per_block * layers + 1, norm)
         passes = (executions, layers, s.remat != "none", s.pipelined)
+        # a pipeline's schedule differentiates the embedding, frozen or not (pipeline_stage)
+        frozen_embedding = bool(s.lora_rank) and not s.pipelined
         traffic = volumes.tensor_traffic(
-            activation, tokens, norms, tensor, s.sequence_parallel, passes, bool(s.lora_rank)
-        )
+            activation, tokens, norms, tensor, s.sequence_parallel, passes,
+            frozen_embedding=frozen_embedding,
+        )  # fmt: skip
         out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
         if s.lora_rank:  # each adapter's low-rank partial sums
             size, calls = lora.tensor_traffic(s, executions, layers)

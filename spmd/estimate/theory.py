@@ -257,7 +257,8 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
             accum,
             (global_batch, seq_len, element_bytes),
             sequence_parallel,
-            frozen_embedding=has_frozen,
+            # a pipeline's schedule differentiates the embedding, frozen or not
+            frozen_embedding=has_frozen and mesh.shape["pipeline"] == 1,
         )
     experts = expert_all_to_all(
         model, mesh, global_batch, seq_len, accum, element_bytes=element_bytes
@@ -333,8 +334,9 @@ def _tensor_parallel(
     norms = (model.norms_per_block * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
     passes = (accum, model.n_layers, model.remat != "none", False)
     traffic = volumes.tensor_traffic(
-        activation, tokens, norms, tensor, sequence_parallel, passes, frozen_embedding
-    )
+        activation, tokens, norms, tensor, sequence_parallel, passes,
+        frozen_embedding=frozen_embedding,
+    )  # fmt: skip
     for kind, nbytes, count, _ in traffic:
         out[kind]["count"] += count
         out[kind]["bytes"] += count * nbytes

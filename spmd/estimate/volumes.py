@@ -53,6 +53,7 @@ def tensor_traffic(
     tensor: int,
     sequence_parallel: bool,
     passes: tuple[int, int, bool, bool],
+    *,
     frozen_embedding: bool = False,
 ) -> list[tuple[str, float, float, str]]:
     """(kind, bytes per call, calls per step, purpose) of tensor parallelism's activation

@@ -28,7 +28,9 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     first_layer()             the global index of the first stacked layer being run (a
                               pipeline stage's chunk counts its layers from 0)
     chunk_inputs()            a pipeline chunk's micro-batch token ids (None elsewhere)
-    length_split_by_partitioner()  whether XLA splits the length (auto CP): keep it apart
+    sequence_sum(x)           sum over the devices holding a sequence's other chunks (cp)
+    length_split_by_partitioner()
+                              whether XLA splits the length (auto cp): matmuls keep it apart
 
 Under sequence parallelism tp_enter / tp_reduce become an all_gather / psum_scatter of the
 residual stream's length; under context parallelism the engine puts each batch in the ring's
@@ -181,6 +183,15 @@ def _context() -> tuple[jax.sharding.Mesh | None, str | None, int, bool]:
         return None, None, 1, False
     manual = traced.explicit() is not None
     return (mesh, axes[0], mesh.shape[axes[0]], manual) if axes else (mesh, None, 1, manual)
+
+
+def sequence_sum(x: jax.Array) -> jax.Array:
+    """Sum of `x` over the devices that hold the other chunks of this device's sequences
+    (context parallelism where each device holds its own chunks: the explicit executor, or a
+    pipeline stage manual over `context`); `x` itself where the sequences are whole or XLA
+    partitions them."""
+    _, axis, _, manual = _context()
+    return lax.psum(x, axis) if manual and axis is not None else x
 
 
 def context_ways() -> int:

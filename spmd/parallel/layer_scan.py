@@ -70,18 +70,23 @@ def _not_saved(primitive: Any, params: dict, axes: frozenset[str]) -> bool:
     if primitive.name == "name":
         return params.get("name") == GATHERED
     if primitive.name in ("all_gather", "all_gather_invariant"):
-        return bool(axes & set(_axis_names(params.get("axis_name"))))
+        return _gathers_over(primitive, params, axes)
     if primitive.name in _LAYOUT_OPS:
         return True
     # a custom_vjp that gathers (spmd.parallel.fp8_gather): the policy sees the call, not
     # the all_gather inside it, and would keep every layer's gathered weights
     inner = params.get("call_jaxpr") or params.get("fun_jaxpr")
     inner = getattr(inner, "jaxpr", inner)
-    return any(e.primitive.name == "all_gather" for e in getattr(inner, "eqns", ()))
+    return any(_gathers_over(e.primitive, e.params, axes) for e in getattr(inner, "eqns", ()))
 
 
-def _axis_names(axis_name: Any) -> tuple[Any, ...]:
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+def _gathers_over(primitive: Any, params: dict, axes: frozenset[str]) -> bool:
+    """Whether an op is an all_gather over any of the mesh axes `axes`."""
+    if primitive.name not in ("all_gather", "all_gather_invariant"):
+        return False
+    names = params.get("axis_name")
+    names = tuple(names) if isinstance(names, tuple | list) else (names,)
+    return bool(axes & set(names))
 
 
 def remat_policy(policy: Callable | None, gathering: frozenset[str]) -> Callable | None:
