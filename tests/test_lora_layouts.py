@@ -150,7 +150,6 @@ def test_lora_with_dropout_on_a_layout_equals_one_device(model, mesh, executor, 
 
 
 PIPELINES = [  # (model, mesh, executor, schedule, chunks per stage)
-    ("dense", "pp=2", "auto", "1f1b", 1),
     ("dense", "dp=2,pp=2", "explicit", "1f1b", 1),
     ("dense", "cp=2,pp=2", "auto", "1f1b", 1),  # the stage manual over context: rows in chunks
     ("dense4", "pp=2", "auto", "interleaved", 2),  # stage s, chunk k: layers of chunk k p + s
