@@ -11,7 +11,7 @@ import pytest
 from models import llama
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
-from spmd.estimate import hlo
+from spmd.estimate import hlo, theory
 from spmd.io import data
 from spmd.parallel import schedules
 from spmd.parallel.pipeline import Pipeline, check
@@ -209,8 +209,15 @@ def test_explicit_executor_runs_the_schedule_with_hand_written_collectives(
     prog = trainer.program(
         trainer.layout(mesh, zero), accum=accum, executor="explicit", pipeline=pipe(schedule, 4)
     )
-    losses, _ = trainer.train_losses(prog, GRID_STEPS, initial, compile_step(prog))
+    step = compile_step(prog)
+    losses, _ = trainer.train_losses(prog, GRID_STEPS, initial, step)
     assert trainer.max_relative_difference(losses, ref_losses[:GRID_STEPS]) <= 1e-4
+    if mesh == "dp=2,pp=2,tp=2":  # Megatron's all-reduces: every tick over one chunk
+        summary = schedules.build(schedule, 2, 4).summary()
+        shape = trainer.tiny_config().shape()
+        want = theory.collectives(prog, shape, trainer.BATCH, trainer.SEQ_LEN, summary)
+        got = hlo.collective_summary(hlo.collectives(step, prog.layout.mesh))
+        assert got["all-reduce"]["bytes"] == pytest.approx(want["all-reduce"]["bytes"], rel=0.03)
 
 
 @pytest.mark.parametrize(

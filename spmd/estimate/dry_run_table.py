@@ -24,7 +24,7 @@ def report(
     figures, with ratios. `pipeline`: the schedule's summary (spmd.parallel.schedules) when
     pp > 1, whose activation sends are set beside the compiled collective-permutes."""
     measured = hlo.collective_summary(hlo.collectives(compiled, program.layout.mesh))
-    expected = theory.collectives(program, model, global_batch, seq_len)
+    expected = theory.collectives(program, model, global_batch, seq_len, pipeline)
     if pipeline is not None:
         stage = theory.pipeline_sends(program, model, pipeline, global_batch, seq_len)
         ring = theory.pipelined_ring_sends(program, model, pipeline, global_batch, seq_len)
@@ -37,8 +37,8 @@ def report(
         text += "\nZeRO-3 prefetch holds up to 3 layers gathered at once"
     if pipeline is not None:
         text += (
-            "\nwith pp > 1 the other expected figures leave out the schedule's per-tick chunk "
-            "recomputation and the sum of the embedding and head gradients over pipeline"
+            "\nwith pp > 1 the expected figures leave out ZeRO-3's gathers and reduce-scatters "
+            "per tick (theory counts them once per micro-batch, as without a pipeline)"
         )
     if model.n_experts:
         mesh, element_bytes = program.layout.mesh, theory.activation_bytes(program)

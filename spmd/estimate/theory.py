@@ -188,8 +188,16 @@ def _specs(tree: Any) -> list[PartitionSpec]:
     return [s.spec for s in leaves]
 
 
-def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_len: int) -> dict:
-    """Per kind: {"count": calls per step, "bytes": result bytes per device per step}."""
+def collectives(
+    program: AnyProgram,
+    model: ModelShape,
+    global_batch: int,
+    seq_len: int,
+    pipeline: dict | None = None,
+) -> dict:
+    """Per kind: {"count": calls per step, "bytes": result bytes per device per step};
+    `pipeline`: the schedule's summary when pp > 1 (its ticks run the tensor-parallel
+    collectives of one chunk each)."""
     mesh, zero, accum = program.layout.mesh, program.layout.zero_stage, program.accum
     names_tree, shapes_tree = program.names, program.abstract_params
     # every axis that splits the tokens averages the gradients: the batch axes and context
@@ -238,6 +246,8 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
                 add("all-gather", gathers, gathers * 4 * fp8_scales)
         if fixed[i]:  # a frozen param: no gradient to reduce, no update to gather
             continue
+        if pipeline is not None and leaf_names[:1] != ("layers",):  # every stage's: summed, fp32
+            add("all-reduce", 1, _local_bytes(leaf.shape, np.dtype(np.float32), param, mesh))
         if zero3:
             add("reduce-scatter", accum * layers, accum * grad_bytes)
         elif (grad_axes - param_axes) & batch_axes:  # ZeRO-2
@@ -259,6 +269,7 @@ def collectives(program: AnyProgram, model: ModelShape, global_batch: int, seq_l
             sequence_parallel,
             # a pipeline's schedule differentiates the embedding, frozen or not
             frozen_embedding=has_frozen and mesh.shape["pipeline"] == 1,
+            pipeline=pipeline,
         )
     experts = expert_all_to_all(
         model, mesh, global_batch, seq_len, accum, element_bytes=element_bytes
@@ -321,18 +332,26 @@ def _tensor_parallel(
     step: tuple[int, int, int],
     sequence_parallel: bool = False,
     frozen_embedding: bool = False,
+    pipeline: dict | None = None,
 ) -> None:
     """Add Megatron's activation all-reduces over `tensor` (see the module docstring), or
     under sequence parallelism their all-gathers and reduce-scatters; `step`: (global batch,
-    sequence length, bytes per activation element); `frozen_embedding`: a LoRA base's."""
+    sequence length, bytes per activation element); `frozen_embedding`: a LoRA base's;
+    `pipeline`: the schedule's summary, whose every tick runs one chunk of layers on one
+    micro-batch (stages in lockstep: an idle slot's collectives ride the bubble)."""
     global_batch, seq_len, element_bytes = step
     shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    tokens = global_batch // shards // accum * seq_len // mesh.shape.get("context", 1)
+    rows = global_batch // shards // accum
+    passes = (accum, model.n_layers, model.remat != "none", False)
+    if pipeline is not None:
+        rows = global_batch // (shards * pipeline["microbatches"])
+        chunk = model.n_layers // (pipeline["stages"] * pipeline["virtual"])
+        passes = (pipeline["ticks"], chunk, model.remat != "none", True)
+    tokens = rows * seq_len // mesh.shape.get("context", 1)
     activation = tokens * model.embed_dim * element_bytes
     tensor = mesh.shape["tensor"]
     embed = model.embed_dim // (mesh.shape["fsdp"] if zero == 3 else 1)
-    norms = (model.norms_per_block * model.n_layers + 1, embed * 4)  # norm weights' fp32 grads (SP)
-    passes = (accum, model.n_layers, model.remat != "none", False)
+    norms = (model.norms_per_block * passes[1] + 1, embed * 4)  # norm weights' fp32 grads (SP)
     traffic = volumes.tensor_traffic(
         activation, tokens, norms, tensor, sequence_parallel, passes,
         frozen_embedding=frozen_embedding,
