@@ -317,6 +317,20 @@ def mount_namespace() -> subprocess.Popen | None:
     return holder
 
 
+def test_a_failed_saves_line_leads_with_the_operating_systems_reason():
+    """tensorstore's text for a full disk can sit in the middle of a spec of hundreds of
+    characters, where the line is cut; its code at the end still names the reason (a CI run of
+    the test below once printed only `[os_error_code='28']`)."""
+    from spmd.io.checkpoint import error_line
+
+    spec = '{"driver":"ocdbt","base":"file:///ck/4/"' + ',"x":1' * 80 + "}"
+    inner = OSError(f"Error writing: No space left on device; writing {spec} [os_error_code='28']")
+    wrapped = ValueError("while saving")
+    wrapped.__cause__ = inner
+    line = error_line(wrapped)
+    assert line.startswith("OSError: No space left on device: ") and len(line) < 400, line
+
+
 def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path, shared_compiles):
     """A save that fails in the middle of a run: exit 2 within 30 s with one line naming the
     folder and the step kept, which is whole (its manifest), no traceback, no process left.

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import re
 import threading
 import time
 from typing import Any
@@ -293,14 +295,17 @@ def save(
 def error_line(error: BaseException) -> str:
     """One line for an orbax or tensorstore error: the first line of its innermost cause (the
     outer ones wrap it in the full TensorStore spec, a hundred lines), at most about 300
-    characters: a longer one keeps its start and its end, where tensorstore puts the cause
-    (`... No space left on device [os_error_code='28']`)."""
+    characters: a longer one keeps its start and its end. The operating system's reason
+    leads where tensorstore gives its code (`[os_error_code='28']`: No space left on device),
+    since its own text for it may sit in the middle of the spec, where the cut falls."""
     while error.__cause__ is not None:
         error = error.__cause__
     line = (str(error).splitlines() or [""])[0]
     if len(line) > 300:
         line = f"{line[:120]} ... {line[-170:]}"
-    return f"{type(error).__name__}: {line}"
+    code = re.search(r"os_error_code='(\d+)'", line)
+    reason = f"{os.strerror(int(code.group(1)))}: " if code else ""
+    return f"{type(error).__name__}: {reason}{line}"
 
 
 def set_aside(manager: ocp.CheckpointManager, step: int, suffix: str) -> Any:
