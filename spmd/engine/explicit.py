@@ -140,7 +140,7 @@ def explicit_steps(
     batch_axes = tuple(a for a in (*BATCH_AXES, "context") if mesh.shape[a] > 1)
     # what the gradients and the update see: the trainable params (spmd.engine.frozen)
     trained = specs | {"params": frozen.trainable(specs["params"])}
-    pipelined = options.pipeline is not None and mesh.shape["pipeline"] > 1
+    pipelined = options.pipelined(mesh)
 
     @contextlib.contextmanager
     def traced_on_devices() -> Iterator[None]:

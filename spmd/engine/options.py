@@ -5,7 +5,7 @@ spmd.engine.explicit) and spmd.engine.diloco take, so the list is written once."
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spmd.engine import precision
 from spmd.sections import ParallelConfig
@@ -49,6 +49,10 @@ class StepOptions:
     batch_fields: tuple[str, ...] = TOKENS
     offload_state: str = "none"
     exclude_axes: tuple[str, ...] = ()
+
+    def pipelined(self, mesh: Any) -> bool:
+        """Whether a pipeline schedule runs on `mesh`: one is given and pp > 1."""
+        return self.pipeline is not None and mesh.shape["pipeline"] > 1
 
     @property
     def bucket_bytes(self) -> int:

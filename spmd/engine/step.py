@@ -195,7 +195,7 @@ def build_program(
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     options = dataclasses.replace(options, **overrides) if overrides else options
     check_executor(options.executor)
-    pipelined = options.pipeline is not None and layout.mesh.shape["pipeline"] > 1
+    pipelined = options.pipelined(layout.mesh)
     vmapped = bool(options.exclude_axes)
     offload.check(options.offload_state, layout.zero_stage, pipelined, vmapped=vmapped)
     policy, executor = options.policy, options.executor
@@ -246,7 +246,7 @@ def _losses(
     def loss_of(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, params), batch)
 
-    pipelined = pipeline is not None and mesh.shape["pipeline"] > 1  # accumulates inside
+    pipelined = options.pipelined(mesh)  # accumulates inside
     if executor == "auto" and accum > 1 and mesh.shape["context"] > 1 and not pipelined:
         # the ring's shard_map cannot sit inside accumulation's vmap over the batch axes
         raise UsageError(f"--accum {accum} with cp > 1 needs --collectives explicit")

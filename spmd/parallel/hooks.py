@@ -370,7 +370,8 @@ def length_split_by_partitioner() -> bool:
     """Whether the auto executor splits the activations' `length` over devices (context
     parallelism under jit): XLA's partitioner gathers the whole sequence to merge a split
     length with the batch into one rows dim, so a matmul keeps them apart there."""
-    return traced.auto_splits("length")
+    _, axis, _, manual = _context()
+    return axis is not None and not manual
 
 
 def chunk_inputs() -> jax.Array | None:

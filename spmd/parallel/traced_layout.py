@@ -190,16 +190,6 @@ def activations() -> tuple[jax.sharding.Mesh, rules.Rules, bool] | None:
     return _ACTIVATIONS[-1] if _ACTIVATIONS else None
 
 
-def auto_splits(name: str) -> bool:
-    """Whether the auto layout being traced splits activations' logical dimension `name`
-    over a mesh axis of more than one device (False outside one)."""
-    layout = activations()
-    if layout is None:
-        return False
-    mesh, table, _ = layout
-    return any(mesh.shape[a] > 1 for a in table.get(name, ()) if a in mesh.shape)
-
-
 @contextlib.contextmanager
 def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
     """Inside a shard_map manual over the axis that splits `length` but not over every axis
