@@ -3,6 +3,7 @@ commands -> engine / parallel / estimate / io / observe; models/ see only the ho
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE_PACKAGES = (
@@ -198,3 +199,18 @@ def test_spmd_asks_the_model_family_instead_of_probing_configs():
             if isinstance(name, ast.Constant) and name.value in fields:
                 probes.append(f"{path.relative_to(ROOT)}:{node.lineno} {name.value}")
     assert not probes, f"model config fields probed: {probes}"
+
+
+def test_architecture_page_names_every_module():
+    """docs/architecture.md is where an engineer looks up what a module is for: a module it does
+    not name (by its file name's stem, as a word) has no place in the map."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", page))
+    modules = sorted(
+        path.relative_to(ROOT)
+        for package in ("spmd", "models", "meshes")
+        for path in (ROOT / package).rglob("*.py")
+        if path.stem not in ("__init__", "__main__")
+    )
+    unnamed = [str(path) for path in modules if path.stem not in named]
+    assert not unnamed, f"docs/architecture.md names no {', '.join(unnamed)}"
