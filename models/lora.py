@@ -238,6 +238,19 @@ def adapted_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict]
     return lora_loss
 
 
+def adapted_metrics(metrics: Callable[[Any, dict], dict]) -> Callable[[Any, dict], dict]:
+    """A family's `step_metrics(model, batch)` of a LoraModel: the figures of its adapted model
+    (no dropout: a log record reads the model as it is, as an eval does). The family's
+    functions use more of its own model than the CausalLM pieces a LoraModel forwards (an
+    MoE's `forward` with the router's statistics), so they run on the adapted model, never on
+    the LoraModel itself."""
+
+    def lora_metrics(model: Any, batch: dict) -> dict:
+        return metrics(model.adapted(), batch)
+
+    return lora_metrics
+
+
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
     """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
     with nnx.use_eager_sharding(False):
