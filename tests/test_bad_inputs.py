@@ -116,6 +116,9 @@ CASES = [
     ),
     train(f"--init-from-peft {PEFT} --init-from-hf {UNTIED} --lora-rank 8"),
     train(f"--init-from-peft {{peft_lm_head}} --init-from-hf {UNTIED}"),
+    # LoRA's settings, checked with LoRA off too (issue 55: they were saved unchecked)
+    *map(train, ["--lora-alpha -5", "--lora-dropout 2", "--lora-alpha nan"]),
+    plan("--model tiny --lora-dropout 2"),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
     # every value checked wherever it comes from (issue 46): TOML keys and values a flag
