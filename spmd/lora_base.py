@@ -173,7 +173,7 @@ def check_settings(cfg: Any, saved_config: dict[str, Any], where: str) -> None:
     if theirs == ours:
         return
     assert theirs is not None
-    flags = f"--lora-rank {rank} --lora-alpha {theirs[1]:g}"
+    flags = f"--lora-rank {rank} --lora-alpha {_number(theirs[1])}"
     if set(theirs[2]) != set(fam.lora_default):
         flags += f" --lora-targets {','.join(theirs[2])}"
     this = "this run has none (no --lora-rank)" if ours is None else f"this run's are {_text(ours)}"
@@ -193,4 +193,12 @@ def _settings(fam: Any, rank: int, alpha: float, targets: str) -> tuple | None:
 
 def _text(settings: tuple) -> str:
     rank, alpha, targets = settings
-    return f"rank {rank}, alpha {alpha:g} (scale {alpha / rank:g}), targets {','.join(targets)}"
+    scale = f"scale {alpha / rank:g}"
+    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}"
+
+
+def _number(value: float) -> str:
+    """`value` short (8, not 8.0) where that reads back as the same float, else in full: the
+    flag a message names must resume the checkpoint."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
