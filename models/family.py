@@ -104,6 +104,7 @@ FAMILIES: dict[str, Family] = {
 LoraSpec = lora.Spec
 with_lora = lora.wrap  # (base model, spec, HF tensor table, seed) -> a LoraModel
 lora_loss = lora.adapted_loss  # a family's loss -> the loss of a LoraModel's adapted model
+lora_metrics = lora.adapted_metrics  # a family's step_metrics -> those of a LoraModel's
 
 
 def lora_spec(

@@ -86,16 +86,18 @@ def spec_of(
     `table`; None at rank 0. UsageError (one line) for a value that is not valid."""
     if rank < 0:
         raise UsageError(f"--lora-rank {rank} must be 0 (no LoRA) or a positive rank")
+    # checked at rank 0 too: a saved config keeps them, and a resume or --lora-rank later
+    # would take them up
+    if not 0 <= alpha < math.inf:  # 0: the default, 2 x rank; NaN fails both comparisons
+        raise UsageError(f"--lora-alpha {alpha} must be positive and finite (0: 2 x rank)")
+    if not 0 <= dropout < 1:
+        raise UsageError(f"--lora-dropout {dropout} must be in [0, 1)")
     if rank == 0:
         if targets:
             raise UsageError(f"--lora-targets {targets!r} needs --lora-rank > 0")
         return None
     if not table:
         raise UsageError(f"model family {family!r} declares no LoRA targets")
-    if not 0 <= alpha < math.inf:  # 0: the default, 2 x rank
-        raise UsageError(f"--lora-alpha {alpha} must be positive and finite (0: 2 x rank)")
-    if not 0 <= dropout < 1:
-        raise UsageError(f"--lora-dropout {dropout} must be in [0, 1)")
     names = [n.strip() for n in targets.split(",") if n.strip()] if targets else list(default)
     unknown = [n for n in names if n not in table]
     if unknown or not names:
@@ -236,6 +238,19 @@ def adapted_loss(loss: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict]
             return loss(model.adapted(), batch)
 
     return lora_loss
+
+
+def adapted_metrics(metrics: Callable[[Any, dict], dict]) -> Callable[[Any, dict], dict]:
+    """A family's `step_metrics(model, batch)` of a LoraModel: the figures of its adapted model
+    (no dropout: a log record reads the model as it is, as an eval does). The family's
+    functions use more of its own model than the CausalLM pieces a LoraModel forwards (an
+    MoE's `forward` with the router's statistics), so they run on the adapted model, never on
+    the LoraModel itself."""
+
+    def lora_metrics(model: Any, batch: dict) -> dict:
+        return metrics(model.adapted(), batch)
+
+    return lora_metrics
 
 
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:

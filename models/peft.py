@@ -223,6 +223,19 @@ def read_config(directory: str) -> Adapter:
             or not math.isfinite(value)
         ):
             raise UsageError(f"{path}: {key} = {value!r} is not a number")
+    if alpha <= 0:
+        # peft's scale is lora_alpha / r: 0 adds nothing to the base and, both gradients
+        # carrying the scale, trains nothing; spmd's --lora-alpha 0 means 2 x r instead, so
+        # reading it would compute another adapter
+        why = (
+            "peft's scale lora_alpha / r = 0 adds and trains nothing, and spmd's --lora-alpha 0 "
+            "would read it as 2 x r"
+            if alpha == 0
+            else f"peft's scale lora_alpha / r = {alpha / rank:g}, which --lora-alpha does not take"
+        )
+        raise UsageError(f"{path}: lora_alpha = {alpha:g} is not positive ({why}); set one > 0")
+    if not 0 <= dropout < 1:
+        raise UsageError(f"{path}: lora_dropout = {dropout} is not a probability in [0, 1)")
     targets = raw.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise UsageError(
@@ -232,7 +245,31 @@ def read_config(directory: str) -> Adapter:
     base = raw.get("base_model_name_or_path") or ""
     if not isinstance(base, str):
         raise UsageError(f"{path}: base_model_name_or_path = {base!r} is not a path or Hub id")
+    check_tensors(Path(directory) / WEIGHTS)
     return Adapter(str(directory), base, rank, float(alpha), float(dropout), tuple(targets))
+
+
+# the dtypes an adapter's tensors may come in: they are read into the fp32 master
+FLOATS = tuple(safetensors_io.DTYPES[code] for code in ("F64", "F32", "F16", "BF16"))
+
+
+def check_tensors(path: Path) -> None:
+    """UsageError naming the first tensor of adapter file `path` that is not floating point
+    (an int8 adapter would be cast, its quantization scales lost) or holds a value that is not
+    finite (training from it diverges at the first step). Every value is read: an adapter is
+    small (MBs), and this runs before the base is loaded or anything compiled."""
+    found, _ = safetensors_io.read_header(path)
+    for name, info in found.items():
+        if info.dtype not in FLOATS:
+            kind = safetensors_io.CODES[info.dtype]
+            raise UsageError(
+                f"{path}: {name} is stored as {kind}; peft's LoRA tensors are read in "
+                f"F32, F16, BF16 or F64 (a quantized adapter is not read)"
+            )
+        values = info.read().astype(np.float32)  # as the master holds them
+        bad = values.size - np.count_nonzero(np.isfinite(values))
+        if bad:
+            raise UsageError(f"{path}: {name} holds {bad} values that are not finite (NaN or inf)")
 
 
 def short_name(module: str) -> str:

@@ -46,27 +46,35 @@ class BenchConfig:
 def bare_step_fn(program: Any, tx: Any, loss_fn: Any) -> Any:
     """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
     16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
-    working params, the update applied to the fp32 master weights, the result cast back."""
+    working params, the update applied to the fp32 master weights, the result cast back. A
+    LoRA model's frozen base is held fixed (spmd.engine.frozen: no gradient, no update), and
+    its adapters' dropout draws the train step's masks, as the framework's step does."""
     import jax
     import optax
     from flax import nnx
 
+    from spmd.engine import frozen, optim
     from spmd.engine.precision import cast
+    from spmd.parallel import traced_layout
 
     policy = program.policy
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple:
-        def loss(p: Any) -> jax.Array:
-            return loss_fn(nnx.merge(program.graphdef, p), batch)
+        trained, fixed = frozen.split(params)
 
-        value, grads = jax.value_and_grad(loss)(params)
+        def loss(p: Any) -> jax.Array:
+            return loss_fn(nnx.merge(program.graphdef, frozen.join(p, fixed)), batch)
+
+        with traced_layout.training(optim.update_count(opt_state)):
+            value, grads = jax.value_and_grad(loss)(trained)
         if not policy.has_master:
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
+            updates, opt_state = tx.update(grads, opt_state, trained)
+            return frozen.join(optax.apply_updates(trained, updates), fixed), opt_state, value
         master, inner = opt_state["master"], opt_state["inner"]
         updates, inner = tx.update(cast(grads, policy.master_dtype), inner, master)
         master = optax.apply_updates(master, updates)
-        return cast(master, policy.param_dtype), {"master": master, "inner": inner}, value
+        new = frozen.join(cast(master, policy.param_dtype), fixed)
+        return new, {"master": master, "inner": inner}, value
 
     # The state keeps the shardings it came in with (as the framework's step does); left to
     # XLA, an output may come back sharded otherwise (an MoE router on `expert`), and the
@@ -174,6 +182,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     batch, each with its own initial state."""
     import jax
 
+    from spmd.engine import frozen
     from spmd.estimate import hlo
 
     if cfg.precision.precision == "fp16":
@@ -199,8 +208,8 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     # the same line spmd.train prints: equal fingerprints, the same compiled step
     say(f"train step HLO fingerprint {hlo.fingerprint(compiled)}")
     batch_abstract = program.abstract_batch(cfg.run.batch, cfg.run.seq_len)
-    tx = builder.optimizer(cfg)(program.names)
-    bare = bare_step_fn(program, tx, family.of(cfg.model).loss)
+    tx = builder.optimizer(cfg)(frozen.trainable(program.names))  # as the engine's: no base
+    bare = bare_step_fn(program, tx, builder.run_model(cfg).loss)  # the LoRA model's too
     started = time.perf_counter()
     bare = bare.lower(program.abstract_params, program.abstract_opt_state, batch_abstract).compile()
     compile_s["bare"] = time.perf_counter() - started

@@ -92,6 +92,9 @@ class ModelSpec:
     moe: bool = False  # routed experts: no context or sequence parallelism yet
     frozen: bool = False  # part of the model is frozen (LoRA's base): spmd.engine.frozen
     dropout: float = 0.0  # LoRA's dropout on the adapters' input (models/adapter.py)
+    # (model, batch) -> figures a log record shows beside the loss (an MoE's router
+    # statistics), on the module `make` builds; None: none
+    metrics: Callable[[nnx.Module, dict], dict] | None = None
 
 
 def build(
@@ -142,12 +145,20 @@ def lora_spec(model_cfg: Any, cfg: LoraConfig) -> family.LoraSpec | None:
     )
 
 
+def run_model(cfg: Config) -> ModelSpec:
+    """The model of run `cfg` (its family's, under its precision policy and [lora] section):
+    what `program` builds, and where the commands take the loss and the logged metrics of
+    that model from (spmd.bench's bare step, spmd.train's router statistics)."""
+    return model_spec(cfg.model, policy_of(cfg), lora_spec(cfg.model, cfg.lora))
+
+
 def model_spec(
     model_cfg: Any, policy: precision.Policy, adapters: family.LoraSpec | None = None
 ) -> ModelSpec:
     """The family model of `model_cfg`, made in the policy's compute dtype; with `adapters`
-    its base frozen under LoRA adapters (models/lora.py), the family's loss run on the merged
-    model."""
+    its base frozen under LoRA adapters (models/lora.py), the family's loss and step metrics
+    run on the adapted model (the LoraModel has only the CausalLM pieces of the family's
+    model)."""
     fam = family.of(model_cfg)
     tensors = fam.hf.tensors if fam.hf else ()
 
@@ -161,8 +172,13 @@ def model_spec(
 
     loss = fam.loss if adapters is None else family.lora_loss(fam.loss)
     moe = bool(fam.shape(model_cfg).n_experts)
+    # an MoE family's config without experts builds the dense model: no router to report
+    metrics = fam.step_metrics if moe else None
+    if metrics is not None and adapters is not None:
+        metrics = family.lora_metrics(metrics)
     dropout = adapters.dropout if adapters is not None else 0.0
-    return ModelSpec(make, loss, check_layout, moe, frozen=adapters is not None, dropout=dropout)
+    frozen = adapters is not None
+    return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics)
 
 
 def options_of(
@@ -207,7 +223,7 @@ def program(
     layout = layout_of(cfg, mesh)
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
-    spec = model_spec(cfg.model, options.policy, lora_spec(cfg.model, cfg.lora))
+    spec = run_model(cfg)
     return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)
 
 

@@ -32,6 +32,10 @@ def check_choices(cfg: Config) -> None:
     lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
     precision.from_section(cfg.precision)  # UsageError naming the valid values
     family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
+    lora = cfg.lora  # rank, alpha, dropout and targets, with LoRA off too
+    family.lora_spec(
+        family.of(cfg.model), lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets
+    )
     check_checkpoint_choices(cfg)
     from spmd.io import run_data
     from spmd.training import divergence

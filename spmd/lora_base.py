@@ -20,6 +20,12 @@ GB/s on one core a 1B model's 2.5 GB (bf16) takes 4 s, once per start, resume an
 
 A LoRA run without `--init-from-hf` (a base drawn from the seed) keeps the whole state in its
 checkpoints as any run does: there is no folder to refer to.
+
+Whatever its kind, a checkpoint's [lora] section must be the resuming run's (`check_settings`):
+the rank and targets fix the adapters' shapes, and alpha their scale, so an adapter trained at
+alpha 8 means another function at alpha 64. As a model flag that changes a param's shape is
+refused on resume (spmd.io.checkpoint_shapes), so is any of these, in one line that names the
+flags to pass; only the dropout, a training choice, may change (resume notes it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from models import family
+from spmd import sections
 from spmd.engine import frozen
 from spmd.errors import UsageError
 
@@ -141,3 +148,57 @@ def planner_fields(model_cfg: Any, lora_cfg: Any) -> dict[str, Any]:
     if spec is None:
         return {"lora_rank": 0, "lora_targets": ()}
     return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
+
+
+def check_settings(cfg: Any, saved_config: dict[str, Any], where: str) -> None:
+    """UsageError unless the LoRA adapters a checkpoint holds (its saved config's [lora]
+    section: none, or their rank, alpha and targets) are those run `cfg` trains; the line
+    names what differs and the flags that resume the checkpoint. `where` names the checkpoint
+    (its step and folder)."""
+    saved = sections.flat_values(saved_config)
+    fam = family.of(cfg.model)
+    rank = int(saved.get("lora_rank", 0) or 0)  # a checkpoint from before LoRA: none
+    ours = _settings(fam, cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_targets)
+    if rank == 0:
+        if ours is not None:
+            raise UsageError(
+                f"{where} holds a run without LoRA (every param trained), not this run's "
+                f"--lora-rank {cfg.lora.lora_rank}; resume it without the --lora-* flags"
+            )
+        return
+    try:
+        theirs = _settings(fam, rank, saved.get("lora_alpha", 0.0), saved.get("lora_targets", ""))
+    except UsageError:  # saved by another family's run: the model's own check names it
+        return
+    if theirs == ours:
+        return
+    assert theirs is not None
+    flags = f"--lora-rank {rank} --lora-alpha {_number(theirs[1])}"
+    if set(theirs[2]) != set(fam.lora_default):
+        flags += f" --lora-targets {','.join(theirs[2])}"
+    this = "this run has none (no --lora-rank)" if ours is None else f"this run's are {_text(ours)}"
+    raise UsageError(
+        f"{where} holds LoRA adapters of {_text(theirs)}; {this}; resume it with {flags}"
+    )
+
+
+def _settings(fam: Any, rank: int, alpha: float, targets: str) -> tuple | None:
+    """(rank, alpha, target names in the family's order) of the --lora-* values, alpha 0 read
+    as 2 x rank and no targets as the family's default; None at rank 0."""
+    spec = family.lora_spec(fam, rank, alpha, 0.0, targets)
+    if spec is None:
+        return None
+    return spec.rank, spec.alpha, tuple(name for name in fam.lora_targets if name in spec.targets)
+
+
+def _text(settings: tuple) -> str:
+    rank, alpha, targets = settings
+    scale = f"scale {alpha / rank:g}"
+    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}"
+
+
+def _number(value: float) -> str:
+    """`value` short (8, not 8.0) where that reads back as the same float, else in full: the
+    flag a message names must resume the checkpoint."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)

@@ -315,8 +315,8 @@ def compile_step(cfg: Config, program: Any) -> tuple:
             compiled,
         ),
     }
-    step_metrics = family.of(cfg.model).step_metrics
-    if step_metrics and family.of(cfg.model).shape(cfg.model).n_experts:  # e.g. the router's
+    step_metrics = builder.run_model(cfg).metrics  # e.g. the router's, of the adapted model
+    if step_metrics is not None:
         facts["observer"].model_metrics = model_metrics(program, step_metrics)
     if cfg.parallel.dcn_sync == "diloco":
         from spmd.estimate import dcn_traffic

@@ -23,6 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 UNTIED = ROOT / "tests" / "fixtures" / "hf_llama_untied"
 PEFT = ROOT / "tests" / "fixtures" / "peft_llama"  # peft's adapter onto UNTIED
+PEFT_BAD = (  # made by the `files` fixture: (name, what the refusal names)
+    ("peft_alpha_zero", "lora_alpha = 0 is not positive"),
+    ("peft_nan", "holds 4 values that are not finite"),
+    ("peft_int8", "is stored as I8"),
+)
 TRAIN = ("--model", "tiny", "--dry-run")  # every train case starts so: a slip only compiles
 GENERATE = ("--from-hf", str(UNTIED), "--prompt", "Hello")  # byte-level: vocab 128 holds ASCII
 TO_SPMD = ("--from-hf", str(UNTIED), "--to", "{tmp}/out")
@@ -34,6 +39,7 @@ class Case:
     args: str  # shell words; {name} is a file of the `files` fixture, {tmp} a fresh folder
     base: tuple[str, ...] = ()  # given before args
     mesh: bool = False  # the check needs the mesh (it reads the model through it)
+    says: str = ""  # what the line must name, where another refusal could come first
 
     def argv(self, files: dict[str, str], tmp: Path) -> list[str]:
         words = [*self.base, *shlex.split(self.args)]
@@ -44,8 +50,8 @@ class Case:
         return f"{self.command} {self.args}"
 
 
-def train(args: str) -> Case:
-    return Case("train", args, TRAIN)
+def train(args: str, says: str = "") -> Case:
+    return Case("train", args, TRAIN, says=says)
 
 
 def started(args: str) -> Case:
@@ -116,6 +122,12 @@ CASES = [
     ),
     train(f"--init-from-peft {PEFT} --init-from-hf {UNTIED} --lora-rank 8"),
     train(f"--init-from-peft {{peft_lm_head}} --init-from-hf {UNTIED}"),
+    # an adapter of peft's scale 0 (spmd's alpha 0 would mean 2 x r), NaN in a tensor, int8
+    # tensors (issue 55: read as 2 x r, diverged, cast)
+    *(train(f"--init-from-peft {{{name}}} --init-from-hf {UNTIED}", why) for name, why in PEFT_BAD),
+    # LoRA's settings, checked with LoRA off too (issue 55: they were saved unchecked)
+    *(train(f"--lora-{flag}", f"--lora-{flag}") for flag in ("alpha -5", "dropout 2", "alpha nan")),
+    plan("--model tiny --lora-dropout 2"),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
     # every value checked wherever it comes from (issue 46): TOML keys and values a flag
@@ -236,12 +248,16 @@ def files(tmp_path_factory) -> dict[str, str]:
     for name, change in {
         "peft_dora": {"use_dora": True},
         "peft_lm_head": {"target_modules": ["q_proj", "lm_head"]},
+        "peft_alpha_zero": {"lora_alpha": 0},
+        "peft_nan": {},
+        "peft_int8": {},
     }.items():
         folder = root / name
         shutil.copytree(PEFT, folder)
         adapter = json.loads((folder / "adapter_config.json").read_text())
         (folder / "adapter_config.json").write_text(json.dumps(adapter | change))
         paths[name] = folder
+    bad_peft_tensors(paths["peft_nan"], paths["peft_int8"])
     made_folders(root, paths)
     paths["hf_copy"] = root / "hf_copy"
     shutil.copytree(UNTIED, paths["hf_copy"])
@@ -260,6 +276,21 @@ def files(tmp_path_factory) -> dict[str, str]:
     argv = ["--from-hf", str(UNTIED), "--to", str(paths["checkpoint"]), "--mesh", "dp=1"]
     assert convert_command.main(argv) == 0
     return {name: str(path) for name, path in paths.items()}
+
+
+def bad_peft_tensors(nan: Path, int8: Path) -> None:
+    """The peft fixture's adapter with NaN in the last tensor's first values, and with every
+    tensor stored as int8 (its values rounded)."""
+    from spmd.io import safetensors_io
+
+    name = "adapter_model.safetensors"
+    tensors, metadata = safetensors_io.read_header(PEFT / name)
+    values = {n: np.array(t.read()) for n, t in tensors.items()}
+    rounded = {n: np.round(v * 100).clip(-127, 127).astype(np.int8) for n, v in values.items()}
+    values[list(values)[-1]].reshape(-1)[:4] = np.nan
+    for folder, tree in ((nan, values), (int8, rounded)):
+        entries = [(n, v.shape, v.dtype) for n, v in tree.items()]
+        safetensors_io.write(folder / name, entries, tree.__getitem__, metadata)
 
 
 def made_folders(root: Path, paths: dict[str, Path]) -> None:
@@ -313,6 +344,7 @@ def test_a_bad_input_exits_2_with_one_line_before_device_work(
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert case.says in lines[0], err
 
 
 def test_the_table_is_large_and_covers_every_command():

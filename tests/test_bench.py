@@ -17,6 +17,16 @@ def test_bf16_bench_runs_both_steps_and_prints_their_ratio(capsys):
     assert re.search(r"spmd / bare step time: \d+\.\d{3}", out), out
 
 
+def test_a_lora_bench_runs_the_bare_step_on_the_adapters_alone(capsys):
+    """issue 55: the bare step ran the family's loss on the LoRA model, which has only the
+    CausalLM pieces (no `token_losses`), and differentiated the frozen base: every family's
+    LoRA bench failed. An MoE model with dropout: the adapted loss, masks and router losses."""
+    lora = ["--lora-rank", "4", "--lora-dropout", "0.1", "--mesh", "dp=1", "--batch", "4"]
+    lora += ["--seq-len", "16", "--steps", "2", "--rounds", "1"]
+    assert bench.main(["--model", "moe-tiny", *lora]) == 0
+    assert re.search(r"spmd / bare step time: \d+\.\d{3}", capsys.readouterr().out)
+
+
 def test_fp16_is_refused_with_the_valid_choices(capsys):
     assert bench.main([*TINY, "--precision", "fp16"]) == 2
     assert "use fp32 or bf16" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from spmd.errors import UsageError
 from spmd.io import safetensors_io
 from spmd.parallel.pipeline import Pipeline
 from spmd.sections import LoraConfig
-from tests import trainer
+from tests import cli, trainer
 
 STEPS, BATCH, SEQ_LEN = 10, 8, 16
 LORA = LoraConfig(lora_rank=4, lora_alpha=8.0)
@@ -149,6 +149,19 @@ def test_every_family_declares_targets_and_a_default_among_them():
     assert len(phi3["qkv"]) == 3  # one adapter on the fused projection, as peft's
     moe = family.get("moe").lora_targets
     assert set(moe) == {"q", "k", "v", "o"}  # experts are not targets
+
+
+def test_an_moe_lora_run_logs_the_router_statistics_of_the_adapted_model(tmp_path):
+    """issue 55: a logged step's router statistics ran on the LoraModel, which has no MoE
+    `forward`: every MoE LoRA run crashed at its first logged step, before any save."""
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--model", "moe-tiny", "--lora-rank", "4", "--mesh", "dp=1", "--steps", "2"]
+    args += ["--log-every", "1"]
+    args += ["--batch", "4", "--seq-len", "16", "--eval-fraction", "0", "--metrics", str(metrics)]
+    done = cli.train_in_process(*args)
+    assert done.returncode == 0, done.stderr
+    logged = [r for r in cli.records(metrics) if r["kind"] == "train"]
+    assert len(logged) == 2 and all(np.isfinite(r["aux_loss"]) for r in logged)
 
 
 # --- Hugging Face: the fixture as the base, merged export, peft's format ----------------

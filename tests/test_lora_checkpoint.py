@@ -112,3 +112,27 @@ def test_a_resume_or_export_against_another_base_exits_2_naming_both_hashes(work
     # an export reads the base the checkpoint names (unchanged here) back under the adapters
     assert convert.main(["--checkpoint", str(work / "full"), "--to-peft", str(work / "peft")]) == 0
     assert (work / "peft" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, this_run",
+    [
+        (["--lora-alpha", "64"], "this run's are rank 4, alpha 64 (scale 16)"),
+        (["--lora-rank", "0", "--lora-alpha", "0"], "this run has none (no --lora-rank)"),
+        (["--lora-rank", "8"], "this run's are rank 8, alpha 8 (scale 1)"),
+    ],
+)
+def test_a_resume_with_other_lora_settings_exits_2_naming_the_flags(work, capsys, flags, this_run):
+    """issue 55: --lora-alpha 64 on a checkpoint trained at 8 resumed (scale 2 -> 16), and one
+    without the --lora-* flags was refused naming a param path: each names the saved settings
+    and the flags that resume them, and leaves the checkpoint as it was."""
+    folder = work / f"settings-{'-'.join(flags)}"
+    shutil.copytree(work / "full", folder)
+    args = [*run_args(work, UNTIED, folder.name), *flags, "--steps", "6", "--resume", "required"]
+    capsys.readouterr()
+    assert train.main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    saved = f"the checkpoint at step 4 in {folder} holds LoRA adapters of rank 4, alpha 8 (scale 2)"
+    assert saved in line and this_run in line, line
+    assert line.endswith("resume it with --lora-rank 4 --lora-alpha 8"), line
+    assert checkpoint.complete_steps(str(folder)) == [2, 4]

@@ -38,6 +38,7 @@ def restore_newest(
     say: Callable[[str], None],
     allow_unverified: bool = False,
     optional: Mapping[str, tuple[str, str]] | None = None,
+    check_config: Callable[[dict[str, Any], str], None] | None = None,
 ) -> Restored:
     """Restore the newest verified, readable and plausible checkpoint into `abstract_state`
     (ShapeDtypeStructs with the current shardings). A damaged step (one that fails its
@@ -50,7 +51,11 @@ def restore_newest(
     with the lines to say (formatted with {step}) when the checkpoint lacks one that
     `abstract_state` holds, and when it holds one that `abstract_state` lacks: the first is
     left out of the restored state (the caller starts it fresh), the second is read, so that
-    the saved norms check all that was saved, and then dropped."""
+    the saved norms check all that was saved, and then dropped.
+
+    `check_config(saved config, "the checkpoint at step S in DIR")` raises UsageError for a
+    checkpoint whose saved settings this run cannot continue (LoRA's: spmd.lora_base); it runs
+    before the shapes are compared, so that its line, naming the flags, is the one said."""
     optional = optional or {}
     quiet_stray_reads()  # before any read: the stray ones come back after the failing one
     manager.wait_until_finished()  # a rollback's newest step may still be getting its manifest
@@ -89,6 +94,8 @@ def restore_newest(
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
             problems.append(_set_aside(manager, step, error_line(e), say))
             continue
+        if check_config is not None:
+            check_config(saved_config, f"the checkpoint at step {step} in {directory}")
         target, absent, extra = _with_saved_optional(abstract_state, saved_tree, optional)
         shapes.check_shapes(
             shapes.tree_shapes(saved_tree), target, step, directory, saved_config, model_config

@@ -69,6 +69,7 @@ def open_checkpoints(
             say,
             cfg.checkpoint.allow_unverified,
             fp8_state.CHECKPOINT_OPTIONAL,
+            lambda saved, where: lora_base.check_settings(cfg, saved, where),
         )
         restored.state = lora_base.with_base(cfg, program, restored)  # LoRA: reload the base
         current = run_data_state(cfg, restored.step, fingerprint)
