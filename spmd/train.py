@@ -2,7 +2,8 @@
 
     python -m spmd.train [--config configs/X.toml] [--model tiny] [--mesh dp=2,tp=4] [...]
 
-The resolved config is printed first; `--dry-run` compiles the step and reports per-device
+What the config changes from the defaults is printed first (the whole config is in the run
+folder's config.toml); `--dry-run` compiles the step and reports per-device
 memory and the compiled collectives without training. User mistakes exit with status 2 and one
 line naming the bad value.
 """
