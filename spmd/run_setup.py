@@ -174,14 +174,20 @@ def describe_config(cfg: Config, folder: str | None) -> str:
 
 
 def config_changes(cfg: Config) -> dict[str, dict[str, Any]]:
-    """{section: {field: value}} of the fields whose values are not their defaults."""
+    """{section: {field: value}} of the fields whose values are not their defaults; from a
+    Hugging Face folder, the model's family always (the architecture its config.json names)."""
     changes = {}
+    from_hf = bool(cfg.run.init_from_hf or cfg.run.init_from_peft)
     for name, section in cfg.sections().items():
         defaults = field_defaults(type(section))
-        if name == "model" and not (cfg.run.init_from_hf or cfg.run.init_from_peft):
+        if name == "model" and from_hf:
+            defaults.pop("family", None)
+        elif name == "model":
             defaults.update(config.preset(cfg.run.model))
         values = dataclasses.asdict(section)
         changed = {k: v for k, v in values.items() if k not in defaults or defaults[k] != v}
+        if "family" in changed:  # the architecture first
+            changed = {"family": changed.pop("family"), **changed}
         if changed:
             changes[name] = changed
     return changes
