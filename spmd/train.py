@@ -20,7 +20,6 @@ if __name__ == "__main__":
 
     huge_pages.restart_early(sys.argv[1:])
 
-import os
 import time
 import traceback
 from typing import Any
@@ -36,7 +35,7 @@ from spmd.checks import (
     step_memory_error,
 )
 from spmd.config import Config
-from spmd.errors import UsageError, run_command
+from spmd.errors import UsageError, end_process, leave, run_command
 from spmd.io import run_data
 from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
@@ -78,23 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         # arrive (that would hang the job): leave now; spmd.launch stops the others.
         leave(code)
     return code
-
-
-def leave(code: int) -> None:
-    """End the process now with `code`, its output flushed, waiting for no thread."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def threads_left() -> bool:
-    """Whether a thread that Python's exit would wait for still runs (an orbax writer)."""
-    import threading
-
-    main_thread = threading.main_thread()
-    return any(
-        t.is_alive() and not t.daemon and t is not main_thread for t in threading.enumerate()
-    )
 
 
 def run(argv: list[str] | None) -> int:
@@ -413,24 +395,12 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
 
 
 def command() -> None:
-    """`python -m spmd.train` as a process: `main`'s status is the exit status. After a failure
-    a thread that Python's exit would wait for may still run: orbax writing a save to a disk
-    that refuses it (which may never end), or the save a second SIGINT gave up. The process
-    then leaves at once, its output flushed: that step is lost and was reported, and orbax
-    renames a step's folder only once it is complete, so the steps kept stay whole."""
+    """`python -m spmd.train` as a process (spmd.errors.end_process: it does not wait on the
+    threads a failed or interrupted save leaves)."""
     from spmd.log import survive_a_lost_console
 
     survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
-    try:
-        status = main()
-    except BaseException:  # a bug's traceback; Python's exit would then wait on those threads
-        if not threads_left():
-            raise
-        traceback.print_exc()
-        status = 1
-    if status and threads_left():
-        leave(status)
-    sys.exit(status)
+    end_process(main)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ def test_a_checkpoint_folder_made_unwritable_ends_the_run_in_one_line(tmp_path):
         pytest.skip("root without setpriv: root writes into a folder whatever its mode")
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
-    proc = piped([*prefix, *TRAIN, "--checkpoint-every", "2", "--run-dir", str(run_dir)])
+    # through the `spmd` console script's entry point (`spmd train`); the other test below
+    # runs `python -m spmd.train`
+    spmd_train = [sys.executable, "-m", "spmd.cli", "train", *TRAIN[3:]]
+    proc = piped([*prefix, *spmd_train, "--checkpoint-every", "2", "--run-dir", str(run_dir)])
     try:
         read_until(proc, r"^step +2/", [])
         while not (checkpoints / "2" / manifest.MANIFEST).exists():
