@@ -99,7 +99,7 @@ def run(argv: list[str] | None) -> int:
             to_rank_file(f"error: {e}")
             raise
         except KeyboardInterrupt:  # a second SIGINT before the run folder was open
-            return stopped_at_once("")
+            return stopped_at_once(cfg.checkpoint.checkpoint_dir)
         finally:  # the process may go on (a notebook, the tests): as it was before the run
             claims.release()  # the folder locks, after the last save was written
             close_rank_file()
@@ -132,7 +132,10 @@ def stopped_at_once(checkpoint_dir: str) -> int:
     resume continues from); the exit status, 130."""
     from spmd.training.preemption import INTERRUPTED_EXIT, interrupted_line
 
-    line = interrupted_line(checkpoint_dir)
+    try:
+        line = interrupted_line(checkpoint_dir)
+    except OSError:  # the checkpoint folder cannot be listed now
+        line = f"SIGINT again: stopped at once; see {checkpoint_dir} for the steps saved"
     print(line, file=sys.stderr, flush=True)
     to_rank_file(line)
     return INTERRUPTED_EXIT

@@ -29,7 +29,7 @@ def interrupted_line(checkpoint_dir: str) -> str:
     from spmd.io import checkpoint
 
     if not checkpoint_dir:
-        return "SIGINT again: stopped at once; no --checkpoint-dir, so nothing was saved"
+        return "SIGINT again: stopped at once; nothing was saved (no checkpoint folder)"
     kept = checkpoint.newest_verified(checkpoint_dir)
     partial = [int(n.split(".")[0]) for n in checkpoint.interrupted_saves(checkpoint_dir)]
     cut = sorted(
