@@ -6,6 +6,6 @@ from spmd.parallel import huge_pages
 
 huge_pages.restart_early(sys.argv[1:])  # before spmd.train imports JAX (see spmd/train.py)
 
-from spmd.train import main  # noqa: E402
+from spmd.train import command  # noqa: E402
 
-sys.exit(main())
+command()

@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from spmd.commands import COMMANDS, usage
+from spmd.errors import end_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,5 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     return module.main(rest)
 
 
+def command() -> None:
+    """The `spmd` console script: `main` as the process (spmd.errors.end_process: it does not
+    wait on the threads a failed or interrupted save leaves)."""
+    end_process(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -18,6 +18,8 @@ import dataclasses
 import difflib
 import importlib.resources
 import json
+import os
+import stat
 import tomllib
 import typing
 from collections.abc import Callable
@@ -47,6 +49,7 @@ from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read 
 
 # The table name older config files and checkpoints use for every non-model field at once.
 FLAT_TABLE = "train"
+TOML_LIMIT_BYTES = 1 << 20  # the longest --config read: a run's whole config is about 4 KiB
 
 
 def sections_from_flat(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -134,7 +137,7 @@ def _default_text(cls: type, name: str, defaults: dict[str, Any]) -> str:
         if field.default is dataclasses.MISSING:
             return ""
         value = field.default
-    shown = _toml_value(value, name) if isinstance(value, str) and not value else value
+    shown = toml_value(value, name) if isinstance(value, str) and not value else value
     if isinstance(value, bool):
         shown = str(value).lower()
     return f" (default: {shown})"
@@ -181,10 +184,21 @@ def _configs_dir() -> Any:
 
 
 def load_toml(path: Any) -> dict[str, Any]:
-    """Read a TOML file; UsageError if it is missing, unreadable, not UTF-8 or malformed."""
+    """Read a TOML file (or pipe) of at most TOML_LIMIT_BYTES; UsageError if it is missing,
+    unreadable, a device (`/dev/zero` would be read for ever), too long, not UTF-8 or
+    malformed."""
     try:
         with Path(str(path)).open("rb") as f:
-            return tomllib.load(f)
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise UsageError(f"--config {path} is a device, not a file; give a TOML file")
+            text = f.read(TOML_LIMIT_BYTES + 1)
+        if len(text) > TOML_LIMIT_BYTES:
+            raise UsageError(
+                f"--config {path} is longer than {TOML_LIMIT_BYTES // 2**20} MiB, the most a "
+                f"config file may hold; give the run's TOML config"
+            )
+        return tomllib.loads(text.decode())
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
     except OSError as e:  # a folder, no permission, ...
@@ -381,13 +395,13 @@ def format_config(sections: dict[str, Any]) -> str:
     """The resolved config as a TOML file, one table per section, which `--config` reads back
     to the same config: printed at the start of a run and by `spmd.train --print-config`."""
     tables = [
-        "\n".join([f"[{name}]", *(f"{k} = {_toml_value(v, k)}" for k, v in values.items())])
+        "\n".join([f"[{name}]", *(f"{k} = {toml_value(v, k)}" for k, v in values.items())])
         for name, values in as_dict(sections).items()
     ]
     return "\n\n".join(tables)
 
 
-def _toml_value(value: Any, key: str) -> str:
+def toml_value(value: Any, key: str) -> str:
     """`value` (a section field's: bool, int, float or str) as TOML writes it."""
     if isinstance(value, bool):
         return "true" if value else "false"

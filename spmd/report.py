@@ -53,7 +53,7 @@ def load_segments(path: str | Path) -> Run:
     """The Run of one metrics JSONL: its records split at each config record (each start of
     the run), labelled with that start's mesh, and its resume and rollback steps."""
     try:
-        lines = paths.read_text(str(path)).splitlines()
+        text = paths.read_text(str(path))
     except OSError as e:
         raise UsageError(f"{path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
@@ -61,12 +61,20 @@ def load_segments(path: str | Path) -> Run:
             f"{path} is not UTF-8 text (byte {e.start}); expected a metrics JSONL"
         ) from None
     records = []
+    lines = text.splitlines()
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line) if line.strip() else {}
         except ValueError:
             record = None
         if not isinstance(record, dict) or not _fields_ok(record):
+            if number == len(lines) and not text.endswith("\n"):  # a run writing it, or cut
+                print(
+                    f"warning: {path}: its last line is cut short ({len(line)} characters "
+                    f"without an end of line: a write in progress, or one that failed); left out",
+                    file=sys.stderr,
+                )
+                break
             raise UsageError(f"{path}: line {number} is not a metrics record; expected a JSONL")
         records.append(record)
     segments: list[tuple[str, list[dict]]] = []

@@ -150,3 +150,55 @@ def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
             f"stashed inputs per stage)"
         )
     return report
+
+
+def describe_config(cfg: Config, folder: str | None) -> str:
+    """What a run prints of its config: one line per section holding a value other than its
+    default (the model's default: its --model preset's, or with --init-from-hf the family's
+    field defaults), and where the whole config is (the run folder's config.toml, else
+    --print-config)."""
+    from spmd.training.run_folder import CONFIG_FILE
+
+    whole = (
+        f"the whole config: {Path(folder) / CONFIG_FILE}"
+        if folder
+        else "the whole config: the same command with --print-config prints it"
+    )
+    lines = [
+        f"[{name}] " + ", ".join(f"{k} = {config.toml_value(v, k)}" for k, v in changed.items())
+        for name, changed in config_changes(cfg).items()
+    ]
+    if not lines:
+        return f"config: every value its default ({whole})"
+    return "\n".join([f"config, what differs from the defaults ({whole}):", *lines])
+
+
+def config_changes(cfg: Config) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of the fields whose values are not their defaults; from a
+    Hugging Face folder, the model's family always (the architecture its config.json names)."""
+    changes = {}
+    from_hf = bool(cfg.run.init_from_hf or cfg.run.init_from_peft)
+    for name, section in cfg.sections().items():
+        defaults = field_defaults(type(section))
+        if name == "model" and from_hf:
+            defaults.pop("family", None)
+        elif name == "model":
+            defaults.update(config.preset(cfg.run.model))
+        values = dataclasses.asdict(section)
+        changed = {k: v for k, v in values.items() if k not in defaults or defaults[k] != v}
+        if "family" in changed:  # the architecture first
+            changed = {"family": changed.pop("family"), **changed}
+        if changed:
+            changes[name] = changed
+    return changes
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """The default value of each of a section dataclass's fields that has one."""
+    found = {}
+    for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+            found[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            found[field.name] = field.default_factory()
+    return found

@@ -2,7 +2,8 @@
 
     python -m spmd.train [--config configs/X.toml] [--model tiny] [--mesh dp=2,tp=4] [...]
 
-The resolved config is printed first; `--dry-run` compiles the step and reports per-device
+What the config changes from the defaults is printed first (the whole config is in the run
+folder's config.toml); `--dry-run` compiles the step and reports per-device
 memory and the compiled collectives without training. User mistakes exit with status 2 and one
 line naming the bad value.
 """
@@ -19,7 +20,6 @@ if __name__ == "__main__":
 
     huge_pages.restart_early(sys.argv[1:])
 
-import os
 import time
 import traceback
 from typing import Any
@@ -35,7 +35,7 @@ from spmd.checks import (
     step_memory_error,
 )
 from spmd.config import Config
-from spmd.errors import UsageError, run_command
+from spmd.errors import UsageError, end_process, leave, run_command
 from spmd.io import run_data
 from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
@@ -79,23 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def leave(code: int) -> None:
-    """End the process now with `code`, its output flushed, waiting for no thread."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def threads_left() -> bool:
-    """Whether a thread that Python's exit would wait for still runs (an orbax writer)."""
-    import threading
-
-    main_thread = threading.main_thread()
-    return any(
-        t.is_alive() and not t.daemon and t is not main_thread for t in threading.enumerate()
-    )
-
-
 def run(argv: list[str] | None) -> int:
     sections = resolve_sections(argv)
     cfg = Config.of(sections)
@@ -115,6 +98,8 @@ def run(argv: list[str] | None) -> int:
         except UsageError as e:  # the run folder's log says why the run ended (exit 2)
             to_rank_file(f"error: {e}")
             raise
+        except KeyboardInterrupt:  # a second SIGINT before the run folder was open
+            return stopped_at_once(cfg.checkpoint.checkpoint_dir)
         finally:  # the process may go on (a notebook, the tests): as it was before the run
             claims.release()  # the folder locks, after the last save was written
             close_rank_file()
@@ -129,12 +114,39 @@ def start_and_train(cfg: Config, signals: Any) -> int:
     p = cfg.parallel
     flags = xla_flags.apply(p.xla_preset, p.bucket_mb, p.collectives)  # before JAX starts
     n_processes = start_processes(cfg)
-    config_text, given_tensorboard = config.format_config(cfg.sections()), cfg.observe.tensorboard
     rerun_text = config.format_config(run_folder.rerun_config(cfg).sections())
     # one folder per run, its log files; it and the checkpoint folder checked and locked first
-    cfg, folder = run_folder.open_folder(cfg, rerun_text, claims.claim)
-    say(config_text)
+    asked, (cfg, folder) = cfg, run_folder.open_folder(cfg, rerun_text, claims.claim)
+    say(run_setup.describe_config(asked, folder))  # its whole config is in the folder
     say(xla_flags.describe(flags))
+    try:
+        return train_in_folder(
+            cfg, folder, signals, (n_processes, flags), asked.observe.tensorboard
+        )
+    except KeyboardInterrupt:  # a second SIGINT: the run ends at once (its save given up)
+        return stopped_at_once(cfg.checkpoint.checkpoint_dir)
+
+
+def stopped_at_once(checkpoint_dir: str) -> int:
+    """Say in one line that a second SIGINT ended the run (the save it cut short, the step a
+    resume continues from); the exit status, 130."""
+    from spmd.training.preemption import INTERRUPTED_EXIT, interrupted_line
+
+    try:
+        line = interrupted_line(checkpoint_dir)
+    except OSError:  # the checkpoint folder cannot be listed now
+        line = f"SIGINT again: stopped at once; see {checkpoint_dir} for the steps saved"
+    print(line, file=sys.stderr, flush=True)
+    to_rank_file(line)
+    return INTERRUPTED_EXIT
+
+
+def train_in_folder(
+    cfg: Config, folder: str | None, signals: Any, job: tuple[int, Any], given_tensorboard: str
+) -> int:
+    """From the run folder, open and locked, to the end of training: the exit status. `job`:
+    the number of processes and the XLA flags set (for the config record)."""
+    p, (n_processes, flags) = cfg.parallel, job
     check_paths(cfg)  # the run folder's paths, now that its name is agreed
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
@@ -257,6 +269,9 @@ def train_until_stopped(
         loop_run = make_run(agreed)
         start = initial_state(loop_run, restored)
         return 0 if start is None else train_loop(loop_run, *start)
+    except KeyboardInterrupt:  # a second SIGINT stops at once: the save in flight is given up
+        manager = None
+        raise
     finally:
         if manager is not None:
             manager.close()  # waits for a save still being written
@@ -382,11 +397,14 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
     return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, 1
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """`python -m spmd.train` as a process (spmd.errors.end_process: it does not wait on the
+    threads a failed or interrupted save leaves)."""
     from spmd.log import survive_a_lost_console
 
     survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
-    status = main()
-    if status and threads_left():  # a failed save's writer, blocked on a read-only or full disk
-        leave(status)
-    sys.exit(status)
+    end_process(main)
+
+
+if __name__ == "__main__":
+    command()

@@ -32,7 +32,10 @@ def test_loss_falls_on_the_stdlib_corpus(tmp_path):
         str(metrics),
     )
     assert result.returncode == 0, result.stderr
-    assert "[run]" in result.stdout and "mesh dp=2 (2 x cpu)" in result.stdout
+    assert "mesh dp=2 (2 x cpu)" in result.stdout
+    # the config: what differs from the defaults, a line a section, not the whole TOML
+    echo = result.stdout.split("config, what differs from the defaults")[1].split("\nxla flags")[0]
+    assert '\n[run] model = "tiny", steps = 60' in echo and "vocab_size" not in echo, echo
     lines = records(metrics)
     assert lines[0]["kind"] == "config" and lines[0]["mesh"]["data"] == 2
     train = [r for r in lines if r["kind"] == "train"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models.llama import LlamaConfig
-from spmd import config, train
+from spmd import config, run_setup, train
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
@@ -190,3 +190,38 @@ def test_dcn_split_puts_data_parallel_ways_across_hosts_and_tensor_last(capsys):
         dcn_split(parse_mesh("dp=2,tp=2"), 2, "dp=2,tp=2")
     with pytest.raises(UsageError, match="tensor=4 must divide tensor=2"):
         dcn_split(parse_mesh("dp=2,tp=2"), 4, "tp=4")
+
+
+def test_a_config_file_is_read_with_a_bound_and_a_device_is_refused(tmp_path, capsys):
+    """--config /dev/zero once read for ever; a file longer than the bound is refused unread,
+    even when it is valid TOML (here one long comment)."""
+    with pytest.raises(UsageError, match="--config /dev/zero is a device, not a file"):
+        resolve("--config", "/dev/zero")
+    long = tmp_path / "long.toml"
+    long.write_text("#" * config.TOML_LIMIT_BYTES + "\n")
+    assert train.main(["--config", str(long), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --config {long} is longer than 1 MiB, the most a config file may hold; "
+                   "give the run's TOML config"]  # fmt: skip
+    long.write_text("#" * (config.TOML_LIMIT_BYTES - 20) + "\n[run]\nsteps = 3\n")
+    assert resolve("--config", str(long))["run"].steps == 3  # up to the bound: read
+
+
+def test_a_run_echoes_what_differs_from_the_defaults_and_where_the_whole_config_is():
+    def echo(*flags: str, folder: str | None = None) -> list[str]:
+        cfg = Config.of(train.resolve_sections(list(flags)))
+        return run_setup.describe_config(cfg, folder).splitlines()
+
+    assert echo("--model", "moe-tiny", "--n-layers", "3", "--lr", "1e-05", folder="runs/x") == [
+        "config, what differs from the defaults (the whole config: runs/x/config.toml):",
+        "[model] n_layers = 3",  # against the moe-tiny preset's
+        '[run] model = "moe-tiny"',
+        "[optimizer] lr = 1e-05",
+    ]
+    assert echo() == [
+        "config: every value its default (the whole config: the same command with "
+        "--print-config prints it)"
+    ]
+    hf = echo(*PRINTED["hf"])  # the folder's architecture, against the family's field defaults
+    assert hf[1].startswith("[model] ") and "capacity_factor = 1.25" in hf[1], hf
+    assert f'init_from_hf = "{MIXTRAL}"' in hf[2], hf

@@ -125,6 +125,19 @@ def check_directory(directory: str, resume: str, allow_unverified: bool = False)
     return bool(steps) and resume != "fresh"
 
 
+def newest_verified(directory: str) -> int | None:
+    """The newest step of `directory` a resume continues from: complete and with its manifest
+    (None when there is none, or the folder is gone or unreadable)."""
+    folder = paths.epath(directory)
+    try:
+        verified = [
+            s for s in complete_steps(directory) if (folder / str(s) / manifest.MANIFEST).exists()
+        ]
+    except Exception:  # the folder itself is gone or unreadable
+        return None
+    return verified[-1] if verified else None
+
+
 def set_aside_steps(directory: str, suffix: str) -> list[str]:
     """The names of the steps of `directory` set aside with `suffix` (<step><suffix>[n])."""
     folder = paths.epath(directory)
@@ -233,13 +246,7 @@ class Manager(ocp.CheckpointManager):
         return self.failed
 
     def _kept(self) -> int | None:
-        """The newest step a resume continues from: complete and with its manifest."""
-        try:
-            steps = complete_steps(str(self.directory))
-            verified = [s for s in steps if (self.directory / str(s) / manifest.MANIFEST).exists()]
-        except Exception:  # the folder itself is gone or unreadable
-            return None
-        return verified[-1] if verified else None
+        return newest_verified(str(self.directory))
 
     def _write_manifest(self, step: int) -> None:
         try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from spmd import paths
@@ -42,6 +44,8 @@ class MetricsLog:
         self.path = path
         if path and is_primary():
             try:
+                if append:
+                    set_aside_torn_line(path)
                 self._file = paths.open_file(path, "a" if append else "w")
             except OSError as e:
                 raise UsageError(f"--metrics {path}: cannot write it ({e.strerror or e})") from None
@@ -87,6 +91,55 @@ class MetricsLog:
         for tracker in list(self._trackers):
             self._guarded(tracker, "close")
         self._trackers = []
+
+
+TORN_SUFFIX = ".torn"  # beside a metrics file: the torn last lines set aside from it
+
+
+def set_aside_torn_line(path: str) -> None:
+    """Before a run appends to a local metrics file whose last line was cut short (a write
+    that failed on a full disk, a kill): move those bytes to `<path>.torn` (appended there) and
+    cut the file back to its last whole line, saying so in one warning line. Appended to as it
+    was, the torn line and the next record would make one line no reader parses. A URL is left
+    as it is (an object store cannot cut a file)."""
+    if paths.is_url(path):
+        return
+    file = Path(paths.local(path))
+    if not file.is_file():
+        return
+    with file.open("rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0 or _last_byte(f, size) == b"\n":
+            return
+        whole = _end_of_last_line(f, size)
+        f.seek(whole)
+        torn = f.read()
+        aside = file.with_name(file.name + TORN_SUFFIX)
+        with aside.open("ab") as kept:
+            kept.write(torn + b"\n")
+        f.truncate(whole)
+    warn(
+        f"warning: {path} ended in a torn line ({len(torn)} bytes cut short: a write that "
+        f"failed or a kill); moved it to {aside}, appending after the last whole record"
+    )
+
+
+def _last_byte(f: IO[bytes], size: int) -> bytes:
+    f.seek(size - 1)
+    return f.read(1)
+
+
+def _end_of_last_line(f: IO[bytes], size: int, block: int = 1 << 16) -> int:
+    """The offset just after the last newline of an open file of `size` bytes (0: none)."""
+    end = size
+    while end > 0:
+        start = max(end - block, 0)
+        f.seek(start)
+        found = f.read(end - start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        end = start
+    return 0
 
 
 def device_memory(devices: Any) -> dict[str, int | None]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from spmd import paths, sections
 from spmd.errors import UsageError
+from spmd.observe.metrics import TORN_SUFFIX
 from spmd.sections import Config
 from spmd.training import run_folder
 from spmd.training.folder_lock import LOCK_FILE, FolderLocks
@@ -41,7 +42,10 @@ RUN_FOLDER_DIRS = {
     run_folder.LOGS, run_folder.TENSORBOARD, run_folder.CHECKPOINTS, run_folder.PROFILE,
     "wandb", "mlruns",
 }  # fmt: skip
-RUN_FOLDER_FILES = {run_folder.CONFIG_FILE, run_folder.METRICS_FILE, run_folder.REPORT_FILE}
+RUN_FOLDER_FILES = {
+    run_folder.CONFIG_FILE, run_folder.METRICS_FILE, run_folder.METRICS_FILE + TORN_SUFFIX,
+    run_folder.REPORT_FILE,
+}  # fmt: skip
 RANK_LOG = re.compile(r"rank-\d{5}\.log")
 SET_ASIDE = re.compile(r"\d+\.(damaged|diverged|unverified)\d*")
 PARTIAL = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
@@ -226,9 +230,16 @@ def claim(cfg: Config, folder: str | None) -> FolderLocks:
 
 
 def release() -> None:
-    """Unlock the folders the run locked (every way out of a run calls this)."""
+    """Unlock the folders the run locked (every way out of a run calls this); a lock that
+    cannot be removed is left with one warning line, never an error."""
+    from spmd.log import warn
+
     while _HELD:
-        _HELD.pop().release()
+        for left in _HELD.pop().release():
+            warn(
+                f"warning: could not remove the lock {left}; the next run in that folder takes "
+                f"it over, since this process has ended"
+            )
 
 
 def holds_records(path: str) -> bool:

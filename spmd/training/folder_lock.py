@@ -133,15 +133,23 @@ class FolderLocks:
         self._thread = threading.Thread(target=self._beat, name="spmd_folder_lock", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
+    def release(self) -> list[str]:
         """Stop the heartbeat, remove the lock files that are still this run's and the folders
-        `acquire` made that stayed empty (a run refused leaves no trace)."""
+        `acquire` made that stayed empty (a run refused leaves no trace). Never raises: it runs
+        on every way out of a run, where an error of its own would hide the run's (a save that
+        failed) and keep Python waiting on the failed save's threads. Returns one text for each
+        lock file left behind (a folder made read-only meanwhile: "PATH (why)"); the next run
+        takes such a lock over, its process having ended."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        left = []
         for path in self.held:
-            if self._mine(path):
-                path.unlink(missing_ok=True)
+            try:
+                if self._mine(path):
+                    path.unlink(missing_ok=True)
+            except OSError as e:
+                left.append(f"{path} ({e.strerror or e})")
         self.held = []
         for folder in self._made:  # deepest first
             try:
@@ -149,6 +157,7 @@ class FolderLocks:
             except OSError:  # not empty: the run wrote into it
                 break
         self._made = []
+        return left
 
     def __enter__(self) -> FolderLocks:
         return self
