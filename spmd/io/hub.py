@@ -69,6 +69,11 @@ def tokenizer_file(value: str, flag: str) -> str:
     """The tokenizer.json `value` names: the file itself, the tokenizer.json of a folder, or
     that of the cached snapshot of Hub repo `value` (downloading its tokenizer files only)."""
     if value and Path(value).is_dir():
+        if not (Path(value) / "tokenizer.json").is_file():
+            raise UsageError(
+                f"{flag} {value} is a folder that holds no tokenizer.json; give a tokenizer.json "
+                f"or the Hugging Face folder that holds one"
+            )
         return str(Path(value) / "tokenizer.json")
     if not is_repo_id(value):
         return value
