@@ -39,7 +39,8 @@ MODEL_FILES = (
     *TOKENIZER_FILES,
 )
 SUBFOLDERS = ["*/*"]  # e.g. Llama's original/ (consolidated .pth): never read here
-FOLDER_FIELDS = ("init_from_hf", "from_hf")  # config fields naming a Hugging Face folder
+# config fields naming a Hugging Face folder
+FOLDER_FIELDS = ("init_from_hf", "from_hf", "lora_base")
 TOKENIZER_FIELDS = ("tokenizer",)  # config fields naming a tokenizer.json
 
 
