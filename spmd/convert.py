@@ -189,10 +189,10 @@ def export_tokenizer(cfg: ConvertConfig, run_config: dict) -> Path | None:
             raise UsageError(f"--tokenizer {cfg.tokenizer}: no such file; give a tokenizer.json")
         return Path(cfg.tokenizer)
     found = run_paths.tokenizer_file(cfg.checkpoint, run_config)
-    named = config.flat_values(run_config).get("tokenizer") or run_config.get("tokenizer")
+    named = run_paths.tokenizer_named(run_config)
     if found is None and named:
         raise UsageError(
-            f"--checkpoint {cfg.checkpoint} was trained with the tokenizer {named}, which is "
+            f"--checkpoint {cfg.checkpoint} names the tokenizer {named}, which is "
             f"not there any more; give it with --tokenizer PATH (its folder's chat template and "
             f"generation config go with it)"
         )

@@ -134,10 +134,10 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
     from spmd.io.tokens import _load_tokenizer
 
     recorded = run_paths.tokenizer_file(cfg.checkpoint, run_config) if cfg.checkpoint else None
-    named = config.flat_values(run_config).get("tokenizer", "")  # trained with, not found
+    named = run_paths.tokenizer_named(run_config)  # trained with; converted with
     if not cfg.tokenizer and recorded is None and named:
         raise UsageError(
-            f"--checkpoint {cfg.checkpoint} was trained with the tokenizer {named}, which is "
+            f"--checkpoint {cfg.checkpoint} names the tokenizer {named}, which is "
             f"not there any more; give it with --tokenizer PATH"
         )
     path = cfg.tokenizer or (str(recorded) if recorded is not None else "")

@@ -116,6 +116,11 @@ def test_a_moved_base_is_named_with_lora_base_and_verify_calls_no_step_damaged(
         assert convert.main(args) == 2
         line = last_error(capsys)
         assert "--lora-base DIR" in line and "--init-from-hf" not in line, line
+        prompt = ["--checkpoint", CHECKPOINTS, "--prompt", "ab"]
+        assert generate.main(prompt) == 2
+        assert "give it with --tokenizer PATH" in last_error(capsys)
+        assert generate.main([*prompt, "--tokenizer", "base_moved"]) == 2
+        assert "--lora-base DIR" in last_error(capsys)
         assert checkpoint_cli.main(["verify", CHECKPOINTS]) == 0  # the step is whole
         out = capsys.readouterr().out
         assert "base not checked" in out and "--lora-base" in out and "damaged" not in out

@@ -77,3 +77,12 @@ def tokenizer_file(directory: str, run_config: dict[str, Any]) -> Path | None:
     if path is not None and path.is_dir():
         path = path / "tokenizer.json"
     return path if path is not None and path.is_file() else None
+
+
+def tokenizer_named(run_config: dict[str, Any]) -> str:
+    """The tokenizer a checkpoint names, for people: the recorded path, else the run's
+    `--tokenizer` as given ("" for none)."""
+    recorded = run_config.get(TOKENIZER_KEY)
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    return str(sections.flat_values(run_config).get("tokenizer") or "")
