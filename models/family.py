@@ -214,22 +214,29 @@ def config_from_dict(saved: dict[str, Any]) -> Any:
 # --- Hugging Face folders ---------------------------------------------------------------
 
 
-def architecture_of(raw: dict[str, Any]) -> str:
+def architecture_of(raw: dict[str, Any], where: str = "config.json") -> str:
     """The architecture a config.json names: its first `architectures` entry, or the one its
-    model_type stands for when it names none."""
-    names = raw.get("architectures")
-    if isinstance(names, list) and names:
-        return str(names[0])
+    model_type stands for when it names none. UsageError when both name architectures spmd
+    reads and they differ: transformers builds the model its model_type names, so the two must
+    agree for spmd to read what transformers reads."""
     types = {t: a for f in FAMILIES.values() if f.hf for t, a in f.hf.model_types.items()}
     model_type = raw.get("model_type")
     known = isinstance(model_type, str) and model_type in types
+    names = raw.get("architectures")
+    if isinstance(names, list) and names:
+        if known and str(names[0]) in types.values() and types[model_type] != str(names[0]):
+            raise UsageError(
+                f"{where}: architectures names {names[0]} but model_type {model_type!r} is "
+                f"{types[model_type]}'s; make the two agree"
+            )
+        return str(names[0])
     return types[model_type] if known else f"model_type {model_type!r}"
 
 
 def for_hf(raw: dict[str, Any], where: str) -> Family:
     """The family that reads config.json `raw`; UsageError naming its architecture and every
     one spmd reads otherwise."""
-    architecture = architecture_of(raw)
+    architecture = architecture_of(raw, where)
     for family in FAMILIES.values():
         if family.hf and architecture in family.hf.architectures:
             return family

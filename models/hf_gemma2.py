@@ -224,6 +224,11 @@ def config_to_hf(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
         raise UsageError(f"qk_norm / rope_scaling: {GEMMA2} has no q/k norms nor rope scaling")
     if not gemma3 and cfg.rope_local_theta != cfg.rope_theta:
         raise UsageError(f"rope_local_theta: {GEMMA2} has one rotary base for every layer")
+    if cfg.query_pre_attn_scalar != int(cfg.query_pre_attn_scalar):
+        raise UsageError(
+            f"query_pre_attn_scalar {cfg.query_pre_attn_scalar}: {architecture}'s config "
+            f"declares it an integer"
+        )
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         full.update(rope_type="linear", factor=cfg.rope_factor)
@@ -239,7 +244,7 @@ def config_to_hf(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": cfg.norm_eps,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "query_pre_attn_scalar": int(cfg.query_pre_attn_scalar),  # transformers: an int
         "attn_logit_softcapping": cfg.attn_softcap or None,
         "final_logit_softcapping": cfg.final_softcap or None,
         "sliding_window": cfg.sliding_window or None,

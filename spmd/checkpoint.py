@@ -24,6 +24,7 @@ import sys
 
 from spmd import config, paths
 from spmd.errors import UsageError, run_command
+from spmd.io import hub
 
 ACTIONS = ("verify",)
 
@@ -33,6 +34,9 @@ class VerifyConfig:
     """Which steps to check."""
 
     step: int = 0  # check only this step (0: every complete step)
+    # the folder of a LoRA checkpoint's base when it is no longer where the checkpoint recorded
+    # it (moved, or another copy): its content hash must match (empty: the recorded folder)
+    lora_base: str = ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +62,8 @@ def run(argv: list[str] | None) -> int:
         )
     if not folders:
         raise UsageError("verify needs a checkpoint folder: python -m spmd.checkpoint verify DIR")
-    damaged = [step for folder in folders for step in verify(folder, resolved["verify"].step)]
+    given = hub.resolve_section(resolved["verify"])  # a Hub id in --lora-base: its download
+    damaged = [step for folder in folders for step in verify(folder, given.step, given.lora_base)]
     if damaged:
         raise UsageError(
             f"{len(damaged)} damaged step(s): {', '.join(damaged)}; spmd.train --resume sets "
@@ -67,8 +72,9 @@ def run(argv: list[str] | None) -> int:
     return 0
 
 
-def verify(folder: str, only: int = 0) -> list[str]:
-    """Print each step's verdict; returns the damaged steps' folders."""
+def verify(folder: str, only: int = 0, base: str = "") -> list[str]:
+    """Print each step's verdict; returns the damaged steps' folders. An adapter-only LoRA
+    step's base is looked for in `base` (--lora-base) when given."""
     from spmd.io import checkpoint, manifest
     from spmd.training.run_folder import CHECKPOINTS, join
 
@@ -90,30 +96,39 @@ def verify(folder: str, only: int = 0) -> list[str]:
         step_dir = join(folder, str(step))
         verdict = manifest.verify(paths.epath(folder) / str(step))
         print(f"{step_dir}: {verdict}", flush=True)
-        if verdict.status == "damaged" or not base_matches(folder, step, step_dir):
+        if verdict.status == "damaged" or not base_matches(folder, step, step_dir, base):
             damaged.append(step_dir)
     return damaged
 
 
-def base_matches(folder: str, step: int, step_dir: str) -> bool:
+def base_matches(folder: str, step: int, step_dir: str, given: str = "") -> bool:
     """Whether the LoRA base an adapter-only step refers to (spmd.lora_base) is
     still the one it was trained on, with a line saying so; True for a step of the whole
-    state."""
+    state, and for a base not found (the step itself is not damaged by that: the line says
+    how to name the base), False for a base whose weights differ."""
     from spmd import lora_base
     from spmd.io import params_io
 
     try:
-        saved = params_io.saved_config(folder, step).get(lora_base.KEY)
+        run_config = params_io.saved_config(folder, step)
     except UsageError:  # a config orbax cannot read here: the manifest's verdict stands
         return True
+    saved = run_config.get(lora_base.KEY)
     if not isinstance(saved, dict):
         return True
     try:
-        lora_base.check_base(saved, saved["base"], step_dir)
+        base = lora_base.recorded_base(saved, given, folder, run_config, "--lora-base")
+    except lora_base.BaseMissing as e:
+        if given:  # the folder named on the command line is not there: a mistyped flag
+            raise
+        print(f"{step_dir}: base not checked: {e}", flush=True)
+        return True
+    try:
+        lora_base.check_base(saved, base, step_dir, "--lora-base")
     except UsageError as e:
         print(f"{step_dir}: base differs: {e}", flush=True)
         return False
-    print(f"{step_dir}: base {saved['base']}: sha256 {saved['sha256'][:16]} ok", flush=True)
+    print(f"{step_dir}: base {base}: sha256 {saved['sha256'][:16]} ok", flush=True)
     return True
 
 

@@ -19,8 +19,8 @@ from spmd.parser import Parser, built_parser
 
 # flags (by field) that name a folder; the other path flags name files (or either)
 FOLDER_FLAGS = {
-    "checkpoint", "checkpoint_dir", "data_cache", "from_hf", "init_from_hf", "profile_dir",
-    "run_dir", "tensorboard", "to", "to_hf", "to_peft",
+    "checkpoint", "checkpoint_dir", "data_cache", "from_hf", "init_from_hf", "lora_base",
+    "profile_dir", "run_dir", "tensorboard", "to", "to_hf", "to_peft",
 }  # fmt: skip
 FILE_FLAGS = {"config", "data", "eval_data", "json", "metrics", "out", "plot", "prompts_file"}
 

@@ -10,9 +10,13 @@ checkpoint (step 0) that `spmd.generate --checkpoint` and `--to-hf` read; spmd.i
 says why `spmd.train --resume` refuses it (`--init-from-hf` trains from the HF folder instead).
 spmd -> HF reads the params of a checkpoint's newest step (or `--step`) and writes config.json
 and safetensors (`--hf-dtype float32` by default, so the round trip is bit-exact; `bfloat16`
-halves the size), sharded at `--max-shard-mb`, with the run's `--tokenizer` file copied beside
-them as tokenizer.json. Neither direction overwrites an existing checkpoint. Both directions
-run in one process (the export gathers each tensor to that host).
+halves the size), sharded at `--max-shard-mb`, with the run's `--tokenizer` file (recorded
+absolute, spmd.io.run_paths; `--tokenizer` names a moved one) copied beside them as
+tokenizer.json. A LoRA checkpoint exports merged (`--to-hf`) or as peft adapters
+(`--to-peft`); its base is read from where it recorded it, or `--lora-base`. Neither direction
+overwrites an existing checkpoint, writes into its own input, or writes into a run's folders
+(spmd.training.occupied: a live run's, a run folder, a checkpoint folder). Both directions run
+in one process (the export gathers each tensor to that host).
 
 The text files of a Hugging Face folder (TEXT_FILES: the tokenizer, its config with the chat
 template, the generation config) travel both ways: --from-hf copies them into the checkpoint's
@@ -29,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from spmd import config
+from spmd import config, output_paths, paths
 from spmd.errors import UsageError, run_command
-from spmd.io import eos, hub
+from spmd.io import eos, hub, run_paths
 from spmd.sections import MeshConfig
+from spmd.training import occupied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,12 @@ class ConvertConfig:
     # a peft LoRA folder (adapter_config.json, adapter_model.safetensors) to write of a LoRA
     # checkpoint's adapters (with --checkpoint)
     to_peft: str = ""
+    # the folder of a LoRA checkpoint's base when it is no longer where the checkpoint recorded
+    # it (moved, or another copy): its content hash must match (empty: the recorded folder)
+    lora_base: str = ""
+    # the tokenizer.json (or its folder, or a Hub id) to write beside --to-hf's weights, with
+    # the chat template and generation config beside it (empty: the checkpoint's)
+    tokenizer: str = ""
     hf_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the written safetensors
     max_shard_mb: int = 4096  # largest safetensors file written (MiB)
 
@@ -78,7 +89,7 @@ def run(argv: list[str] | None) -> int:
         argv, sections, "python -m spmd.convert", defaults=DEFAULTS, description=about
     )
     cfg, where = resolved["convert"], resolved["mesh"]
-    to_spmd = bool(cfg.from_hf) and bool(cfg.to) and not (cfg.checkpoint or cfg.to_hf)
+    to_spmd = bool(cfg.from_hf and cfg.to) and not (cfg.checkpoint or cfg.to_hf or cfg.to_peft)
     exports = bool(cfg.to_hf) + bool(cfg.to_peft)
     to_hf = bool(cfg.checkpoint) and exports == 1 and not (cfg.from_hf or cfg.to)
     if to_spmd == to_hf:
@@ -88,10 +99,14 @@ def run(argv: list[str] | None) -> int:
         )
     check_choices(cfg, where, to_spmd)
     cfg = hub.resolve_section(cfg)  # a Hub id in --from-hf: its cached snapshot folder
-    if to_spmd:
-        check_apart("--from-hf", cfg.from_hf, "--to", cfg.to)
-    else:
-        check_apart("--checkpoint", cfg.checkpoint, "--to-hf", cfg.to_hf)
+    source = ("--from-hf", cfg.from_hf) if to_spmd else ("--checkpoint", cfg.checkpoint)
+    outputs = {"--to": cfg.to, "--to-hf": cfg.to_hf, "--to-peft": cfg.to_peft}
+    for flag, target in outputs.items():
+        if target:  # only the output given: an empty one would stand for the current folder
+            check_apart(*source, flag, target)
+            if not paths.is_url(target):
+                output_paths.check_folder(flag, target)  # a folder can be made and written
+                occupied.check_free(flag, target)  # not a live run's, nor inside a run's folders
     from models import family
     from spmd import weights
     from spmd.io import checkpoint, params_io
@@ -118,26 +133,29 @@ def run(argv: list[str] | None) -> int:
             weights.MAX_POSITIONS: folder.raw_config.get("max_position_embeddings"),
             eos.KEY: eos.declared(cfg.from_hf),  # where spmd.generate stops
         }
-        source = str(Path(cfg.from_hf).absolute())
-        params_io.save_converted(cfg.to, loaded.params, saved, source)
-        copy_files(text_files, Path(cfg.to) / TEXT_FOLDER)
+        with occupied.hold(cfg.to):  # no run or other conversion writes --to meanwhile
+            origin = str(Path(cfg.from_hf).absolute())
+            params_io.save_converted(cfg.to, loaded.params, saved, origin)
+            copy_files(text_files, Path(cfg.to) / TEXT_FOLDER)
         kept = f", {len(text_files)} tokenizer files" if text_files else ""
         target = f"spmd checkpoint {cfg.to} (step {params_io.CONVERTED_STEP}, params only{kept})"
     elif cfg.to_peft:
         params_io.pick_step(cfg.checkpoint, cfg.step)
         layout = weights.setup_layout(where.mesh, where.devices, where.zero)
-        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
+        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout, cfg.lora_base)
         if loaded.lora is None:
             raise UsageError(f"--to-peft: {cfg.checkpoint} is not a LoRA run (--lora-rank 0)")
-        base = config.flat_values(loaded.run_config).get("init_from_hf", "")
+        # the base the adapters were checked against, absolute: peft reads it from any folder
+        base = run_paths.absolute(loaded.base)
         files = family.save_peft(loaded.adapters, loaded.lora, loaded.model, cfg.to_peft, base)
         target = f"peft adapter {cfg.to_peft} ({len(files)} files, rank {loaded.lora.rank})"
     else:
         family.check_new_folder(cfg.to_hf)
         params_io.pick_step(cfg.checkpoint, cfg.step)  # the folder and step, before the mesh
         layout = weights.setup_layout(where.mesh, where.devices, where.zero)
-        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
+        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout, cfg.lora_base)
         seq_len = config.flat_values(loaded.run_config).get("seq_len", 2048)
+        text_source = export_tokenizer(cfg, loaded.run_config)  # before anything is written
         files = family.save_hf(
             loaded.params,
             loaded.model,
@@ -146,7 +164,7 @@ def run(argv: list[str] | None) -> int:
             cfg.max_shard_mb << 20,
             max_positions=seq_len,
         )
-        files += export_text_files(cfg.checkpoint, loaded.run_config, Path(cfg.to_hf))
+        files += export_text_files(text_source, loaded.run_config, Path(cfg.to_hf))
         target = f"Hugging Face folder {cfg.to_hf} ({len(files)} files, {cfg.hf_dtype})"
     print(
         f"converted {loaded.source} ({loaded.model.n_params() / 1e6:.2f} M params) to {target} "
@@ -162,21 +180,29 @@ def copy_files(files: list[Path], folder: Path) -> list[Path]:
     return [Path(shutil.copyfile(path, folder / path.name)) for path in files]
 
 
-def checkpoint_tokenizer(checkpoint_dir: str, run_config: dict) -> Path | None:
-    """The tokenizer.json of a checkpoint: a training run's --tokenizer (a file or its folder),
-    or a converted checkpoint's, relative to `checkpoint_dir`; None without one."""
-    named = config.flat_values(run_config).get("tokenizer") or run_config.get("tokenizer") or ""
-    path = Path(checkpoint_dir) / named if named else None  # an absolute one stays itself
-    if path is not None and path.is_dir():
-        path = path / "tokenizer.json"
-    return path if path is not None and path.is_file() else None
+def export_tokenizer(cfg: ConvertConfig, run_config: dict) -> Path | None:
+    """The tokenizer.json to write beside an export: --tokenizer, else the checkpoint's (spmd.
+    io.run_paths); None for a byte-level run. UsageError when neither is a file, so that an
+    export never leaves out a tokenizer its model was trained with."""
+    if cfg.tokenizer:
+        if not Path(cfg.tokenizer).is_file():
+            raise UsageError(f"--tokenizer {cfg.tokenizer}: no such file; give a tokenizer.json")
+        return Path(cfg.tokenizer)
+    found = run_paths.tokenizer_file(cfg.checkpoint, run_config)
+    named = run_paths.tokenizer_named(run_config)
+    if found is None and named:
+        raise UsageError(
+            f"--checkpoint {cfg.checkpoint} names the tokenizer {named}, which is "
+            f"not there any more; give it with --tokenizer PATH (its folder's chat template and "
+            f"generation config go with it)"
+        )
+    return found
 
 
-def export_text_files(checkpoint_dir: str, run_config: dict, folder: Path) -> list[Path]:
-    """Write the checkpoint's text files beside exported weights: its tokenizer.json and the
-    TEXT_FILES beside it (the chat template's config, a kept generation_config.json), else a
+def export_text_files(tokenizer: Path | None, run_config: dict, folder: Path) -> list[Path]:
+    """Write the text files beside exported weights: `tokenizer` and the TEXT_FILES beside it
+    (the chat template's config, a kept generation_config.json), else a
     generation_config.json of the checkpoint's end-of-sequence ids."""
-    tokenizer = checkpoint_tokenizer(checkpoint_dir, run_config)
     found = [tokenizer.parent / n for n in TEXT_FILES] if tokenizer is not None else []
     files = copy_files([p for p in found if p.is_file() and p != tokenizer], folder)
     if tokenizer is not None:  # a run's tokenizer file may have any name; HF's is this one
@@ -224,12 +250,22 @@ def check_choices(cfg: ConvertConfig, where: MeshConfig, to_spmd: bool) -> None:
         raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
     check_section(where)
     defaults = ConvertConfig()
-    export_only = {"step": cfg.step, "hf_dtype": cfg.hf_dtype, "max_shard_mb": cfg.max_shard_mb}
+    export_only: dict[str, object] = {"step": cfg.step, "hf_dtype": cfg.hf_dtype}
+    export_only.update(max_shard_mb=cfg.max_shard_mb, lora_base=cfg.lora_base)
+    export_only.update(tokenizer=cfg.tokenizer)
     for name, value in export_only.items() if to_spmd else ():
         if value != getattr(defaults, name):
             raise UsageError(
-                f"{config.flag_name(name)} {value} is for --checkpoint --to-hf (spmd -> HF); "
+                f"{config.flag_name(name)} {value} is for --checkpoint (spmd -> HF, peft); "
                 f"--from-hf --to does not use it"
+            )
+    hf_only: dict[str, object] = {"hf_dtype": cfg.hf_dtype, "max_shard_mb": cfg.max_shard_mb}
+    hf_only["tokenizer"] = cfg.tokenizer
+    for name, value in hf_only.items() if cfg.to_peft else ():
+        if value != getattr(defaults, name):
+            raise UsageError(
+                f"{config.flag_name(name)} {value} is for --to-hf; --to-peft writes the "
+                f"adapters alone"
             )
 
 

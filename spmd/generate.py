@@ -27,7 +27,7 @@ from typing import Any
 from spmd import config, decoding
 from spmd.decoding import Sampling, generate
 from spmd.errors import UsageError, run_command
-from spmd.io import eos, hub
+from spmd.io import eos, hub, run_paths
 from spmd.sections import MeshConfig
 
 
@@ -50,6 +50,9 @@ class GenerateConfig:
     seed: int = 0  # of the sampling
     stream: bool = True  # print a single prompt's text as it is sampled (a batch: at the end)
     tokenizer: str = ""  # tokenizer.json, its folder or a Hub id (empty: the checkpoint's)
+    # the folder of a LoRA checkpoint's base when it is no longer where the checkpoint recorded
+    # it (moved, or another copy): its content hash must match (empty: the recorded folder)
+    lora_base: str = ""
 
     @property
     def sampling(self) -> Sampling:
@@ -130,10 +133,14 @@ def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Co
     Hugging Face folder's tokenizer.json; bytes if none."""
     from spmd.io.tokens import _load_tokenizer
 
-    converted = run_config.get("tokenizer", "")  # a converted checkpoint's, relative to it
-    if converted and cfg.checkpoint:
-        converted = str(Path(cfg.checkpoint) / converted)
-    path = cfg.tokenizer or config.flat_values(run_config).get("tokenizer", "") or converted
+    recorded = run_paths.tokenizer_file(cfg.checkpoint, run_config) if cfg.checkpoint else None
+    named = run_paths.tokenizer_named(run_config)  # trained with; converted with
+    if not cfg.tokenizer and recorded is None and named:
+        raise UsageError(
+            f"--checkpoint {cfg.checkpoint} names the tokenizer {named}, which is "
+            f"not there any more; give it with --tokenizer PATH"
+        )
+    path = cfg.tokenizer or (str(recorded) if recorded is not None else "")
     beside = Path(cfg.from_hf) / "tokenizer.json" if cfg.from_hf else None
     if not path and beside is not None and beside.is_file():
         path = str(beside)
@@ -226,6 +233,11 @@ def check_choices(cfg: GenerateConfig, where: MeshConfig) -> None:
         raise UsageError(f"--step {cfg.step} must be a checkpoint step, or 0 (the newest)")
     if cfg.step and cfg.from_hf:
         raise UsageError(f"--step {cfg.step} picks a step of --checkpoint; --from-hf has none")
+    if cfg.lora_base and cfg.from_hf:
+        raise UsageError(
+            f"--lora-base {cfg.lora_base} names the base of a LoRA --checkpoint; --from-hf "
+            f"reads no adapters"
+        )
     if cfg.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {cfg.max_new_tokens} must be at least 1")
     cfg.sampling.check()
@@ -288,7 +300,7 @@ def run(argv: list[str] | None) -> int:
     stops = stop_ids(cfg, source.run_config, codec)
     check_length(cfg, prompts, source, layout)
     if cfg.checkpoint:
-        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout)
+        loaded = weights.from_checkpoint(cfg.checkpoint, cfg.step, layout, cfg.lora_base)
     else:
         loaded = weights.from_hf(cfg.from_hf, layout)
     show = Stream(codec) if cfg.stream and len(prompts) == 1 else None

@@ -4,12 +4,16 @@ to the frozen base, not the base itself.
 A LoRA run started from `--init-from-hf` trains a few MB of adapters on a base of GBs that it
 never changes. Its checkpoints hold the trainable part of the state only (the `frozen` subtree
 of the params is dropped: spmd.engine.frozen), and its saved config names the base under
-`lora_base`: {"base": the --init-from-hf folder or Hub id, "sha256": its content hash}. A resume
-(or a rollback, or `spmd.convert` / `spmd.generate` of the checkpoint) reloads the base from
-the folder after checking its hash, and joins it to the restored adapters: the state is the one
+`lora_base`: {"base": the --init-from-hf folder (a Hub id's download) as an absolute path,
+"sha256": its content hash}; absolute so that the checkpoint is read alike from any folder
+(spmd.io.run_paths, which also reads an older checkpoint's relative one). A resume (or a
+rollback, or `spmd.convert` / `spmd.generate` of the checkpoint) reloads the base from the
+folder after checking its hash, and joins it to the restored adapters: the state is the one
 a checkpoint of the whole state would give back, bit for bit, since the base is the folder's
 weights cast as the run cast them. A base whose hash differs (another folder, or the same
-folder with changed weights) is a UsageError naming both hashes.
+folder with changed weights) is a UsageError naming both hashes. A base that was moved is
+named to the readers with `--lora-base` (to a resume with `--init-from-hf`): the hash, not
+the path, says whether it is the base.
 
 The content hash is SHA-256 over every `*.safetensors` file of the folder, in name order, each
 preceded by its name and size, every byte read (streamed in 8 MiB chunks). Every byte, because
@@ -38,6 +42,7 @@ from models import family
 from spmd import sections
 from spmd.engine import frozen
 from spmd.errors import UsageError
+from spmd.io import run_paths
 
 KEY = "lora_base"  # the saved config's key of the base reference
 _CHUNK = 8 << 20
@@ -69,14 +74,17 @@ def content_hash(folder: str | Path) -> str:
 
 
 def reference(base: str) -> dict[str, str]:
-    """The saved reference of base folder (or Hub id, resolved to its download) `base`."""
-    return {"base": base, "sha256": content_hash(family.open_hf(base).path)}
+    """The saved reference of base folder (or Hub id, resolved to its download) `base`: its
+    absolute path and content hash."""
+    return {"base": run_paths.absolute(base), "sha256": content_hash(family.open_hf(base).path)}
 
 
 def config_record(cfg: Any) -> dict[str, Any]:
-    """The config a checkpoint of run `cfg` saves: its sections, and the base reference when
-    it checkpoints adapters only."""
+    """The config a checkpoint of run `cfg` saves: its sections, its tokenizer's absolute path
+    (spmd.io.run_paths), and the base reference when it checkpoints adapters only."""
     record = cfg.as_dict()
+    if cfg.data.tokenizer:
+        record[run_paths.TOKENIZER_KEY] = run_paths.absolute(cfg.data.tokenizer)
     if adapter_only(cfg):
         record[KEY] = reference(cfg.run.init_from_hf)
     return record
@@ -95,24 +103,47 @@ def restore_target(cfg: Any, program: Any) -> dict[str, Any]:
     return saved_state(cfg, program.abstract_checkpoint())
 
 
-def check_base(saved: dict[str, Any], base: str, where: str) -> str:
+class BaseMissing(UsageError):
+    """The base an adapter-only checkpoint refers to is not where it was recorded (nor where
+    the reader's flag names it): the checkpoint itself may be whole."""
+
+
+def recorded_base(
+    saved: dict[str, Any], given: str, directory: str, run_config: dict[str, Any], flag: str
+) -> str:
+    """Where to read the base of reference `saved` (from checkpoint folder `directory`, whose
+    saved config is `run_config`): `given` (the reader's `flag`, for a moved base) else the
+    recorded folder (spmd.io.run_paths); BaseMissing naming `flag` when it is not a folder."""
+    base = given or run_paths.resolve(str(saved.get("base", "")), directory, run_config)
+    if not Path(base).is_dir():
+        named = f"{flag} {given}" if given else f"the recorded LoRA base {saved.get('base')}"
+        raise BaseMissing(
+            f"{directory}: {named} is not a folder here; its adapters need the base they were "
+            f"trained on (sha256 {str(saved.get('sha256'))[:16]}): name where it is now with "
+            f"{flag} DIR"
+        )
+    return base
+
+
+def check_base(saved: dict[str, Any], base: str, where: str, flag: str) -> str:
     """The folder of base `base` after checking it is the one of saved reference `saved`;
-    UsageError naming both hashes when its weights differ."""
+    UsageError naming both hashes when its weights differ, and the reader's `flag` that
+    names the base."""
     folder = family.open_hf(base).path
     found = content_hash(folder)
     if found != saved.get("sha256"):
         raise UsageError(
             f"{where}: the LoRA base {base} (sha256 {found[:16]}) is not the base its adapters "
             f"were trained on ({saved.get('base')}, sha256 {str(saved.get('sha256'))[:16]}); "
-            f"give that base with --init-from-hf"
+            f"give that base with {flag}"
         )
     return str(folder)
 
 
-def load_base(saved: dict[str, Any], base: str, abstract_master: Any, where: str) -> Any:
+def load_base(saved: dict[str, Any], base: str, abstract_master: Any, where: str, flag: str) -> Any:
     """The frozen base of the checkpoint whose reference is `saved`, read from `base` (after
     checking its hash) onto the dtypes and shardings of `abstract_master`'s frozen part."""
-    folder = check_base(saved, base, where)
+    folder = check_base(saved, base, where, flag)
     return family.load_hf(family.open_hf(folder), abstract_master[frozen.FROZEN])
 
 
@@ -129,7 +160,7 @@ def with_base(cfg: Any, program: Any, restored: Any) -> dict[str, Any]:
             f"flags it was saved with"
         )
     where = f"--checkpoint-dir {cfg.checkpoint.checkpoint_dir} step {restored.step}"
-    base = load_base(saved, cfg.run.init_from_hf, program.abstract_master, where)
+    base = load_base(saved, cfg.run.init_from_hf, program.abstract_master, where, "--init-from-hf")
     state = dict(restored.state)
     state["params"] = frozen.join(state["params"], base)
     return state

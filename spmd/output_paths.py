@@ -29,14 +29,26 @@ def check_paths(cfg: Config) -> None:
         path = paths.local(path)
         if not path or paths.is_url(path):  # a bucket is checked when it is written
             continue
-        folder, given = flag != "--metrics", Path(path)
-        if given.exists() and given.is_dir() != folder:
-            kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file path")
-            raise UsageError(f"{flag} {path} is {kind}; give {wanted}")
-        above = next(a for a in given.absolute().parents if a.exists())
-        if not given.exists() and not above.is_dir():
-            raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
-        check_writable(flag, given if given.exists() else above, path)
+        check_place(flag, path, folder=flag != "--metrics")
+
+
+def check_folder(flag: str, path: str) -> None:
+    """UsageError unless output folder `path` (a local path) of `flag` is a folder or can be
+    made, and this process can write it (check_place)."""
+    check_place(flag, path, folder=True)
+
+
+def check_place(flag: str, path: str, folder: bool) -> None:
+    """UsageError for local output `path` of `flag` (a folder when `folder`, else a file) that
+    is of the other kind, lies under a file, or that this process cannot write."""
+    given = Path(path)
+    if given.exists() and given.is_dir() != folder:
+        kind, wanted = ("a file", "a folder") if folder else ("a folder", "a file path")
+        raise UsageError(f"{flag} {path} is {kind}; give {wanted}")
+    above = next(a for a in given.absolute().parents if a.exists())
+    if not given.exists() and not above.is_dir():
+        raise UsageError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
+    check_writable(flag, given if given.exists() else above, path)
 
 
 def check_writable(flag: str, where: Path, given: str) -> None:

@@ -17,6 +17,7 @@ from models import family
 from spmd import builder, lora_base
 from spmd.engine import frozen
 from spmd.engine.step import Program
+from spmd.errors import UsageError
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
 from spmd.sections import LoraConfig
@@ -35,6 +36,7 @@ class Loaded:
     # model's (base + scale * A @ B)
     adapters: Any = None
     lora: Any = None  # family.LoraSpec
+    base: str = ""  # the folder an adapter-only LoRA checkpoint's base was read from
 
 
 def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
@@ -52,8 +54,11 @@ def model_program(cfg: Any, layout: Layout) -> Program:
     return builder.model_program(cfg, layout)
 
 
-def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
-    """The params of checkpoint `step` (0: newest) of an spmd checkpoint folder."""
+def from_checkpoint(directory: str, step: int, layout: Layout, base: str = "") -> Loaded:
+    """The params of checkpoint `step` (0: newest) of an spmd checkpoint folder; an
+    adapter-only LoRA checkpoint's base is read from `base` (--lora-base) when given, else
+    from where the checkpoint recorded it. UsageError for `base` given to another kind of
+    checkpoint."""
     step = params_io.pick_step(directory, step)
     params_io.verify_step(directory, step)
     run_config = params_io.saved_config(directory, step)
@@ -61,27 +66,38 @@ def from_checkpoint(directory: str, step: int, layout: Layout) -> Loaded:
     program = model_program(cfg, layout)
     source = f"{directory} step {step}"
     adapters = builder.lora_spec(cfg, LoraConfig(**run_config.get("lora", {})))
+    if base and not isinstance(run_config.get(lora_base.KEY), dict):
+        raise UsageError(
+            f"--lora-base {base}: {source} is not an adapter-only LoRA checkpoint (a LoRA run "
+            f"from --init-from-hf), so it reads no base; leave --lora-base out"
+        )
     if adapters is None:
         params = params_io.restore_params(directory, step, program.abstract_params)
         return Loaded(cfg, program, params, run_config, source)
     lora_program = builder.model_program(cfg, layout, adapters)
-    params = lora_params(directory, step, lora_program, run_config)
+    saved = run_config.get(lora_base.KEY)
+    if isinstance(saved, dict):
+        base = lora_base.recorded_base(saved, base, directory, run_config, "--lora-base")
+    params = lora_params(directory, step, lora_program, run_config, base)
     merged = merge_lora(lora_program, program, params)
     host = jax.device_get(frozen.trainable(params)["lora"])
-    return Loaded(cfg, program, merged, run_config, source, host, adapters)
+    return Loaded(cfg, program, merged, run_config, source, host, adapters, base)
 
 
-def lora_params(directory: str, step: int, program: Program, run_config: dict[str, Any]) -> Any:
+def lora_params(
+    directory: str, step: int, program: Program, run_config: dict[str, Any], given: str = ""
+) -> Any:
     """The params of a LoRA run's checkpoint on `program`: as saved, or (an adapter-only
-    checkpoint, spmd.lora_base) the adapters joined to the base reloaded from the
-    folder the checkpoint names, after checking its hash."""
+    checkpoint, spmd.lora_base) the adapters joined to the base reloaded from `given`
+    (--lora-base) or the folder the checkpoint names, after checking its hash."""
     saved = run_config.get(lora_base.KEY)
     if not isinstance(saved, dict):
         return params_io.restore_params(directory, step, program.abstract_params)
+    folder = lora_base.recorded_base(saved, given, directory, run_config, "--lora-base")
     adapters = frozen.trainable(program.abstract_params)
     trained = params_io.restore_params(directory, step, adapters)
     where = f"{directory} step {step}"
-    base = lora_base.load_base(saved, saved["base"], program.abstract_params, where)
+    base = lora_base.load_base(saved, folder, program.abstract_params, where, "--lora-base")
     return frozen.join(trained, base)
 
 

@@ -14,9 +14,14 @@ CACHE_HOME = os.environ["XDG_CACHE_HOME"]
 
 
 def run(
-    module: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+    module: str,
+    *args: str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess:
-    """`python -m module args` from the repository root; `env` adds environment variables."""
+    """`python -m module args` from folder `cwd` (the repository root unless given); `env` adds
+    environment variables."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -27,7 +32,7 @@ def run(
     # XLA_FLAGS (the fast-compile flags of conftest) carry over: compiling is most of a run
     return subprocess.run(
         [sys.executable, "-m", module, *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,

@@ -168,6 +168,19 @@ CASES = [
     convert("--checkpoint {checkpoint} --to-hf {checkpoint}/hf", ()),
     convert("--from-hf {hf_copy} --to {hf_copy}", ()),
     Case("convert", "--from-hf {hf_nan} --to {tmp}/out --mesh dp=1", (), mesh=True),
+    # an output that cannot be made or written: under a file, in /proc
+    convert(f"--from-hf {UNTIED} --to {{text}}/x", ()),
+    convert(f"--from-hf {UNTIED} --to /proc/spmd-x", ()),
+    convert("--checkpoint {checkpoint} --to-hf {text}/x", ()),
+    convert("--checkpoint {checkpoint} --to-peft /proc/spmd-x", ()),
+    # an output in a live run's folder, or inside a checkpoint folder
+    convert(f"--from-hf {UNTIED} --to {{locked}}", ()),
+    convert(f"--from-hf {UNTIED} --to {{locked}}/converted", ()),
+    convert("--checkpoint {checkpoint} --to-hf {unverified_only}/hf", ()),
+    # flags the direction does not use
+    *map(convert, ["--lora-base {tmp}", "--tokenizer {tmp}", "--to-peft {tmp}/p"]),
+    convert("--checkpoint {checkpoint} --to-peft {tmp}/p --hf-dtype bfloat16", ()),
+    Case("convert", "--checkpoint {checkpoint} --to-hf {tmp}/hf --lora-base {tmp}", (), True),
     # generation
     *map(generate, ["--max-new-tokens 0", "--temperature nan", "--temperature inf"]),
     *map(generate, ["--temperature -1", "--top-k -1", "--step 3", "--seed -1"]),
@@ -187,6 +200,7 @@ CASES = [
     generate("--chat", mesh=True),  # byte-level text: no chat template
     generate("--prompt \udcff\udcfe\udcfa", mesh=True),  # bytes past the vocab's 128
     generate("--devices 100000"),
+    generate("--lora-base {tmp}"),  # --from-hf reads no adapters
     generate("--from-hf {hf_nan} --prompt Hello --mesh dp=1", (), True),
     generate("--checkpoint {checkpoint} --prompt Hello --max-new-tokens 100000000", (), True),
     # the launcher

@@ -236,8 +236,10 @@ def test_a_wrong_shape_exits_2_naming_the_tensor_and_both_shapes(tmp_path, capsy
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope type 'yarn'"),
         ({"attention_bias": True}, "attention_bias = True"),
+        # transformers builds the model its model_type names: the two must agree
+        ({"model_type": "qwen3"}, "architectures names LlamaForCausalLM but model_type 'qwen3'"),
     ],
-    ids=["architecture", "rope-scaling", "bias"],
+    ids=["architecture", "rope-scaling", "bias", "model-type-contradicts"],
 )
 def test_an_unsupported_architecture_exits_2_naming_it(tmp_path, capsys, changes, named):
     folder = copy_fixture(tmp_path)

@@ -87,6 +87,7 @@ def test_every_flag_takes_the_hub_id(cache, capsys):
 def test_local_paths_win_over_hub_ids(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "hf").mkdir(parents=True)
+    (tmp_path / "runs" / "hf" / "tokenizer.json").write_text("{}")
     assert hub.model_folder("runs/hf", "--from-hf") == "runs/hf"  # a folder: never looked up
     assert hub.tokenizer_file("runs/hf", "--tokenizer") == str(Path("runs/hf/tokenizer.json"))
     for value in ["", "runs/hf/x", "./hf", "/abs/hf", "tokenizer.json", "a b/c", "x/.."]:
@@ -123,3 +124,9 @@ def test_the_command_line_exits_2_for_an_unknown_id(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --from-hf nobody/missing"), lines
     assert str(tmp_path) in lines[0]  # the cache it looked in
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_called_so(tmp_path):
+    """An existing folder is not "no such file": the message says what it lacks."""
+    with pytest.raises(UsageError, match="is a folder that holds no tokenizer.json"):
+        hub.tokenizer_file(str(tmp_path), "--tokenizer")

@@ -39,7 +39,8 @@ MODEL_FILES = (
     *TOKENIZER_FILES,
 )
 SUBFOLDERS = ["*/*"]  # e.g. Llama's original/ (consolidated .pth): never read here
-FOLDER_FIELDS = ("init_from_hf", "from_hf")  # config fields naming a Hugging Face folder
+# config fields naming a Hugging Face folder
+FOLDER_FIELDS = ("init_from_hf", "from_hf", "lora_base")
 TOKENIZER_FIELDS = ("tokenizer",)  # config fields naming a tokenizer.json
 
 
@@ -69,6 +70,11 @@ def tokenizer_file(value: str, flag: str) -> str:
     """The tokenizer.json `value` names: the file itself, the tokenizer.json of a folder, or
     that of the cached snapshot of Hub repo `value` (downloading its tokenizer files only)."""
     if value and Path(value).is_dir():
+        if not (Path(value) / "tokenizer.json").is_file():
+            raise UsageError(
+                f"{flag} {value} is a folder that holds no tokenizer.json; give a tokenizer.json "
+                f"or the Hugging Face folder that holds one"
+            )
         return str(Path(value) / "tokenizer.json")
     if not is_repo_id(value):
         return value

@@ -122,7 +122,12 @@ def save_converted(directory: str, params: Any, config: dict[str, Any], source: 
     """Write `params` as checkpoint step 0 of the new checkpoint folder `directory`, with
     `config` (e.g. {"model": ...}) marked as converted from `source`. Refuses a folder that
     already holds checkpoints."""
-    checkpoint.check_directory(directory, "fresh")
+    steps = checkpoint.complete_steps(directory)
+    if steps:  # written by another conversion since the command began
+        raise UsageError(
+            f"--to {directory} already holds checkpoints (newest: step {steps[-1]}); give a new "
+            f"folder"
+        )
     manager = checkpoint.open_manager(directory, keep=1)
     try:
         checkpoint.save(
