@@ -3,6 +3,7 @@ corpus smaller than a batch and with a tokenizer beyond 256 tokens, chat templat
 a closed pipe and a full device as stdout, shell completion of the commands' actions."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,48 @@ def test_preview_needs_no_batch_and_no_model_vocabulary(corpus, capsys):
     with pytest.raises(SystemExit, match="2"):
         data.main(["preview", *preview_args(corpus), "--model", "tiny"])
     assert capsys.readouterr().err.startswith("error: unknown flag --model")
+
+
+FAILING_TEMPLATES = {  # a chat template that fails, and the reason its one line gives
+    "{% for i in range(100000000) %}x{% endfor %}": "OverflowError: Range too big",
+    "{% for i in range(90000) %}{% for j in range(90000) %}x{% endfor %}{% endfor %}": (
+        "OverflowError: its ranges yield more than 1,000,000 numbers in one rendering"
+    ),
+    "{{ 'x' * 1000000000 }}": "OverflowError: a `*` makes more than 10,000,000 items",
+    "{{ messages | length / 0 }}": "ZeroDivisionError: division by zero",
+}
+
+
+def chat_tokenizer_with(folder: Path, template: str) -> Path:
+    """A copy of the chat tokenizer fixture whose chat template is `template`."""
+    shutil.copytree(CHAT_TOKENIZER, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**settings, "chat_template": template})
+    )
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("template", FAILING_TEMPLATES)
+def test_a_failing_chat_template_is_one_line_in_preview(template, tmp_path, capsys):
+    tokenizer = chat_tokenizer_with(tmp_path / "tok", template)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    argv = ["preview", "--data", str(tmp_path / "chats.jsonl"), "--messages-field", "messages"]
+    argv += ["--tokenizer", str(tokenizer), "--data-cache", str(tmp_path / "cache")]
+    assert data.main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --data {tmp_path / 'chats.jsonl'} line 1: the chat template ")
+    assert FAILING_TEMPLATES[template] in line
+
+
+def test_a_failing_chat_template_is_one_line_in_generate(tmp_path, capsys):
+    from spmd import generate
+
+    template = next(iter(FAILING_TEMPLATES))
+    tokenizer = chat_tokenizer_with(tmp_path / "tok", template)
+    hf = ROOT / "tests" / "fixtures" / "hf_llama_untied"
+    argv = ["--from-hf", str(hf), "--tokenizer", str(tokenizer), "--chat", "--prompt", "hi"]
+    assert generate.main([*argv, "--mesh", "dp=1"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --chat: prompt 1: the chat template fails (OverflowError: ")
