@@ -15,6 +15,7 @@ import sys
 import shtab
 
 from spmd.commands import COMMANDS, usage
+from spmd.errors import run_command
 from spmd.parser import Parser, built_parser
 
 # flags (by field) that name a folder; the other path flags name files (or either)
@@ -53,6 +54,10 @@ def _hint(action: argparse.Action) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(run, argv)
+
+
+def run(argv: list[str] | None) -> int:
     parser = Parser(prog="spmd completion", description=__doc__)
     parser.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell to complete in")
     shell = parser.parse_args(sys.argv[1:] if argv is None else argv).shell

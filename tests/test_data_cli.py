@@ -3,13 +3,17 @@ corpus smaller than a batch and with a tokenizer beyond 256 tokens, chat templat
 a closed pipe and a full device as stdout, shell completion of the commands' actions."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from spmd import data
-from tests.cli import ROOT
+from tests.cli import CACHE_HOME, ROOT
 
 CHAT_TOKENIZER = ROOT / "tests" / "fixtures" / "chat_tokenizer"
 DOCUMENTS = [
@@ -114,3 +118,36 @@ def test_a_failing_chat_template_is_one_line_in_generate(tmp_path, capsys):
     assert generate.main([*argv, "--mesh", "dp=1"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --chat: prompt 1: the chat template fails (OverflowError: ")
+
+
+def spmd_command(*args: str, stdout: Any) -> subprocess.Popen:
+    """`spmd ARGS` as the console script runs it (spmd.cli), a real process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "spmd.cli", *args],
+        cwd=ROOT,
+        env={**env, "XDG_CACHE_HOME": CACHE_HOME},
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_reader_that_closes_the_pipe_ends_preview_quietly(corpus):
+    """`spmd data preview | head`, with the reader gone before the first line: no traceback,
+    and the status of a command that SIGPIPE ended (141), as git's."""
+    process = spmd_command("data", "preview", *preview_args(corpus), stdout=subprocess.PIPE)
+    process.stdout.close()  # before the interpreter has even started
+    assert process.stderr.read() == ""
+    assert process.wait(timeout=120) == 141
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_device_as_stdout_is_one_line(tmp_path):
+    with open("/dev/full", "w") as full:
+        process = spmd_command("completion", "bash", stdout=full)
+        assert process.wait(timeout=120) == 2
+    assert process.stderr.read().splitlines() == [
+        "error: stdout (/dev/full) takes no more output (No space left on device); send the "
+        "output to a file or a pipe that can take it"
+    ]
