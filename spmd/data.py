@@ -43,7 +43,7 @@ ANY_VOCAB = sys.maxsize  # no model reads the tokens here: every token id has an
 class ShowConfig:
     """How much to show."""
 
-    windows: int = 2  # preview: how many windows of the first step to print
+    windows: int = 2  # preview: how many of the first windows training reads to print
 
 
 def sections() -> dict[str, type]:

@@ -151,3 +151,41 @@ def test_a_full_device_as_stdout_is_one_line(tmp_path):
         "error: stdout (/dev/full) takes no more output (No space left on device); send the "
         "output to a file or a pipe that can take it"
     ]
+
+
+COMPLETE = """source {script}
+try() {{ COMP_WORDS=("$@"); COMP_CWORD=$(( ${{#COMP_WORDS[@]}} - 1 ))
+  COMPREPLY=(); _shtab_spmd spmd "${{COMP_WORDS[-1]}}" "${{COMP_WORDS[-2]}}"
+  echo "${{COMPREPLY[*]}}"; }}
+try spmd data ''
+try spmd data preview --wind
+try spmd checkpoint ''
+try spmd checkpoint verify ''
+try spmd checkpoint verify --st
+try spmd plan --gpu ''
+"""
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash to run the completion script")
+def test_completion_knows_the_actions_and_the_gpus(tmp_path, capsys):
+    from spmd import checkpoint, completion
+    from spmd.estimate import search
+
+    assert completion.main(["bash"]) == 0
+    script = tmp_path / "spmd.bash"
+    script.write_text(capsys.readouterr().out)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    shell = tmp_path / "try.sh"
+    shell.write_text(COMPLETE.format(script=script))
+    lines = subprocess.run(
+        ["bash", str(shell)], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert lines == [
+        " ".join(data.ACTIONS),
+        "--windows",
+        " ".join(checkpoint.ACTIONS),
+        "runs",  # folders only, after the action
+        "--step",
+        " ".join(search.GPUS),
+    ]
