@@ -189,3 +189,15 @@ def test_completion_knows_the_actions_and_the_gpus(tmp_path, capsys):
         "--step",
         " ".join(search.GPUS),
     ]
+
+
+def test_a_hub_dataset_id_as_data_says_what_data_reads(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # where no HuggingFaceH4/ folder is
+    argv = ["--data", "HuggingFaceH4/ultrachat_200k", "--messages-field", "messages"]
+    assert data.main(["stats", *argv, "--data-cache", str(tmp_path / "cache")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --data HuggingFaceH4/ultrachat_200k: no such file or folder; ")
+    assert "a token .bin, JSONL / Parquet / Arrow records" in line
+    assert line.endswith("as a Hugging Face dataset id is not downloaded: download its files "
+                         "and give their folder")  # fmt: skip
+    assert "is text or tokens" not in line
