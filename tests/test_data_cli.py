@@ -201,3 +201,17 @@ def test_a_hub_dataset_id_as_data_says_what_data_reads(tmp_path, monkeypatch, ca
     assert line.endswith("as a Hugging Face dataset id is not downloaded: download its files "
                          "and give their folder")  # fmt: skip
     assert "is text or tokens" not in line
+
+
+def test_the_report_hint_shows_only_where_matplotlib_is_missing(tmp_path, monkeypatch):
+    from spmd import config, train
+    from spmd.training.run_folder import report_command
+
+    run = tmp_path / "run"
+    cfg = config.Config.of(train.resolve_sections(["--model", "tiny", "--run-dir", str(run)]))
+    assert report_command(cfg) == f"python -m spmd.report {run}"  # matplotlib is installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
+    with pytest.raises(ImportError):
+        import matplotlib  # noqa: F401
+    hint = "  (matplotlib: pip install -e '.[report]')"
+    assert report_command(cfg) == f"python -m spmd.report {run}{hint}"
