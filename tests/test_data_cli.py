@@ -2,6 +2,7 @@
 corpus smaller than a batch and with a tokenizer beyond 256 tokens, chat templates that fail,
 a closed pipe and a full device as stdout, shell completion of the commands' actions."""
 
+import importlib
 import json
 import os
 import shutil
@@ -215,3 +216,23 @@ def test_the_report_hint_shows_only_where_matplotlib_is_missing(tmp_path, monkey
         import matplotlib  # noqa: F401
     hint = "  (matplotlib: pip install -e '.[report]')"
     assert report_command(cfg) == f"python -m spmd.report {run}{hint}"
+
+
+def test_the_readme_tour_shows_lora_with_flags_the_commands_have():
+    from spmd import commands, parser
+
+    lines = [
+        line.split("  #")[0].split()
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("python -m spmd.")
+    ]
+    assert any("--lora-rank" in line for line in lines)
+    assert any("--to-peft" in line for line in lines)
+    modules = {module for module, _ in commands.COMMANDS.values()}
+    for words in lines:
+        module, argv = words[2], words[3:]
+        argv = argv[: argv.index("--")] if "--" in argv else argv  # (launch's command follows)
+        assert module in modules, words
+        own = parser.built_parser(importlib.import_module(module).main)
+        flags = {flag for action in own._actions for flag in action.option_strings}
+        assert {word for word in argv if word.startswith("--")} <= flags, words
