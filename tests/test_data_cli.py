@@ -144,11 +144,14 @@ def test_a_reader_that_closes_the_pipe_ends_preview_quietly(corpus):
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
-def test_a_full_device_as_stdout_is_one_line(tmp_path):
+def test_a_full_device_as_stdout_is_one_line(monkeypatch, capsys):
+    """`spmd completion bash > /dev/full`, in-process on the real device."""
+    from spmd import cli
+
     with open("/dev/full", "w") as full:
-        process = spmd_command("completion", "bash", stdout=full)
-        assert process.wait(timeout=120) == 2
-    assert process.stderr.read().splitlines() == [
+        monkeypatch.setattr(sys, "stdout", full)
+        assert cli.main(["completion", "bash"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
         "error: stdout (/dev/full) takes no more output (No space left on device); send the "
         "output to a file or a pipe that can take it"
     ]
