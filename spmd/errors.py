@@ -13,12 +13,11 @@ line and status 2.
 
 import errno
 import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
-CLOSED_PIPE_STATUS = 128 + signal.SIGPIPE  # 141: what a shell shows for a SIGPIPE death
+CLOSED_PIPE_STATUS = 141  # 128 + SIGPIPE (13): what a shell shows for a SIGPIPE death
 
 
 class UsageError(ValueError):
@@ -60,7 +59,9 @@ def run_command(run: Callable[[list[str] | None], int], argv: list[str] | None) 
     closed stdout status 141 with nothing printed, another failure to write stdout one line
     and status 2. A command that puts its own stream in sys.stdout (spmd.train's, which
     outlives a lost console) keeps its own way with it."""
-    if isinstance(sys.stdout, _WatchedOutput):  # a command run by another: the outer one ends it
+    if sys.stdout is None or isinstance(sys.stdout, _WatchedOutput):
+        # no stdout at all (`>&-`: print writes nothing), or a command run by another, whose
+        # run_command ends it
         return _run_reporting(run, argv)
     watched = _WatchedOutput(sys.stdout)
     sys.stdout = watched  # type: ignore[assignment]
