@@ -191,9 +191,9 @@ class Renderer:
 
 @functools.cache
 def _bounded_environment() -> type:
-    """jinja2's immutable sandbox with `*` bounded: text or a list repeated to at most
-    MAX_REPEAT items, a power's exponent at most 64 bits' worth (the sandbox bounds ranges
-    only)."""
+    """jinja2's immutable sandbox with `*` and `**` bounded: text or a list repeated to at most
+    MAX_REPEAT items, an integer raised to at most the 64th power (the sandbox itself bounds
+    only ranges)."""
     import jinja2.sandbox
 
     class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
