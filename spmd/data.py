@@ -4,9 +4,11 @@
     python -m spmd.data stats --data "web=a/*.parquet:0.7,code=b:0.3" --seq-len 2048
 
 Both read the data as `spmd.train` would with the same flags (the data section, --seq-len,
---batch, --seed, --model for the vocabulary), through the same reader and cache.
+--seed, and --batch for a mixture's rows per step), through the same reader and cache. No
+model reads the tokens here, so any tokenizer's vocabulary goes, and a corpus too small for
+a training batch still shows (spmd.train says what it lacks).
 
-`preview` prints the first --windows windows of the first training step, decoded as text.
+`preview` prints the first --windows windows that training reads, in order, decoded as text.
 `¶` marks where a document starts (record corpora: JSONL, Parquet, Arrow; text files and token
 .bin files have no known boundaries), and `«...»` wraps the tokens the loss does not count:
 the prompt of prompt/response records, the chat template's roles and other turns, and each
@@ -34,17 +36,18 @@ from spmd.sections import DataConfig, RunConfig
 ACTIONS = ("preview", "stats")
 DOCUMENT = "¶"  # a document starts here
 OUT_OF_LOSS = ("«", "»")  # around the tokens the loss does not count
+ANY_VOCAB = sys.maxsize  # no model reads the tokens here: every token id has an embedding
 
 
 @dataclasses.dataclass(frozen=True)
 class ShowConfig:
     """How much to show."""
 
-    windows: int = 2  # preview: how many windows of the first step to print
+    windows: int = 2  # preview: how many of the first windows training reads to print
 
 
 def sections() -> dict[str, type]:
-    run = view(RunConfig, ("model", "batch", "seq_len", "seed"), "DataRun")
+    run = view(RunConfig, ("batch", "seq_len", "seed"), "DataRun")
     return {"data": DataConfig, "run": run, "show": ShowConfig}
 
 
@@ -68,8 +71,7 @@ def run(argv: list[str] | None) -> int:
 
     run_data.check_choices(data_cfg)
     data_cfg = hub.resolve_section(data_cfg)  # a Hub id in --tokenizer: its cached file
-    vocab = config.preset(run_cfg.model).get("vocab_size", np.iinfo(np.int32).max)
-    _, windows = run_data.open_run_data(data_cfg, run_cfg.seq_len, run_cfg.batch, vocab)
+    _, windows = run_data.open_run_data(data_cfg, run_cfg.seq_len, run_cfg.batch, ANY_VOCAB)
     sources = named_sources(windows)
     if resolved["action"] == "stats":
         for name, source in sources:
@@ -80,7 +82,8 @@ def run(argv: list[str] | None) -> int:
         f"legend: {DOCUMENT} a document starts; {OUT_OF_LOSS[0]}...{OUT_OF_LOSS[1]} not in the "
         f"loss; the rest are the loss's targets"
     )
-    for number, (name, source, window) in enumerate(first_windows(windows, run_cfg, show)):
+    picked = first_windows(windows, run_cfg.seed, show.windows)
+    for number, (name, source, window) in enumerate(picked):
         print(f"=== window {number + 1} ({name} window {window}) ===")
         print(render_window(source, window, decode))
     return 0
@@ -93,18 +96,24 @@ def named_sources(windows: Any) -> list[tuple[str, Any]]:
     return [("data", windows)]
 
 
-def first_windows(windows: Any, run_cfg: Any, show: ShowConfig) -> list[tuple[str, Any, int]]:
-    """(source name, its TokenWindows, window id) of the first rows of training step 1."""
+def first_windows(windows: Any, seed: int, count: int) -> list[tuple[str, Any, int]]:
+    """(source name, its TokenWindows, window id) of the first `count` windows training reads,
+    in order. One source: its first epoch's order, whose consecutive slices are the steps'
+    batches whatever --batch is (at most all its train windows); a mixture: the rows of steps
+    1, 2, ... (its rows per source follow --batch)."""
     from spmd.io import data
 
-    if hasattr(windows, "step_rows"):  # a mixture: each row's source and window
-        sources, ids = windows.step_rows(run_cfg.seed, 0)
+    if not hasattr(windows, "step_rows"):
+        order = data.epoch_order(seed, 0, windows.n_train)[:count]
+        return [("data", windows, int(i)) for i in order]
+    picked: list[tuple[str, Any, int]] = []
+    step = 0
+    while len(picked) < count:
+        sources, ids = windows.step_rows(seed, step)
         rows = zip(sources.tolist(), ids.tolist(), strict=True)
-        picked = [(windows.names[s], windows.sources[s], i) for s, i in rows]
-    else:
-        ids = data.train_window_ids(run_cfg.seed, 0, run_cfg.batch, windows.n_train)
-        picked = [("data", windows, int(i)) for i in ids]
-    return picked[: show.windows]
+        picked += [(windows.names[s], windows.sources[s], i) for s, i in rows]
+        step += 1
+    return picked[:count]
 
 
 def decoder(tokenizer: str) -> Any:

@@ -41,7 +41,12 @@ class _Console(logging.Handler):
         stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
         try:
             print(self.format(record), file=stream, flush=True)
-        except Exception:  # a closed stream must not end the run; logging's own convention
+        except (OSError, ValueError):
+            # The reader is gone (`| head` done, `> /dev/full`): the line is dropped, not
+            # reported as logging's traceback; the command's end says what stdout met
+            # (spmd.errors.run_command) and a rank file, where open, keeps the line.
+            pass
+        except Exception:  # a line that cannot be formatted: logging's own report, no end
             self.handleError(record)
 
 

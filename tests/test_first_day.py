@@ -87,8 +87,7 @@ def test_readme_runs_write_what_it_says_and_continue_as_printed(
     out = train_main(shlex.split(command)[3:], capsys)
     assert f"resumed from step 1 in {folder}/checkpoints" in out and "done: 2 steps" in out
     assert "warning" not in out.lower()
-    report_line = f"python -m spmd.report {folder}  (matplotlib: pip install -e '.[report]')"
-    assert f"its curves: {report_line}" in out
+    assert f"its curves: python -m spmd.report {folder}\n" in out  # (matplotlib is installed)
     # README: "its config as TOML, metrics JSONL, per-rank logs, TensorBoard events ... and
     # checkpoints"
     readme = " ".join((ROOT / "README.md").read_text().split())

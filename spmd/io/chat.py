@@ -7,7 +7,11 @@ rendered by jinja2 in a sandbox with the settings those templates are written fo
 (trim_blocks, lstrip_blocks, loop controls, a `raise_exception` function, a `strftime_now`
 function, a `tojson` filter that writes plain JSON, the config's special tokens such as
 `bos_token` and `eos_token` as variables). spmd.generate --chat renders a prompt with it too
-(`Renderer.prompt`).
+(`Renderer.prompt`). A template's work is bounded: jinja2's sandbox refuses a `range` over
+100,000 numbers, and here the ranges of one rendering may hold RANGE_BUDGET numbers together
+and a `*` may repeat text or a list to MAX_REPEAT items; a template that breaks these, or
+raises anything else, fails that record with a one-line reason (a bad record), never a
+traceback.
 
 Which tokens count. Each assistant message's text span is found by rendering prefixes of
 the conversation: the messages before it with `add_generation_prompt=True` (everything up to
@@ -23,13 +27,17 @@ assistant's.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from spmd.errors import UsageError
 
 ASSISTANT = "assistant"
+RANGE_BUDGET = 1_000_000  # numbers all of one rendering's ranges may yield together
+MAX_REPEAT = 10_000_000  # items (characters, list entries) a `*` in a template may make
 
 
 def config_path(tokenizer: str) -> Path:
@@ -111,15 +119,17 @@ class Renderer:
             raise jinja2.TemplateError(message)
 
         source, self.specials = load_template(tokenizer, flag)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        env = _bounded_environment()(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.globals["range"] = self._range
         # jinja2's own tojson escapes <, >, & and ' for HTML; a prompt wants the JSON itself
         env.filters["tojson"] = lambda value, indent=None: json.dumps(
             value, ensure_ascii=False, indent=indent
         )
+        self.range_left = RANGE_BUDGET
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -128,43 +138,78 @@ class Renderer:
                 f"(line {e.lineno}: {e.message})"
             ) from None
 
+    def _range(self, *args: int) -> range:
+        """The sandbox's range (at most 100,000 numbers), charged to this rendering's budget."""
+        import jinja2.sandbox
+
+        numbers = jinja2.sandbox.safe_range(*args)
+        self.range_left -= len(numbers)
+        if self.range_left < 0:
+            raise OverflowError(
+                f"its ranges yield more than {RANGE_BUDGET:,} numbers in one rendering"
+            )
+        return numbers
+
     def _render(self, messages: list, generation_prompt: bool) -> str:
-        return self.template.render(
-            messages=messages, add_generation_prompt=generation_prompt, **self.specials
-        )
+        """The template's text; ValueError saying why where it fails (whatever it raises: a
+        template is the user's code, so its failure is theirs to read in one line)."""
+        import jinja2
+
+        self.range_left = RANGE_BUDGET
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=generation_prompt, **self.specials
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refuses it ({e})") from None
+        except Exception as e:  # noqa: BLE001 (the template's own failure, whatever it is)
+            raise ValueError(f"the chat template fails ({type(e).__name__}: {e})") from None
 
     def prompt(self, text: str) -> str:
         """`text` as one user message followed by the template's generation prompt (where the
         assistant starts writing); ValueError (saying why) where the template refuses it."""
-        import jinja2
-
-        try:
-            return self._render([{"role": "user", "content": text}], True)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template refuses it ({e})") from None
+        return self._render([{"role": "user", "content": text}], True)
 
     def __call__(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and its assistant spans [start, end) in characters;
         ValueError (saying why) where the template refuses it or is not prefix-stable."""
-        import jinja2
-
-        try:
-            text = self._render(messages, False)
-            spans = []
-            for i, message in enumerate(messages):
-                if message["role"] != ASSISTANT:
-                    continue
-                before = self._render(messages[:i], True)
-                through = self._render(messages[: i + 1], False)
-                if not (through.startswith(before) and text.startswith(through)):
-                    raise ValueError(
-                        f"the chat template does not render message {i}'s prefix as a prefix "
-                        f"of the conversation"
-                    )
-                spans.append((len(before), len(through)))
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template refuses it ({e})") from None
+        text = self._render(messages, False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != ASSISTANT:
+                continue
+            before = self._render(messages[:i], True)
+            through = self._render(messages[: i + 1], False)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ValueError(
+                    f"the chat template does not render message {i}'s prefix as a prefix "
+                    f"of the conversation"
+                )
+            spans.append((len(before), len(through)))
         return text, spans
+
+
+@functools.cache
+def _bounded_environment() -> type:
+    """jinja2's immutable sandbox with `*` and `**` bounded: text or a list repeated to at most
+    MAX_REPEAT items, an integer raised to at most the 64th power (the sandbox itself bounds
+    only ranges)."""
+    import jinja2.sandbox
+
+    class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                sized, times = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(sized, str | list | tuple) and isinstance(times, int):
+                    if len(sized) * times > MAX_REPEAT:
+                        raise OverflowError(f"a `*` makes more than {MAX_REPEAT:,} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 64:
+                raise OverflowError(f"a `**` with exponent {right} (at most 64 here)")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
 
 
 def counted(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

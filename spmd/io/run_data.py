@@ -53,6 +53,8 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
             data_cfg.skip_bad_records,
             say=say,
         )
+    if path and not Path(path).exists():  # (before the fields: the path is the mistake)
+        raise tokens.missing(path, flag)
     if data_cfg.prompt_field or data_cfg.messages_field:
         flag = "prompt" if data_cfg.prompt_field else "messages"
         raise UsageError(

@@ -102,7 +102,25 @@ def corpus_files(path: str, flag: str = "--data") -> list[Path]:
         raise UsageError(
             f"{flag} {path}: the folder holds no text files ({' '.join(TEXT_SUFFIXES)})"
         )
-    raise UsageError(f"{flag} {path}: no such file or folder; give a text file, folder or .bin")
+    raise missing(path, flag)
+
+
+def missing(path: str, flag: str = "--data") -> UsageError:
+    """The error for a `flag` (--data, --eval-data) path that does not exist: what the flag
+    reads, and for a Hugging Face dataset id (org/name) that it is not downloaded."""
+    from spmd.io import hub
+
+    hub_id = (
+        f", and {path} as a Hugging Face dataset id is not downloaded: download its files "
+        f"and give their folder"
+        if hub.is_repo_id(path)
+        else ""
+    )
+    return UsageError(
+        f"{flag} {path}: no such file or folder; {flag} reads local files (a text file or a "
+        f"folder of them, a token .bin, JSONL / Parquet / Arrow records: a file, folder or "
+        f"glob) or a gs://, s3:// or other fsspec URL of them{hub_id}"
+    )
 
 
 def check_text(path: Path, flag: str = "--data") -> None:

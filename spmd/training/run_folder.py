@@ -198,13 +198,24 @@ def continue_command(cfg: Config) -> str:
 
 
 def report_command(cfg: Config) -> str:
-    """The command that draws this run's curves (spmd.report, which needs the `report` extra's
-    matplotlib), "" when it writes no metrics file."""
+    """The command that draws this run's curves (spmd.report), with how to install the
+    `report` extra's matplotlib where it is missing; "" when the run writes no metrics file."""
     folder, metrics = cfg.run.run_dir, cfg.observe.metrics
     what = folder if folder and folder != NO_FOLDER else metrics
     if not what:
         return ""
-    return f"python -m spmd.report {what}  (matplotlib: pip install -e '.[report]')"
+    missing = "" if _importable("matplotlib") else "  (matplotlib: pip install -e '.[report]')"
+    return f"python -m spmd.report {what}{missing}"
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules holds None for it: an import of it fails
+        return False
 
 
 def write_config(folder: str, text: str) -> str:
