@@ -20,7 +20,7 @@ from spmd.engine import fp8_state, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
 from spmd.estimate import comms, cost, flops, measure, theory, timing
-from spmd.estimate.shape import llama_shape
+from spmd.estimate.shape import release_for
 from spmd.io import checkpoint, checkpoint_restore, state_check
 from spmd.model_shape import ModelShape
 from spmd.parallel.fp8_context import Fp8Settings, Site
@@ -209,7 +209,7 @@ def batch(step: int, prog) -> dict:
 
 def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_against_bf16() -> None:
     mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
-    bf16 = cost.Setup(ModelShape(**llama_shape(1e9)), 1e9, mesh, 3, "bf16", "adamw", 8, 2048)
+    bf16 = cost.Setup(ModelShape(**release_for(1e9).fields()), 1e9, mesh, 3, "bf16", "adamw", 8, 2048)
     fp8 = dataclasses.replace(bf16, precision="fp8")
     net = cost.Network(400e9, 50e9, 0.0, 8)
     saved = (
