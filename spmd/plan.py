@@ -348,7 +348,7 @@ def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -
         f"params: embed {shape.embed_dim}, {shape.n_layers} layers, {shape.n_heads} heads, "
         f"{shape.n_kv_heads} kv heads, mlp {shape.mlp_dim}, vocab {shape.vocab_size}){scaled}"
     )
-    fields = [*FIELDS, "qk_norm"] if shape.qk_norm else FIELDS
+    fields = [*FIELDS, "qk_norm"] if shape.qk_norm else list(FIELDS)
     return shape, plan.params, described, _shape_flags(shape, fields)
 
 
