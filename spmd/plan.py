@@ -1,6 +1,7 @@
 """`python -m spmd.plan`: will a model fit, what will a step communicate, which layout to use.
 
     python -m spmd.plan --params 30e9 --devices 32 --hbm 80 --recommend --plot plan.png
+    python -m spmd.plan --init-from-hf meta-llama/Llama-3.1-8B --lora-rank 16 --recommend
     python -m spmd.plan --model 1b --devices 8 --zero 3 --batch 64 --seq-len 2048 [--json]
     python -m spmd.plan --model tiny --mesh dp=2,fsdp=2,tp=2 --batch 16 --seq-len 64 --measure
 
@@ -9,8 +10,11 @@ fastest layout that fits, searched over mesh, ZeRO stage, micro-batch and accum,
 pipeline schedule): memory per device by role against the HBM, the collectives of one
 optimizer step with their ring times, the step time (compute + exposed communication +
 bubble) and the batch arithmetic, then the runner-ups and the `python -m spmd.train` command
-that runs the choice. --plot draws memory and step time; --measure compiles the real train step
-on simulated CPU devices and puts its figures beside the analytic ones. Every flag of
+that runs the choice (with a learning rate for the model's size, spmd.estimate.lr_rule, where
+--lr is not given). The model: a preset, a Hugging Face folder or Hub id (--init-from-hf: its
+config.json alone), or --params, a current release's published shape. --plot draws memory
+and step time; --measure compiles the real train step on simulated CPU devices and puts its
+figures beside the analytic ones. Every flag of
 `python -m spmd.train` is accepted, so a training command line can be planned as it is; what
 it leaves out is planned as pretraining: bf16, sequences of 4096 tokens, about 4.2 M tokens
 (2^22) per step. Units: bytes, seconds; GB = 1e9 bytes, GB/s = 1e9 bytes/s, TFLOP/s = 1e12

@@ -136,7 +136,7 @@ def test_lora_lines_say_what_lora_keeps(capsys):
     assert adapters == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
     text = plan_text(capsys, *args)
     assert "plain DDP keeps 16 B/param" not in text
-    kept = f"the frozen base 2 B/param, the {adapters / 1e6:,.2f} M adapter params 2 + 2 + 12"
+    kept = f"the frozen base 2 B/param, the {adapters / 1e6:.2f} M adapter params 2 + 2 + 12"
     assert f"plain DDP keeps {kept} = 16 B/param on every device" in text
     assert f"memory per device (1 GB = 1e9 bytes)       {kept}" in text
     # and the number beside it is that arithmetic: base x 2 + adapters x 16 + the overhead

@@ -23,6 +23,7 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.estimate.shape import NO_FSDP
+from spmd.estimate.units import si
 
 EMBED = "embed"
 # one collective in spmd.estimate.comms.Comm's fields: kind, axes, group, bytes, count,
@@ -176,6 +177,6 @@ def state_words(per_param: dict[str, int], adapters: float) -> str:
     gradients, master weights or moments: spmd.engine.frozen), the adapters' all of them."""
     terms = " + ".join(str(per_param[role]) for role in ("params", "grads", "optimizer"))
     return (
-        f"the frozen base {per_param['params']} B/param, the {adapters / 1e6:,.2f} M adapter "
+        f"the frozen base {per_param['params']} B/param, the {si(adapters, '').strip()} adapter "
         f"params {terms} = {sum(per_param.values())} B/param"
     )
