@@ -250,13 +250,28 @@ def open_hf(directory: str, remat: str = "none") -> hf_io.HFCheckpoint:
     """A Hugging Face folder checked against the family its config.json names (headers only,
     no tensor data): UsageError naming the architecture, a field the family does not compute,
     or a missing, misshapen or unexpected tensor."""
+    raw, cfg = _read_hf_config(directory, remat)
+    family = of(cfg)
+    assert family.hf is not None
+    return hf_io.open_checkpoint(directory, raw, cfg, family.name, family.create, family.hf.tensors)
+
+
+def hf_model_config(directory: str, remat: str = "none") -> Any:
+    """The model config of a Hugging Face folder's config.json alone (no tensor is read, none
+    need be there: what spmd.plan plans from), by the family the file names; UsageError as
+    `open_hf` for a file no family reads."""
+    return _read_hf_config(directory, remat)[1]
+
+
+def _read_hf_config(directory: str, remat: str) -> tuple[dict[str, Any], Any]:
+    """(config.json of `directory`, the checked model config its family reads from it)."""
     raw = hf_io.read_config(directory)
     where = str(Path(directory) / "config.json")
     family = for_hf(raw, where)
     assert family.hf is not None
     cfg = family.hf.config_from_hf(raw, where, remat)
     family.check(cfg)
-    return hf_io.open_checkpoint(directory, raw, cfg, family.name, family.create, family.hf.tensors)
+    return raw, cfg
 
 
 def load_hf(checkpoint: hf_io.HFCheckpoint, abstract_params: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`python -m spmd.plan`: will a model fit, what will a step communicate, which layout to use.
 
     python -m spmd.plan --params 30e9 --devices 32 --hbm 80 --recommend --plot plan.png
+    python -m spmd.plan --init-from-hf meta-llama/Llama-3.1-8B --lora-rank 16 --recommend
     python -m spmd.plan --model 1b --devices 8 --zero 3 --batch 64 --seq-len 2048 [--json]
     python -m spmd.plan --model tiny --mesh dp=2,fsdp=2,tp=2 --batch 16 --seq-len 64 --measure
 
@@ -9,8 +10,11 @@ fastest layout that fits, searched over mesh, ZeRO stage, micro-batch and accum,
 pipeline schedule): memory per device by role against the HBM, the collectives of one
 optimizer step with their ring times, the step time (compute + exposed communication +
 bubble) and the batch arithmetic, then the runner-ups and the `python -m spmd.train` command
-that runs the choice. --plot draws memory and step time; --measure compiles the real train step
-on simulated CPU devices and puts its figures beside the analytic ones. Every flag of
+that runs the choice (with a learning rate for the model's size, spmd.estimate.lr_rule, where
+--lr is not given). The model: a preset, a Hugging Face folder or Hub id (--init-from-hf: its
+config.json alone), or --params, a current release's published shape. --plot draws memory
+and step time; --measure compiles the real train step on simulated CPU devices and puts its
+figures beside the analytic ones. Every flag of
 `python -m spmd.train` is accepted, so a training command line can be planned as it is; what
 it leaves out is planned as pretraining: bf16, sequences of 4096 tokens, about 4.2 M tokens
 (2^22) per step. Units: bytes, seconds; GB = 1e9 bytes, GB/s = 1e9 bytes/s, TFLOP/s = 1e12
@@ -29,8 +33,8 @@ from models import family
 from spmd import config, lora_base, plan_flags, run_setup
 from spmd.config import Config
 from spmd.errors import UsageError
-from spmd.estimate import cost, measure, plot, recommend, search, summary
-from spmd.estimate.shape import FIELDS, PARAMS_RANGE, llama_shape
+from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
+from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.section_views import model_section
 from spmd.sections import LoraConfig
@@ -64,9 +68,10 @@ def check_values(cfg: Config, plan: Any) -> None:
     smallest, largest = PARAMS_RANGE
     if not (plan.params == 0 or smallest <= plan.params <= largest):
         raise UsageError(
-            f"--params {plan.params:g} is outside the planner's Llama shapes ({smallest:.3g} to "
-            f"{largest:.3g} parameters); give a size in that range, or 0 and a --model preset "
-            f"with shape flags"
+            f"--params {plan.params:g} is outside the sizes the planner has a published shape "
+            f"for ({smallest:.3g} to {largest:.3g} parameters); give a size in that range, or "
+            f"--init-from-hf with the model's folder or Hub id, or a --model preset with shape "
+            f"flags"
         )
     if not 0 <= plan.overlap <= 1:
         raise UsageError(f"--overlap {plan.overlap} must be a share between 0 and 1")
@@ -93,6 +98,13 @@ def run(argv: list[str]) -> int:
         expand=run_setup.expand_layout,
         defaults=plan_flags.DEFAULTS,
     )
+    if sections["plan"].params and (sections["run"].init_from_hf or sections["run"].init_from_peft):
+        raise UsageError(
+            f"--params {sections['plan'].params:g} plans a published shape of that size, and "
+            f"--init-from-hf (or --init-from-peft) names the model itself; give one of them"
+        )
+    # the model of --init-from-hf (--init-from-peft's base): its config.json alone, no weights
+    sections = run_setup.with_sources(sections, weights=False)
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
     given = sections["given"]  # the flags and file keys given (--layout's mesh and zero too)
     if "mesh" not in given and cfg.parallel.zero == 0:  # plain DDP: every device on dp
@@ -100,7 +112,8 @@ def run(argv: list[str]) -> int:
     plan = search.with_gpu(plan, given)
     check_values(cfg, plan)
     planned, n_params, name, model_args = model_shape(given, model_cfg, cfg, plan)
-    model_args = [*model_args, *lora_flags(cfg.lora)]  # the run's adapters, as asked
+    if not cfg.run.init_from_peft:  # (a peft adapter carries its own)
+        model_args = [*model_args, *lora_flags(cfg.lora)]  # the run's adapters, as asked
     shape = family.of(planned).shape(planned)
     sizes = parse_mesh(cfg.parallel.mesh)
     devices = cfg.parallel.devices or (
@@ -120,12 +133,13 @@ def run(argv: list[str]) -> int:
     else:
         setup = _as_given(base, space, resolve_mesh(sizes, devices), cfg)
     out = summary.report(setup, cluster, name)
-    out["lr"] = summary.lr_figures(cfg.optimizer, setup.batch)
+    optimizer, lr_args, lr_source = learning_rate(cfg, given, shape.embed_dim, setup.batch)
+    out["lr"] = summary.lr_figures(optimizer, setup.batch) | {"source": lr_source}
     out["defaults"] = summary.defaults_used(
         setup, space, tuple(plan_flags.PLANNING_DEFAULTS), given
     )
     if chosen is not None:
-        out["recommendation"] = chosen.as_dict(model_args)
+        out["recommendation"] = chosen.as_dict([*model_args, *lr_args])
     if plan.measure:
         out["measured"] = _measure(setup, planned, cfg)
     if plan.plot:
@@ -275,9 +289,36 @@ def lora_flags(lora: LoraConfig) -> list[str]:
     return flags
 
 
+def learning_rate(
+    cfg: Config, given: frozenset[str], embed_dim: int, batch: int
+) -> tuple[Any, list[str], str]:
+    """(the optimizer section the plan reports, the spmd.train flags that set its learning
+    rate, where the rate came from). A --lr given is the run's, carried as given; otherwise
+    the rule of spmd.estimate.lr_rule for the model's width and what the run trains (the --lr
+    default is the small preset's, far too high for a large model)."""
+    scaling = [
+        arg
+        for name in ("lr_scaling", "ref_batch")
+        if name in given
+        for arg in (config.flag_name(name), str(getattr(cfg.optimizer, name)))
+    ]
+    if "lr" in given:
+        return cfg.optimizer, ["--lr", f"{cfg.optimizer.lr:g}", *scaling], "given"
+    from_hf = bool(cfg.run.init_from_hf or cfg.run.init_from_peft)
+    kind = lr_rule.regime(cfg.lora.lora_rank, from_hf)
+    suggested = lr_rule.suggest(embed_dim, kind, cfg.optimizer.lr)
+    lr = lr_rule.lr_for_peak(cfg.optimizer, suggested.peak_lr, batch)
+    optimizer = dataclasses.replace(cfg.optimizer, lr=lr)
+    flags = ["--lr", f"{lr:g}", *scaling] if lr != cfg.optimizer.lr else scaling
+    return optimizer, flags, suggested.rule
+
+
 def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
-    """(model config, parameter count, description, spmd.train model flags) of the preset, or
-    of --params' Llama shape; `given`: the fields the command line gave."""
+    """(model config, parameter count, description, spmd.train model flags) of the preset, of
+    --init-from-hf's config.json (--init-from-peft's base), or of the published shape that
+    stands for --params; `given`: the fields the command line gave."""
+    if cfg.run.init_from_hf:
+        return _hf_model(given, model_cfg, cfg)
     if not plan.params:
         values = config.preset(cfg.run.model)
         preset = config.build(family.check_fields(values, "preset"), values, "preset")
@@ -298,13 +339,40 @@ def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -
             f"--params {plan.params:g} chooses its own shape; drop {config.flag_name(clash[0])}"
             f" (or drop --params to plan the model as given)"
         )
-    # a raw size is planned as a Llama
-    shape = family.get("llama").config(**llama_shape(plan.params), remat=model_cfg.remat)
-    described = (
-        f"--params {plan.params:.3g} as a Llama shape (embed {shape.embed_dim}, "
-        f"{shape.n_layers} layers, {shape.n_heads} heads, mlp {shape.mlp_dim})"
+    release = release_for(plan.params)
+    shape = family.get("llama").config(**release.fields(), remat=model_cfg.remat)
+    # the asked size is planned (the ZeRO paper's 7.5 B is 7.5 B), the release's shape scaled
+    scaled = (
+        f", scaled to the {plan.params / 1e9:.3g} B asked"
+        if plan.params != release.n_params()
+        else ""
     )
-    return shape, plan.params, described, _shape_flags(shape, FIELDS)
+    described = (
+        f"--params {plan.params:.3g} as {release.name}'s shape ({release.n_params() / 1e9:.2f} B "
+        f"params: embed {shape.embed_dim}, {shape.n_layers} layers, {shape.n_heads} heads, "
+        f"{shape.n_kv_heads} kv heads, mlp {shape.mlp_dim}, vocab {shape.vocab_size}){scaled}"
+    )
+    fields = [*FIELDS, "qk_norm"] if shape.qk_norm else list(FIELDS)
+    return shape, plan.params, described, _shape_flags(shape, fields)
+
+
+def _hf_model(given: frozenset[str], model_cfg: Any, cfg: Config) -> tuple:
+    """model_shape's tuple for --init-from-hf (or --init-from-peft): the family config its
+    config.json reads as, its real parameter count, and the flags that name it again."""
+    fam = family.of(model_cfg)
+    n_params = float(fam.n_params(model_cfg))
+    if cfg.run.init_from_peft:
+        source = ["--init-from-peft", cfg.run.init_from_peft]
+        if "init_from_hf" in given:
+            source += ["--init-from-hf", cfg.run.init_from_hf]
+    else:
+        source = ["--init-from-hf", cfg.run.init_from_hf]
+    knobs = [name for name in run_setup.ROUTER_KNOBS if name in given]
+    described = (
+        f"{' '.join(source)} ({fam.name} family: embed {model_cfg.embed_dim}, "
+        f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size})"
+    )
+    return model_cfg, n_params, described, [*source, *_shape_flags(model_cfg, knobs)]
 
 
 def _shape_flags(shape: Any, fields: Any) -> list[str]:

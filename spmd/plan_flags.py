@@ -74,11 +74,18 @@ TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
 TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
 TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather")
+TRAIN_FLAGS += ("init_from_hf", "init_from_peft", "lora_rank", "lora_targets")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
-    "params": "parameters to plan for, e.g. 7e9: a Llama-like shape of that size is used "
-    "for activations (0: the --model preset)",
+    "params": "parameters to plan for, e.g. 8e9: the published shape of the current release "
+    "nearest that size (Llama 3.x, Qwen3, Mistral Large 2; the plan names it) at that count "
+    "(0: the --model preset, or --init-from-hf's model)",
+    "init_from_hf": "plan the model of this Hugging Face folder or Hub id org/name: its "
+    "config.json alone (a Hub id downloads nothing else)",
+    "init_from_peft": "plan LoRA on the base this peft adapter folder names, with its rank "
+    "and targets",
+    "lora_rank": "plan LoRA adapters of this rank on a frozen base (0: full training)",
     "precision": "fp32 (4 + 4 + 8 B/param: params, grads, Adam) or bf16 / fp16 (the ZeRO "
     "paper's mixed precision: 16-bit params and grads + fp32 master weights and Adam, "
     "2 + 2 + 12 B/param), or fp8 (bf16's bytes; the blocks' matmuls at twice the bf16 rate, "
@@ -125,7 +132,8 @@ HELP = {
     "accum": "accumulation micro-steps per optimizer step",
     "microbatches": "pipeline micro-batches per accumulation step (0: 2 x pp)",
     "seq_len": "tokens per sequence",
-    "lr": "peak learning rate before the scaling rule",
+    "lr": "peak learning rate before the scaling rule (default: the planner's rule, about "
+    "1 / width from published rates; docs/planning.md)",
     "lr_scaling": "none, or linear: lr x batch / ref-batch",
     "ref_batch": "the global batch at which --lr was tuned",
     "remat": "none, dots_saveable, full or offload (dots_saveable's set in host memory): what "
@@ -159,7 +167,7 @@ def help_parser(description: str) -> argparse.ArgumentParser:
     }
     for action in parser._actions:
         action.help = HELP.get(action.dest, action.help)
-        if action.dest in defaults and action.dest not in ("mesh", "devices", "batch"):
+        if action.dest in defaults and action.dest not in ("mesh", "devices", "batch", "lr"):
             action.help = f"{action.help or ''} (default {defaults[action.dest]!r})".lstrip()
         elif action.dest in shape:  # a shape field without a default of its own
             action.help = f"{action.help or ''} (default: the --model preset's)".lstrip()

@@ -48,20 +48,34 @@ def resolve_run(argv: list[str] | None, prog: str, **kwargs: Any) -> dict[str, A
     config.json is the architecture, and the router knobs given win over it; with
     --init-from-peft the adapter's config names the base and fills the [lora] section."""
     resolved = config.resolve(argv, sections(), prog, expand=expand_layout, **kwargs)
+    return with_sources(resolved)
+
+
+def with_sources(resolved: dict[str, Any], weights: bool = True) -> dict[str, Any]:
+    """`resolved` (spmd.config.resolve's result) with the model of --init-from-hf (or of
+    --init-from-peft's base) and the [lora] section of --init-from-peft. `weights` False
+    (spmd.plan) reads the base's config.json alone, downloading nothing else of a Hub id, and
+    leaves the flags' values as given (a Hub id stays an id)."""
     adapter = None
     if resolved["run"].init_from_peft:
         adapter = family.read_peft(resolved["run"].init_from_peft)
         resolved["run"] = peft_base(resolved["run"], adapter)
-    resolved = hub.resolve_names(resolved)  # Hub ids in --init-from-hf, --tokenizer: folders
-    if resolved["run"].init_from_hf:
-        folder = family.open_hf(resolved["run"].init_from_hf, resolved["model"].remat)
+    if weights:
+        resolved = hub.resolve_names(resolved)  # Hub ids in --init-from-hf, --tokenizer: folders
+    base = resolved["run"].init_from_hf
+    if base:
+        remat = resolved["model"].remat
+        if weights:
+            model = family.open_hf(base, remat).config
+        else:
+            model = family.hf_model_config(hub.config_folder(base, "--init-from-hf"), remat)
         given = [name for name in ROUTER_KNOBS if name in resolved["given"]]
         knobs = {
             name: getattr(resolved["model"], name)
             for name in given
-            if name in {f.name for f in dataclasses.fields(folder.config)}
+            if name in {f.name for f in dataclasses.fields(model)}
         }
-        resolved["model"] = dataclasses.replace(folder.config, **knobs)
+        resolved["model"] = dataclasses.replace(model, **knobs)
     if adapter is not None:
         resolved["lora"] = peft_lora(resolved, adapter)
     return resolved
@@ -135,10 +149,14 @@ def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
         f"{format_batch_arithmetic(batch_arithmetic(cfg, layout.data_parallel))}"
     )
     policy = builder.policy_of(cfg)
-    say(precision.describe(policy))
-    if policy.fp8 is not None:
+    if policy.fp8 is None:
+        say(precision.describe(policy))
+    else:
         from spmd.engine import fp8_setup
 
+        spec = builder.model_spec(cfg.model, policy, builder.lora_spec(cfg.model, cfg.lora))
+        matmuls = fp8_setup.block_matmuls(spec.make, spec.loss, policy.fp8)
+        say(precision.describe(policy, matmuls))
         say(fp8_setup.device_line(mesh, policy.fp8))
     report = builder.pipeline_report(cfg, layout)
     if report is not None:

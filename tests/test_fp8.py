@@ -16,13 +16,14 @@ import pytest
 from models import fp8
 from spmd import builder
 from spmd.config import flat
-from spmd.engine import fp8_state, precision
+from spmd.engine import fp8_setup, fp8_state, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
 from spmd.estimate import comms, cost, flops, measure, theory, timing
-from spmd.estimate.shape import llama_shape
+from spmd.estimate.shape import release_for
 from spmd.io import checkpoint, checkpoint_restore, state_check
 from spmd.model_shape import ModelShape
+from spmd.parallel import fp8_context
 from spmd.parallel.fp8_context import Fp8Settings, Site
 from tests import trainer
 
@@ -209,7 +210,9 @@ def batch(step: int, prog) -> dict:
 
 def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_against_bf16() -> None:
     mesh = {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1}
-    bf16 = cost.Setup(ModelShape(**llama_shape(1e9)), 1e9, mesh, 3, "bf16", "adamw", 8, 2048)
+    bf16 = cost.Setup(
+        ModelShape(**release_for(1e9).fields()), 1e9, mesh, 3, "bf16", "adamw", 8, 2048
+    )
     fp8 = dataclasses.replace(bf16, precision="fp8")
     net = cost.Network(400e9, 50e9, 0.0, 8)
     saved = (
@@ -227,3 +230,42 @@ def test_the_planner_runs_the_block_matmuls_at_twice_the_rate_and_mfu_stays_agai
     fp8_gathers = {c.purpose: c.bytes for c in comms.collectives(halved) if c.kind == "all-gather"}
     assert fp8_gathers["block params"] == gathers["block params"] / 2
     assert fp8_gathers["embed, head"] == gathers["embed, head"]
+
+
+def _fp8_dots(jaxpr) -> int:
+    """dot_generals with e4m3 operands in a jaxpr and the jaxprs inside it (a scan's body once)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            count += eqn.invars[0].aval.dtype == jnp.float8_e4m3fn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    count += _fp8_dots(inner)
+    return count
+
+
+@pytest.mark.parametrize("min_dim, said", [
+    (512, "none of the 7 block matmuls per layer has k and n >= 512 (--fp8-min-dim), so nothing "
+          "runs in fp8 and the step computes in bf16; --fp8-min-dim 64 would put 5 of 7 in fp8, "
+          "32 all 7"),
+    (64, "fp8: 5 of 7 block matmuls per layer (k and n >= 64; the other 2, the embeddings"),
+    (32, "fp8: 7 of 7 block matmuls per layer (k and n >= 32; the embeddings"),
+])  # fmt: skip
+def test_the_start_up_line_counts_the_block_matmuls_fp8_runs(min_dim: int, said: str) -> None:
+    # the tiny preset (64 wide): at the default --fp8-min-dim 512 fp8 changes nothing, and the
+    # line says so; the count is the fp8 dots one layer of the traced loss holds
+    settings = Fp8Settings(min_dim=min_dim)
+    policy = precision.get("fp8", "", settings)
+    spec = builder.model_spec(trainer.tiny_config(), policy)
+    line = precision.describe(policy, fp8_setup.block_matmuls(spec.make, spec.loss, settings))
+    assert said in line and "with k and n >=" not in line, line
+
+    def loss():
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        return spec.loss(spec.make(0), {"inputs": tokens, "targets": tokens})
+
+    with fp8_context.use(settings):
+        dots = _fp8_dots(jax.make_jaxpr(loss)().jaxpr)
+    assert dots == {512: 0, 64: 5, 32: 7}[min_dim]

@@ -107,7 +107,7 @@ def test_the_planner_counts_one_chunk_of_logits():
     from spmd.estimate import cost, memory, shape
 
     mesh = {"data": 1, "pipeline": 1, "fsdp": 1, "tensor": 2}
-    sizes = {**shape.llama_shape(1e9), "vocab_size": 128256}
+    sizes = shape.release_for(1e9).fields()  # Llama 3.2 1B: vocab 128256
     setups = {
         chunk: cost.Setup(
             shape=ModelShape(**sizes, loss_chunk=chunk),

@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
+from flax import nnx
 
 from spmd.engine import precision
 from spmd.errors import UsageError
@@ -15,6 +16,8 @@ from spmd.parallel import fp8_context
 from spmd.parallel.layout import Layout
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from spmd.engine.options import StepOptions
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs with fp8 tensor cores
@@ -84,6 +87,21 @@ def check_device(settings: fp8_context.Fp8Settings, mesh: jax.sharding.Mesh) -> 
 def emulated(mesh: jax.sharding.Mesh, settings: fp8_context.Fp8Settings) -> bool:
     """Whether this run's fp8 dots are emulated (a CPU, or --fp8-emulate on a GPU)."""
     return mesh.devices.flat[0].platform != "gpu" or settings.emulate
+
+
+def block_matmuls(
+    make_model: Callable[[int], Any], loss: Callable[[Any, Any], Any], settings: Any
+) -> list[tuple[int, int]]:
+    """(k, n) of one stacked block's matmuls of the model `make_model(seed)` builds, each one
+    the fp8 size rule decides on (spmd.parallel.fp8_context.site), found by tracing `loss`
+    abstractly on one sequence of 8 tokens: nothing is allocated or compiled."""
+
+    def forward() -> Any:
+        tokens = jax.numpy.zeros((1, 8), jax.numpy.int32)
+        return loss(make_model(0), {"inputs": tokens, "targets": tokens})
+
+    with nnx.use_eager_sharding(False):
+        return fp8_context.block_matmuls(lambda: jax.eval_shape(forward), settings)
 
 
 def _layers(names: Any, shapes: Any) -> int:

@@ -157,9 +157,11 @@ def short_name(dtype: Any) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[jnp.dtype(dtype).name]
 
 
-def describe(policy: Policy) -> str:
+def describe(policy: Policy, block_matmuls: list[tuple[int, int]] | None = None) -> str:
     """One line for the run log, e.g. "precision bf16: params bf16 (master fp32 in the optimizer
-    state), compute bf16, grad reduce bf16, output fp32"."""
+    state), compute bf16, grad reduce bf16, output fp32". Under fp8, `block_matmuls` are the
+    (k, n) of one stacked block's matmuls (spmd.engine.fp8_setup.block_matmuls): the line says
+    how many of them the size rule puts in fp8, and when none, how to change that."""
     short = short_name
     master = f" (master {short(policy.master_dtype)} in the optimizer state)"
 
@@ -171,19 +173,40 @@ def describe(policy: Policy) -> str:
     )
     fp8 = ""
     if policy.fp8 is not None:
-        s = policy.fp8
-        gather = ", ZeRO-3 gathers them in e4m3" if s.all_gather else ""
-        history = f" ({s.history}-step amax history)" if s.recipe == "delayed" else ""
-        fp8 = (
-            f"; the blocks' matmuls with k and n >= {s.min_dim} in fp8 (e4m3 inputs and "
-            f"weights, {fp8_context.GRAD_FORMAT[s.recipe]} gradients), {s.recipe} "
-            f"scaling{history}{gather}"
-        )
+        fp8 = "; " + _fp8_words(policy.fp8, block_matmuls or [], short(policy.compute_dtype))
     return (
         f"precision {policy.name}: params {short(policy.param_dtype)}"
         f"{master if policy.has_master else ''}, compute "
         f"{short(policy.compute_dtype)}, grad reduce {short(policy.reduce_dtype)}, output "
         f"{short(policy.output_dtype)}{scaling}{fp8}"
+    )
+
+
+def _fp8_words(s: Fp8Settings, matmuls: list[tuple[int, int]], compute: str) -> str:
+    """What fp8 runs: the block matmuls per layer whose k and n reach --fp8-min-dim (the rule
+    fp8_context.site applies), how, and when none does, the --fp8-min-dim that would."""
+    total = len(matmuls)
+    chosen = sum(fp8_context.reaches(s, k, n) for k, n in matmuls)
+    rule = f"k and n >= {s.min_dim}"
+    if not chosen:
+        sizes = sorted({min(k, n) for k, n in matmuls}, reverse=True)
+        if not sizes:
+            return "fp8: the model has no stacked block matmuls, so nothing runs in fp8"
+        largest = sizes[0]
+        reached = sum(min(k, n) >= largest for k, n in matmuls)
+        every = f", {sizes[-1]} all {total}" if len(sizes) > 1 else ""
+        return (
+            f"fp8: none of the {total} block matmuls per layer has {rule} (--fp8-min-dim), so "
+            f"nothing runs in fp8 and the step computes in {compute}; --fp8-min-dim {largest} "
+            f"would put {reached} of {total} in fp8{every}"
+        )
+    gather = ", ZeRO-3 gathers them in e4m3" if s.all_gather else ""
+    history = f" ({s.history}-step amax history)" if s.recipe == "delayed" else ""
+    others = f"the other {total - chosen}, " if chosen < total else ""
+    return (
+        f"fp8: {chosen} of {total} block matmuls per layer ({rule}; {others}the embeddings and "
+        f"the LM head stay {compute}), e4m3 inputs and weights, "
+        f"{fp8_context.GRAD_FORMAT[s.recipe]} gradients, {s.recipe} scaling{history}{gather}"
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from spmd.errors import UsageError
 from spmd.estimate.shape import NO_FSDP
+from spmd.estimate.units import si
 
 EMBED = "embed"
 # one collective in spmd.estimate.comms.Comm's fields: kind, axes, group, bytes, count,
@@ -167,4 +168,15 @@ def tensor_replicated_flops(s: Any) -> float:
         for name in s.lora_targets
         for size, kind in sizes[name]
         if kind == EMBED
+    )
+
+
+def state_words(per_param: dict[str, int], adapters: float) -> str:
+    """What a LoRA run keeps per parameter, from spmd.estimate.memory.bytes_per_param's
+    `per_param` and the `adapters`' scalar count: the frozen base's params alone (no
+    gradients, master weights or moments: spmd.engine.frozen), the adapters' all of them."""
+    terms = " + ".join(str(per_param[role]) for role in ("params", "grads", "optimizer"))
+    return (
+        f"the frozen base {per_param['params']} B/param, the {si(adapters, '').strip()} adapter "
+        f"params {terms} = {sum(per_param.values())} B/param"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmd.estimate import comms, cost, memory, pipeline_figures, search
+from spmd.estimate import comms, cost, lora, memory, pipeline_figures, search
 from spmd.estimate.units import ms
 from spmd.parallel.mesh import format_mesh
 
@@ -78,10 +78,13 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
     mesh, lines = s.mesh, []
     ddp = dataclasses.replace(s, mesh={**dict.fromkeys(mesh, 1), "data": s.devices}, zero=0)
     state = memory.model_state_bytes(ddp)["model_state"] + cluster.overhead
-    per_param = sum(memory.bytes_per_param(s).values())
+    per_param = memory.bytes_per_param(s)
+    kept = f"{sum(per_param.values())} B/param"
+    if s.lora_rank:  # a frozen base (its params only) and the adapters' whole state
+        kept = lora.state_words(per_param, lora.adapter_params(s))
     verdict = "over" if state > mem["hbm"] else "within"
     lines.append(
-        f"plain DDP keeps {per_param} B/param on every device: {_gb(state)} with the overhead, "
+        f"plain DDP keeps {kept} on every device: {_gb(state)} with the overhead, "
         f"{verdict} the {_gb(mem['hbm'])} of HBM"
     )
     lines += _mesh_lines(best, net)

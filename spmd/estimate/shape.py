@@ -1,5 +1,5 @@
-"""Where a model's parameters live, as the planner sees it, and a Llama-like shape for a bare
-parameter count (`--params 7e9`).
+"""Where a model's parameters live, as the planner sees it, and the published shape that stands
+for a bare parameter count (`--params 8e9`: Llama 3.1 8B's).
 
 Pure arithmetic, no JAX. The model is a spmd.model_shape.ModelShape (its family builds it);
 counts are parameters (scalars).
@@ -7,6 +7,7 @@ counts are parameters (scalars).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -75,34 +76,54 @@ def shape_params(shape: ModelShape) -> int:
     return sum(count for count, _ in param_groups(shape))
 
 
-def llama_shape(n_params: float) -> dict[str, Any]:
-    """A Llama-like shape of about `n_params` parameters, for planning a raw size: vocab
-    32000, head_dim 128, embed_dim 256, 512, 768 or a multiple of 1024, n_layers = n_heads =
-    n_kv_heads = embed_dim / 128 (about Llama 2's aspect ratio), mlp_dim = 8/3 x embed_dim
-    rounded to a multiple of 256. The embed_dim whose count is nearest is chosen."""
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """A published decoder's shape (its Hugging Face config.json), as llama-family fields."""
 
-    def shape(width: int) -> dict[str, Any]:
-        heads = width // 128
-        mlp = max(256, round(8 * width / 3 / 256) * 256)
-        return dict(
-            vocab_size=32000,
-            embed_dim=width,
-            mlp_dim=mlp,
-            n_layers=heads,
-            n_heads=heads,
-            n_kv_heads=heads,
-            head_dim=128,
-            tie_embeddings=False,
-        )
+    name: str  # the release, e.g. "Llama 3.1 8B"
+    vocab_size: int
+    embed_dim: int  # hidden_size
+    mlp_dim: int  # intermediate_size
+    n_layers: int  # num_hidden_layers
+    n_heads: int  # num_attention_heads
+    n_kv_heads: int  # num_key_value_heads
+    head_dim: int
+    tie_embeddings: bool = False  # tie_word_embeddings
+    qk_norm: bool = False  # Qwen3's per-head q and k norms
 
-    def count(width: int) -> float:
-        return shape_params(ModelShape(**shape(width)))
+    def fields(self) -> dict[str, Any]:
+        """The llama-family config fields of the shape (FIELDS, and qk_norm)."""
+        out = {f: getattr(self, f) for f in FIELDS}
+        return out | {"qk_norm": True} if self.qk_norm else out
 
-    widths = [256, 512, 768, *range(1024, 65537, 1024)]  # heads divisible by 8 from 1024 on
-    best = min(widths, key=lambda w: abs(math.log(count(w) / n_params)))
-    return shape(best)
+    def n_params(self) -> int:
+        """Its parameter count (scalars)."""
+        return shape_params(ModelShape(**self.fields()))
 
 
-# The parameter counts llama_shape spans, its smallest shape's to its largest's: a size outside
-# would be planned with a shape of another size (--params 1 was planned as an 18 M model).
-PARAMS_RANGE = tuple(float(shape_params(ModelShape(**llama_shape(n)))) for n in (1.0, 1e300))
+# The shapes `--params` plans with: current dense releases, one per size, from their published
+# config.json files (Meta's Llama 3.1 / 3.2, Qwen's Qwen3 and Mistral's Large 2, where Llama
+# has no size: below 1 B, between 8 B and 70 B, between 70 B and 405 B). GQA with 8 kv heads
+# throughout, a 128 k or 152 k vocabulary, the small ones with tied embeddings.
+RELEASES = (
+    Release("Qwen3-0.6B", 151936, 1024, 3072, 28, 16, 8, 128, True, True),
+    Release("Llama 3.2 1B", 128256, 2048, 8192, 16, 32, 8, 64, True),
+    Release("Llama 3.2 3B", 128256, 3072, 8192, 28, 24, 8, 128, True),
+    Release("Llama 3.1 8B", 128256, 4096, 14336, 32, 32, 8, 128),
+    Release("Qwen3-14B", 151936, 5120, 17408, 40, 40, 8, 128, qk_norm=True),
+    Release("Qwen3-32B", 151936, 5120, 25600, 64, 64, 8, 128, qk_norm=True),
+    Release("Llama 3.1 70B", 128256, 8192, 28672, 80, 64, 8, 128),
+    Release("Mistral Large 2 (123B)", 32768, 12288, 28672, 88, 96, 8, 128),
+    Release("Llama 3.1 405B", 128256, 16384, 53248, 126, 128, 8, 128),
+)
+
+
+def release_for(n_params: float) -> Release:
+    """The release of RELEASES whose parameter count is nearest `n_params` (by ratio)."""
+    return min(RELEASES, key=lambda r: abs(math.log(r.n_params() / n_params)))
+
+
+# The sizes --params plans: within a factor of 2 of the smallest and largest release (the
+# releases lie less than a factor of 3.4 apart, so every size in between is within 1.9 of
+# one). Further out the shape would be another model's (--params 1 was once planned as 18 M).
+PARAMS_RANGE = (RELEASES[0].n_params() / 2, RELEASES[-1].n_params() * 2)

@@ -11,6 +11,7 @@ from typing import Any
 
 from spmd.engine.optim import peak_lr
 from spmd.estimate import comms, cost, experts, memory, offload, pipeline_figures, search, timing
+from spmd.estimate.lora import adapter_params, state_words
 from spmd.estimate.shape import shape_params
 from spmd.estimate.units import ms, si
 from spmd.estimate.volumes import all_to_all
@@ -157,6 +158,8 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         "sequence_parallel": s.sequence_parallel,
         "bytes_per_param": memory.bytes_per_param(s),
     }
+    if s.lora_rank:
+        out["lora"] = {"rank": s.lora_rank, "adapter_params": adapter_params(s)}
     for role in (*MEMORY_ROLES, "model_state", "total", "hbm"):
         key = "activation" if role == "activations" else role
         out[f"{key}_bytes_per_device"] = round(mem[role])
@@ -266,9 +269,11 @@ def _header(r: dict) -> list[str]:
     ]
     if "lr" in r:
         lr = r["lr"]
+        source = lr.get("source", "given")
+        source = "given" if source == "given" else f"the planner's rule {source}"
         lines[-1] += (
             f" | lr {lr['lr']:g} -> {lr['peak_lr']:g} ({lr['lr_scaling']} scaling, "
-            f"reference batch {lr['ref_batch']})"
+            f"reference batch {lr['ref_batch']}; --lr {source})"
         )
     lines += [f"  {note}" for note in r.get("defaults", [])]
     return lines
@@ -276,11 +281,16 @@ def _header(r: dict) -> list[str]:
 
 def _memory_lines(r: dict) -> list[str]:
     per_param = r["bytes_per_param"]
+    kept = (
+        f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
+        f"{sum(per_param.values())} B/param"
+    )
+    if "lora" in r:
+        kept = state_words(per_param, r["lora"]["adapter_params"])
     lines = [
         "",
-        f"memory per device (1 GB = 1e9 bytes)       {per_param['params']} + "
-        f"{per_param['grads']} + {per_param['optimizer']} = {sum(per_param.values())} B/param "
-        f"unsharded (params + gradients + master and optimizer)",
+        f"memory per device (1 GB = 1e9 bytes)       {kept} unsharded (params + gradients + "
+        f"master and optimizer)",
     ]
     labels = {k: v for k, v in MEMORY_ROLES.items() if k != "activations"}
     labels |= {"activation": f"activations (remat {r['remat']})", "total": "total"}

@@ -64,7 +64,7 @@ from spmd.engine import frozen
 from spmd.estimate import experts as experts_math
 from spmd.estimate import units, volumes
 from spmd.model_shape import ModelShape
-from spmd.parallel import rules
+from spmd.parallel import fp8_context, rules
 from spmd.parallel.mesh import BATCH_AXES
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def _fp8_gathered(
     used = [s // w for s, w in zip(shape, ways, strict=True)][1:]
     gathered = {a for axes in _axes(stored) for a in axes} - {a for ax in _axes(whole) for a in ax}
     devices = math.prod(mesh.shape[a] for a in gathered)
-    return devices if min(used) >= fp8.min_dim else 0
+    return devices if fp8_context.reaches(fp8, *used) else 0
 
 
 def _specs(tree: Any) -> list[PartitionSpec]:

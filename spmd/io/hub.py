@@ -66,6 +66,14 @@ def model_folder(value: str, flag: str) -> str:
     return str(snapshot(value, flag, MODEL_FILES, "config.json"))
 
 
+def config_folder(value: str, flag: str) -> str:
+    """The local folder `value` names for its config.json alone: itself, or the cached
+    snapshot of Hub repo `value` (downloading config.json only, never the weights)."""
+    if not is_repo_id(value):
+        return value
+    return str(snapshot(value, flag, ("config.json",), "config.json"))
+
+
 def tokenizer_file(value: str, flag: str) -> str:
     """The tokenizer.json `value` names: the file itself, the tokenizer.json of a folder, or
     that of the cached snapshot of Hub repo `value` (downloading its tokenizer files only)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 RECIPES = ("tensorwise", "rowwise", "delayed")
@@ -60,7 +60,8 @@ class _Traced:
     in_block: bool = False
     next_site: int = 0
     layer_offset: int = 0  # rows used by earlier scans of the same trace
-    used: dict[str, int] = dataclasses.field(default_factory=dict)
+    # (k, n) of each matmul that asked `site`, one list per block traced (`block_matmuls`)
+    blocks: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
 
 
 _STATE = threading.local()
@@ -122,6 +123,7 @@ def in_block(scales: Any = None, probe: Any = None) -> Iterator[None]:
         return
     saved = (traced.in_block, traced.next_site, traced.layer_scales, traced.layer_probe)
     traced.in_block, traced.next_site = True, 0
+    traced.blocks.append([])
     traced.layer_scales, traced.layer_probe = scales, probe
     try:
         yield
@@ -151,10 +153,9 @@ def site(k: int, n: int) -> Site | None:
     if traced is None or not traced.in_block:
         return None
     s = traced.settings
-    if min(k, n) < s.min_dim:
-        traced.used["small"] = traced.used.get("small", 0) + 1
+    traced.blocks[-1].append((k, n))
+    if not reaches(s, k, n):
         return None
-    traced.used["fp8"] = traced.used.get("fp8", 0) + 1
     if s.recipe != "delayed" or traced.layer_scales is None:
         # without a history (an eval step) delayed scaling falls back to current scaling
         return Site("rowwise" if s.recipe == "rowwise" else "tensorwise")
@@ -171,4 +172,22 @@ def gather_in_fp8(shape: tuple[int, ...]) -> bool:
     traced = _current()
     if traced is None or not traced.settings.all_gather or len(shape) < 2:
         return False
-    return min(shape) >= traced.settings.min_dim
+    return reaches(traced.settings, *shape)
+
+
+def reaches(settings: Fp8Settings, *dims: int) -> bool:
+    """The size rule: whether a matmul (its contracted k and output n) or a weight (its dims)
+    is large enough for fp8, every dim at least settings.min_dim (--fp8-min-dim)."""
+    return min(dims) >= settings.min_dim
+
+
+def block_matmuls(trace: Callable[[], Any], settings: Fp8Settings) -> list[tuple[int, int]]:
+    """(k, n) of each matmul of one stacked block, in call order, that `trace()` (which traces
+    a model's loss, e.g. under jax.eval_shape) asks `site` about under `settings`: the
+    matmuls the size rule decides on, those that run in fp8 and those it keeps out. Empty for
+    a model without stacked blocks."""
+    with use(settings):
+        traced = _current()
+        trace()
+    assert traced is not None
+    return traced.blocks[0] if traced.blocks else []
