@@ -146,6 +146,7 @@ CASES = [
     *map(train, ["--checkpoint-dir /proc/x", "--metrics /proc/x.jsonl", "--run-dir /proc/x"]),
     *map(train, ["--data-cache /proc/x", "--tensorboard /proc/x"]),
     train("--data {text} --seq-len 8 --eval-fraction 0.5 --eval-batches 1000"),
+    train("--data {tmp}/*.jsonl", says="/*.jsonl: matches no file; --data reads"),
     # the planner
     *map(plan, ["--params inf", "--params nan", "--params 1", "--params 1e30"]),
     *map(plan, ["--hbm nan", "--hbm inf", "--overhead nan", "--latency inf"]),

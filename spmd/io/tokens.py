@@ -116,8 +116,10 @@ def missing(path: str, flag: str = "--data") -> UsageError:
         if hub.is_repo_id(path)
         else ""
     )
+    # a glob names no file itself: say that it matched none, not that it does not exist
+    what = "matches no file" if any(c in path for c in "*?[") else "no such file or folder"
     return UsageError(
-        f"{flag} {path}: no such file or folder; {flag} reads local files (a text file or a "
+        f"{flag} {path}: {what}; {flag} reads local files (a text file or a "
         f"folder of them, a token .bin, JSONL / Parquet / Arrow records: a file, folder or "
         f"glob) or a gs://, s3:// or other fsspec URL of them{hub_id}"
     )
