@@ -30,6 +30,18 @@ def get(name: str) -> Optimizer:
     return OPTIMIZERS[name]
 
 
+def check_resume(name: str, saved: dict[str, Any], where: str) -> None:
+    """UsageError unless a checkpoint whose saved config's fields are `saved` (flat) holds the
+    state of optimizer `name`: another optimizer's state has other leaves, and the line names
+    the flag that resumes it. `where` names the checkpoint (its step and folder)."""
+    theirs = saved.get("optimizer", ADAMW.name)  # saved before --optimizer: AdamW, the only one
+    if theirs != name:
+        raise UsageError(
+            f"{where} holds the state of --optimizer {theirs}, not this run's {name}; resume it "
+            f"with --optimizer {theirs}, or start a new run"
+        )
+
+
 def state_bytes(name: str, value_bytes: int) -> int:
     """Bytes of state optimizer `name` keeps per trained param, beside the master copy, when
     each of its values takes `value_bytes` (the master weights' dtype): what the planner
