@@ -87,8 +87,9 @@ HELP = {
     "(default: the compute dtype)",
     "tokens_per_step": "without --batch, the global batch is about this many tokens: "
     "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
-    # each optimizer's state beside the master weights, from its registry entry (fp32 values)
-    "optimizer": ", ".join(f"{o.name} ({4 * o.state_slots} B/param)" for o in OPTIMIZERS.values()),
+    # from the registry entries (fp32 values of state per param)
+    "optimizer": "the update rule and its state per param beside the master weights: "
+    + ", ".join(f"{o.name} {4 * o.state_slots} B" for o in OPTIMIZERS.values()),
     "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth, --inter-bandwidth, "
     "--host-bandwidth and --host-memory to that GPU's node's (flags given beside it win); "
     "default: an H100 node",

@@ -140,8 +140,11 @@ class Network:
 
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
-    choices = {"precision": precision.POLICIES, "optimizer": optimizers.OPTIMIZERS}
-    choices["remat"] = REMATS
+    choices = {
+        "precision": precision.POLICIES,
+        "optimizer": optimizers.OPTIMIZERS,
+        "remat": REMATS,
+    }
     for name, valid in choices.items():
         if getattr(s, name) not in valid:
             flag = f"--{name} {getattr(s, name)!r}"
