@@ -8,10 +8,11 @@ step training runs and a dry run reports it. `program` ends in `build`, which `s
 
 What the builder decides from the config: the layout (mesh, ZeRO stage, sequence
 parallelism), the pipeline schedule when pp > 1, the precision policy, the model (its family's
-`create` with the policy's compute dtype; remat is a model field), the optimizer and its LR
-schedule, the executor, gradient buckets and prefetch, DiLoCo's outer loop; and the checks
-that refuse a layout the model cannot run (MoE, sequence and context parallelism, batch
-arithmetic) before anything compiles.
+`create` with the policy's compute dtype; remat is a model field), the objective
+(spmd.engine.objectives), the optimizer (spmd.engine.optimizers) and its LR schedule, the
+executor, gradient buckets and prefetch, DiLoCo's outer loop; and the checks that refuse a
+layout the model cannot run (MoE, sequence and context parallelism, batch arithmetic) before
+anything compiles.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from flax import nnx
 from models import family
 from spmd.checks import check_sequence_split
 from spmd.config import Config
-from spmd.engine import diloco, precision
+from spmd.engine import diloco, objectives, precision
 from spmd.engine.diloco import AnyProgram
-from spmd.engine.optim import make_optimizer
+from spmd.engine.optimizers import make_optimizer
 from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
-from spmd.sections import LoraConfig
+from spmd.sections import LoraConfig, RunConfig
 
 if TYPE_CHECKING:
     from spmd.parallel.pipeline import Pipeline
@@ -59,7 +60,8 @@ def pipeline_of(cfg: Config, layout: Layout) -> Pipeline | None:
         return None
     from spmd.parallel import pipeline
 
-    p, logits_loss = cfg.parallel, family.of(cfg.model).logits_loss
+    p, objective = cfg.parallel, objectives.get(cfg.run.objective)
+    logits_loss = objective.logits_loss(family.of(cfg.model))
     pipe = pipeline.Pipeline(p.pp_schedule, p.microbatches, p.pp_virtual, logits_loss)
     pipeline.check(pipe, layout, cfg.model.n_layers, cfg.run.batch, cfg.run.accum)
     return pipe
@@ -146,20 +148,26 @@ def lora_spec(model_cfg: Any, cfg: LoraConfig) -> family.LoraSpec | None:
 
 
 def run_model(cfg: Config) -> ModelSpec:
-    """The model of run `cfg` (its family's, under its precision policy and [lora] section):
-    what `program` builds, and where the commands take the loss and the logged metrics of
-    that model from (spmd.bench's bare step, spmd.train's router statistics)."""
-    return model_spec(cfg.model, policy_of(cfg), lora_spec(cfg.model, cfg.lora))
+    """The model of run `cfg` (its family's, under its precision policy, [lora] section and
+    objective): what `program` builds, and where the commands take the loss and the logged
+    metrics of that model from (spmd.bench's bare step, spmd.train's router statistics)."""
+    adapters = lora_spec(cfg.model, cfg.lora)
+    return model_spec(cfg.model, policy_of(cfg), adapters, cfg.run.objective)
 
 
 def model_spec(
-    model_cfg: Any, policy: precision.Policy, adapters: family.LoraSpec | None = None
+    model_cfg: Any,
+    policy: precision.Policy,
+    adapters: family.LoraSpec | None = None,
+    objective: str = RunConfig.objective,
 ) -> ModelSpec:
-    """The family model of `model_cfg`, made in the policy's compute dtype; with `adapters`
-    its base frozen under LoRA adapters (models/lora.py), the family's loss and step metrics
-    run on the adapted model (the LoraModel has only the CausalLM pieces of the family's
-    model)."""
+    """The family model of `model_cfg`, made in the policy's compute dtype, and the loss of
+    `objective` (spmd.engine.objectives) on it; with `adapters` its base frozen under LoRA
+    adapters (models/lora.py), the objective's loss and the family's step metrics run on the
+    adapted model (the LoraModel has only the CausalLM pieces of the family's model).
+    UsageError for an objective no entry of the registry names."""
     fam = family.of(model_cfg)
+    objective_loss = objectives.get(objective).loss(fam)
     tensors = fam.hf.tensors if fam.hf else ()
 
     def make(seed: int) -> nnx.Module:
@@ -170,7 +178,7 @@ def model_spec(
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
         fam.check_layout(model_cfg, mesh, executor)
 
-    loss = fam.loss if adapters is None else family.lora_loss(fam.loss)
+    loss = objective_loss if adapters is None else family.lora_loss(objective_loss)
     moe = bool(fam.shape(model_cfg).n_experts)
     # an MoE family's config without experts builds the dense model: no router to report
     metrics = fam.step_metrics if moe else None

@@ -24,7 +24,7 @@ import tomllib
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from spmd.errors import UsageError
 from spmd.parser import Parser
@@ -87,9 +87,32 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false)")
 
 
-def _field_types(cls: type) -> dict[str, type]:
+def _field_types(cls: type) -> dict[str, Any]:
+    """{field: its type}, a field that names a registry's entry typed as the `Literal` of the
+    registry's names (`registry_choices`), so that --help lists them and the resolver checks
+    flags and files against them."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    types: dict[str, Any] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    for name in types.keys() & REGISTRY_FIELDS:
+        types[name] = Literal[registry_choices(name)]  # type: ignore[valid-type]
+    return types
+
+
+# Fields whose value names an entry of a registry: spmd.sections, the bottom of the package
+# order, types them `str` and cannot import the registries, which live in the engine.
+REGISTRY_FIELDS = {"optimizer", "objective"}
+
+
+def registry_choices(field: str) -> tuple[str, ...]:
+    """The names field `field` may take: the entries of its registry, in their order
+    (spmd.engine.optimizers for --optimizer, spmd.engine.objectives for --objective)."""
+    if field == "optimizer":
+        from spmd.engine import optimizers  # (optax and jax: only for the sections holding it)
+
+        return tuple(optimizers.OPTIMIZERS)
+    from spmd.engine import objectives  # (no jax: every command's [run] section holds it)
+
+    return tuple(objectives.OBJECTIVES)
 
 
 def build_parser(

@@ -157,7 +157,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -
         mesh=dict.fromkeys(MESH_AXES, 1),
         zero=cfg.parallel.zero,
         precision=cfg.precision.precision,
-        optimizer=plan.optimizer,
+        optimizer=cfg.optimizer.optimizer,
         batch=cfg.run.batch or 1,
         seq_len=cfg.run.seq_len,
         accum=cfg.run.accum,
@@ -258,9 +258,11 @@ def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | N
     )
     run_cfg = dataclasses.replace(cfg.run, batch=s.batch, seq_len=s.seq_len, accum=s.accum)
     precision = dataclasses.replace(cfg.precision, precision=s.precision)
+    optimizer = dataclasses.replace(cfg.optimizer, optimizer=s.optimizer)
     engine_cfg = dataclasses.replace(
         cfg, model=model_cfg, run=run_cfg, parallel=parallel, precision=precision
     )
+    engine_cfg = dataclasses.replace(engine_cfg, optimizer=optimizer)
     mesh = mesh_lib.build_mesh(sizes, devices)
     return builder.program(engine_cfg, mesh), mesh
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import Any
 
 from spmd import config
+from spmd.engine.optimizers import OPTIMIZERS
 from spmd.estimate import search
 from spmd.section_views import model_section
 from spmd.sections import SECTIONS as RUN_SECTIONS
@@ -20,7 +21,6 @@ class PlanConfig:
 
     params: float = 0.0  # plan for this many parameters, e.g. 7e9 (0: the --model preset)
     tokens_per_step: int = 4 * 1024 * 1024  # without --batch: about this many tokens per step
-    optimizer: Literal["adamw", "momentum", "sgd"] = "adamw"  # the moments the state holds
     gpu: str = ""  # a key of search.GPUS: sets hbm, tflops, bandwidth, inter_bandwidth
     hbm: float = search.GPUS["h100"].hbm  # GB of memory per device
     overhead: float = 3.0  # GB per device for the runtime, communication buffers, fragmentation
@@ -73,7 +73,7 @@ def sections() -> dict[str, type]:
 TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
 TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
-TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather")
+TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather", "optimizer")
 TRAIN_FLAGS += ("init_from_hf", "init_from_peft", "lora_rank", "lora_targets")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
@@ -94,7 +94,9 @@ HELP = {
     "(default: the compute dtype)",
     "tokens_per_step": "without --batch, the global batch is about this many tokens: "
     "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
-    "optimizer": "adamw (8 B/param of moments), momentum (4) or sgd (0)",
+    # from the registry entries (fp32 values of state per param)
+    "optimizer": "the update rule and its state per param beside the master weights: "
+    + ", ".join(f"{o.name} {4 * o.state_slots} B" for o in OPTIMIZERS.values()),
     "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth, --inter-bandwidth, "
     "--host-bandwidth and --host-memory to that GPU's node's (flags given beside it win); "
     "default: an H100 node",

@@ -36,6 +36,9 @@ class RunConfig:
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)
     seq_len: int = 128  # tokens per sequence
     seed: int = 0  # model init and data order
+    # what the run minimises, an entry of spmd.engine.objectives (next_token: the family's
+    # next-token cross-entropy)
+    objective: str = "next_token"
     init_from_hf: str = ""  # start from a HF folder or Hub id org/name (its config.json: the model)
     # continue training a peft LoRA adapter: a folder with adapter_config.json and
     # adapter_model.safetensors; its base_model_name_or_path is the base (a folder or Hub id,
@@ -93,8 +96,12 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its LR schedule (linear warm-up, then a decay), DiLoCo's outer optimizer."""
+    """The optimizer (AdamW by default), its LR schedule (linear warm-up, then a decay),
+    DiLoCo's outer optimizer."""
 
+    # the update rule, an entry of spmd.engine.optimizers (momentum: SGD with heavy-ball
+    # momentum --beta1)
+    optimizer: str = "adamw"
     lr: float = 3e-3  # peak learning rate (before the scaling rule)
     lr_scaling: Literal["none", "linear"] = "none"  # linear: lr * batch / ref_batch
     ref_batch: int = 32  # the global batch at which `lr` was tuned (for --lr-scaling linear)
@@ -105,8 +112,9 @@ class OptimizerConfig:
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     min_lr_ratio: float = 0.1  # the LR the decay ends at, as a fraction of the peak
     decay_fraction: float = 0.2  # wsd: the share of --steps the final decay takes, in (0, 1]
-    weight_decay: float = 0.1  # decoupled (AdamW), matrices only
-    beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean, in [0, 1)
+    weight_decay: float = 0.1  # decoupled (lr x weight_decay per step), matrices only
+    # AdamW's decay rate of the gradient's running mean (momentum's momentum), in [0, 1)
+    beta1: float = 0.9
     beta2: float = 0.95  # AdamW's decay rate of the squared gradient's running mean, in [0, 1)
     grad_clip: float = 1.0  # global L2 norm; 0 disables
     outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate

@@ -241,6 +241,7 @@ def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_r
             facts["state_bytes_by_memory"],
             cfg.parallel.offload,
             lora_base.planner_fields(model_cfg, cfg.lora),
+            cfg.optimizer.optimizer,
         )
     )
     shape = family.of(model_cfg).shape(model_cfg)

@@ -136,3 +136,19 @@ def test_a_resume_with_other_lora_settings_exits_2_naming_the_flags(work, capsys
     assert saved in line and this_run in line, line
     assert line.endswith("resume it with --lora-rank 4 --lora-alpha 8"), line
     assert checkpoint.complete_steps(str(folder)) == [2, 4]
+
+
+def test_a_resume_with_another_optimizer_exits_2_naming_the_flag(work, capsys):
+    """--optimizer momentum on a checkpoint of AdamW's state: one line naming both and the
+    flag that resumes it (not a missing leaf's path), the checkpoint left as it was."""
+    folder = work / "other-optimizer"
+    shutil.copytree(work / "full", folder)
+    args = [*run_args(work, UNTIED, folder.name), "--optimizer", "momentum"]
+    capsys.readouterr()
+    assert train.main([*args, "--steps", "6", "--resume", "required"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(
+        f"the checkpoint at step 4 in {folder} holds the state of --optimizer adamw, not this "
+        f"run's momentum; resume it with --optimizer adamw, or start a new run"
+    ), line
+    assert checkpoint.complete_steps(str(folder)) == [2, 4]

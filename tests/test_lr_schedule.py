@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from spmd import train
-from spmd.engine.optim import lr_schedule, make_optimizer
+from spmd.engine.optim import lr_schedule
+from spmd.engine.optimizers import make_optimizer
 from spmd.sections import OptimizerConfig
 from tests.cli import records
 

@@ -1,10 +1,13 @@
-"""The optax optimizer: AdamW with decoupled weight decay on matrices only, global-norm
-clipping, the LR schedule (linear warm-up, then cosine, linear, constant or warm-up-stable-decay,
-joined from optax's own schedules), and the linear LR scaling rule."""
+"""What an optimizer is (`Optimizer`, the record an entry of spmd.engine.optimizers fills in)
+and what every optimizer shares: the checks of its numbers, the LR schedule (linear warm-up,
+then cosine, linear, constant or warm-up-stable-decay, joined from optax's own schedules), the
+linear LR scaling rule, weight decay's mask (matrices only) and global-norm clipping."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +20,25 @@ from spmd.sections import OptimizerConfig, choices
 
 LR_SCALINGS = choices(OptimizerConfig, "lr_scaling")
 LR_SCHEDULES = choices(OptimizerConfig, "lr_schedule")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """An update rule that --optimizer names: how it is made, and the state it keeps.
+
+    `make` gets the run's optimizer section, the LR schedule (by optimizer count) and each
+    trained param's logical axis names, which say which params it treats how (AdamW decays
+    matrices only, `decay_mask`; an optimizer for matrices alone would hand the others to
+    another rule inside its `make`). It returns the update before clipping, which
+    spmd.engine.optimizers.make_optimizer puts in front. The update runs on the fp32 master
+    weights (spmd.engine.precision), so its state is fp32."""
+
+    name: str
+    make: Callable[[OptimizerConfig, optax.Schedule, Any], optax.GradientTransformation]
+    # values of state it keeps per trained param, each in the master weights' dtype (AdamW's
+    # two moments: 2), beside the master copy: what the planner counts per param
+    # (spmd.estimate.memory) and tests/test_optimizers.py checks against what optax allocates
+    state_slots: int
 
 
 def update_count(opt_state: Any) -> jax.Array | None:
@@ -140,20 +162,19 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(
-    cfg: OptimizerConfig, steps: int, global_batch: int, names_tree: Any
+def adamw(
+    cfg: OptimizerConfig, lr: optax.Schedule, names_tree: Any
 ) -> optax.GradientTransformation:
-    """Clip by global norm (if grad_clip > 0), then AdamW on the schedule of a run of `steps`
-    optimizer steps of `global_batch` sequences; `names_tree` holds each param's logical axis
-    names (they decide weight decay)."""
-    adamw = optax.adamw(
-        lr_schedule(cfg, steps, global_batch),
+    """AdamW (optax's) with decoupled weight decay on matrices only (`decay_mask`)."""
+    return optax.adamw(
+        lr,
         b1=cfg.beta1,
         b2=cfg.beta2,
         eps=1e-8,
         weight_decay=cfg.weight_decay,
         mask=decay_mask(names_tree),
     )
-    if cfg.grad_clip > 0:
-        return optax.chain(clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+
+
+# The default: the first and second moments of each param (2 fp32 values per param).
+ADAMW = Optimizer(name="adamw", make=adamw, state_slots=2)

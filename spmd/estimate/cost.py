@@ -23,7 +23,7 @@ import functools
 import math
 
 from spmd.engine import offload as engine_offload
-from spmd.engine import precision
+from spmd.engine import optimizers, precision
 from spmd.engine.precision import Policy  # the Setup field `precision` shadows the module
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
@@ -33,9 +33,8 @@ from spmd.parallel import schedules
 
 # The dtypes of --precision are spmd.engine.precision's policies: bf16 / fp16 are the ZeRO
 # paper's mixed precision (16-bit params and grads, fp32 master weights with the Adam moments:
-# 2 + 2 + 12 = 16 bytes per param); fp32 keeps one copy.
-# Optimizer state bytes per parameter besides any master copy (fp32 moments).
-OPTIMIZERS = {"adamw": 8, "momentum": 4, "sgd": 0}
+# 2 + 2 + 12 = 16 bytes per param); fp32 keeps one copy. The optimizer's state per param
+# beside the master copy is its registry entry's (spmd.engine.optimizers: AdamW's 2 moments).
 # cheapest compute first; offload (dots_saveable's outputs in host memory, their transfers
 # in the step time: spmd.estimate.offload) last
 # --offload: the state kept in host memory between steps (spmd.engine.offload)
@@ -52,7 +51,7 @@ class Setup:
     mesh: dict[str, int]  # data, pipeline, fsdp, tensor -> devices along the axis
     zero: int  # 0 (DDP), 1, 2 or 3
     precision: str  # a --precision policy (spmd.engine.precision.POLICIES)
-    optimizer: str  # a key of OPTIMIZERS
+    optimizer: str  # a name in spmd.engine.optimizers.OPTIMIZERS
     batch: int  # global batch, sequences per optimizer step
     seq_len: int  # tokens per sequence
     accum: int = 1  # accumulation micro-steps per optimizer step
@@ -141,7 +140,11 @@ class Network:
 
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
-    choices = {"precision": precision.POLICIES, "optimizer": OPTIMIZERS, "remat": REMATS}
+    choices = {
+        "precision": precision.POLICIES,
+        "optimizer": optimizers.OPTIMIZERS,
+        "remat": REMATS,
+    }
     for name, valid in choices.items():
         if getattr(s, name) not in valid:
             flag = f"--{name} {getattr(s, name)!r}"

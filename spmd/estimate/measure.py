@@ -18,7 +18,7 @@ from spmd.errors import UsageError
 from spmd.estimate import comms, cost, memory
 from spmd.estimate import offload as offload_model
 from spmd.parallel.mesh import format_mesh
-from spmd.sections import PrecisionConfig, RunConfig
+from spmd.sections import OptimizerConfig, PrecisionConfig, RunConfig
 
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
@@ -81,12 +81,12 @@ def predicted_collectives(s: cost.Setup, cpu_auto: bool) -> dict:
 
 
 def check_engine_can_build(s: cost.Setup) -> None:
-    """UsageError unless the engine has the dtype policy and optimizer of `s`."""
-    if s.precision not in COMPUTE_DTYPES or s.optimizer != "adamw":
+    """UsageError unless the engine has the dtype policy of `s` (it builds every optimizer
+    the planner knows: both read spmd.engine.optimizers)."""
+    if s.precision not in COMPUTE_DTYPES:
         raise UsageError(
             f"--measure compiles the engine's step on CPU, which takes --precision fp32, bf16 "
-            f"or fp8 (fp16 holds the same state bytes as bf16) and --optimizer adamw, not "
-            f"{s.precision} and {s.optimizer}"
+            f"or fp8 (fp16 holds the same state bytes as bf16), not {s.precision}"
         )
 
 
@@ -219,6 +219,7 @@ def state_against_formula(
     by_memory: dict[str, dict[str, int]] | None = None,
     offload: str = "none",
     lora_fields: dict[str, Any] | None = None,
+    optimizer: str = OptimizerConfig.optimizer,
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
@@ -232,7 +233,7 @@ def state_against_formula(
         mesh=dict(mesh_sizes),
         zero=zero,
         precision=precision.precision,
-        optimizer="adamw",  # the engine's optimizer (spmd.engine.optim)
+        optimizer=optimizer,
         batch=run.batch,
         seq_len=run.seq_len,
         accum=run.accum,

@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
+from spmd.engine import optimizers
 from spmd.estimate import cost, experts, long_sequence, lora, pipeline_figures
 
 ROLES = ("params", "grads", "optimizer")  # and the stage from which ZeRO shards each:
@@ -44,7 +45,7 @@ def bytes_per_param(s: cost.Setup) -> dict[str, int]:
     return {
         "params": s.bytes_of("weights"),
         "grads": s.bytes_of("grads"),
-        "optimizer": master + cost.OPTIMIZERS[s.optimizer],
+        "optimizer": master + optimizers.state_bytes(s.optimizer, s.policy.itemsize("master")),
     }
 
 

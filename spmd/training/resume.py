@@ -69,7 +69,7 @@ def open_checkpoints(
             say,
             cfg.checkpoint.allow_unverified,
             fp8_state.CHECKPOINT_OPTIONAL,
-            lambda saved, where: lora_base.check_settings(cfg, saved, where),
+            lambda saved, where: check_settings(cfg, saved, where),
         )
         restored.state = lora_base.with_base(cfg, program, restored)  # LoRA: reload the base
         current = run_data_state(cfg, restored.step, fingerprint)
@@ -102,6 +102,17 @@ def open_checkpoints(
     if changed:
         say(f"changed since the checkpoint was saved: {', '.join(changed)}")
     return manager, restored
+
+
+def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> None:
+    """UsageError for a checkpoint (its saved config; `where` names its step and folder) that
+    run `cfg` cannot continue, naming the flags that resume it: other LoRA adapters
+    (spmd.lora_base), another optimizer's state (spmd.engine.optimizers)."""
+    from spmd import lora_base
+    from spmd.engine import optimizers
+
+    lora_base.check_settings(cfg, saved_config, where)
+    optimizers.check_resume(cfg.optimizer.optimizer, sections.flat_values(saved_config), where)
 
 
 def program_state_target(program: AnyProgram) -> dict[str, Any]:

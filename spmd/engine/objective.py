@@ -1,0 +1,57 @@
+"""What a training objective is: the record an objective fills in (`Objective`), what it may
+read of a model family (`FamilyLosses`), and the default one, next-token prediction.
+
+An objective turns a family's pieces into the loss a run minimises: `(model, batch) -> mean
+loss` (fp32 scalar) for the step, and the last pipeline stage's `(logits, targets[, weights])
+-> mean loss` when pp > 1. The builder (spmd/builder.py) reads it from the registry
+(spmd.engine.objectives) by the run's --objective and wraps it for LoRA as it wraps the
+family's own loss. The family arrives as an argument, so this module imports no model, and no
+jax either: every command's [run] section names an objective, and the resolver checks it here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import jax
+
+    from spmd.engine.step import LossFn
+
+
+class FamilyLosses(Protocol):
+    """What an objective reads of a model family (models.contract.Family has these)."""
+
+    @property
+    def loss(self) -> LossFn:
+        """(model, batch) -> the mean next-token loss, fp32."""
+
+    @property
+    def logits_loss(self) -> Callable[..., jax.Array]:
+        """A pipeline's last-stage loss: (logits, targets[, weights]) -> mean loss, fp32."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A training objective: its --objective name, and from a family's pieces the step's loss
+    and the last pipeline stage's."""
+
+    name: str
+    loss: Callable[[FamilyLosses], LossFn]  # family -> (model, batch) -> mean loss (fp32)
+    # family -> (logits, targets[, weights]) -> mean loss (fp32): the last stage's, pp > 1
+    logits_loss: Callable[[FamilyLosses], Callable[..., jax.Array]]
+
+
+def _family_loss(fam: FamilyLosses) -> LossFn:
+    return fam.loss
+
+
+def _family_logits_loss(fam: FamilyLosses) -> Callable[..., jax.Array]:
+    return fam.logits_loss
+
+
+# Next-token prediction: the family's own cross-entropy (nats per target token; the batch's
+# "weights" mask prompts out and its "segments" keep documents apart, as the data gives them).
+NEXT_TOKEN = Objective(name="next_token", loss=_family_loss, logits_loss=_family_logits_loss)
