@@ -82,11 +82,17 @@ class HFMapping:
     """A family's Hugging Face checkpoints: which architectures it reads and writes, config.json
     both ways and its tensor table (models/hf_io.py streams the tensors by it)."""
 
-    architectures: tuple[str, ...]  # config.json `architectures` this family reads
-    model_types: dict[str, str]  # config.json model_type -> architecture, for configs naming none
+    # config.json model_type -> the architecture it stands for: every architecture the family
+    # reads, and the one a config.json naming none (only its model_type) is read as
+    model_types: dict[str, str]
     config_from_hf: Callable[[dict, str, str], Any]  # (config.json, where, remat) -> config
     config_to_hf: Callable[[Any, str, int], dict]  # (config, dtype name, max positions) -> dict
     tensors: tuple[Rule, ...]  # (spmd param path, HF tensor name, in_dims): models/hf_tensors
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The config.json `architectures` this family reads (its model types' ones)."""
+        return tuple(self.model_types.values())
 
 
 @dataclasses.dataclass(frozen=True)

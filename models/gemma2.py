@@ -355,7 +355,6 @@ FAMILY = Family(
     check=check,
     check_layout=check_layout,
     hf=HFMapping(
-        architectures=(hf_gemma2.GEMMA2,),
         model_types={"gemma2": hf_gemma2.GEMMA2},
         config_from_hf=config_from_hf,
         config_to_hf=hf_gemma2.config_to_hf,

@@ -53,7 +53,6 @@ FAMILY = Family(
     check=gemma2.check,
     check_layout=gemma2.check_layout,
     hf=HFMapping(
-        architectures=(hf_gemma2.GEMMA3,),
         model_types={"gemma3_text": hf_gemma2.GEMMA3},
         config_from_hf=config_from_hf,
         config_to_hf=hf_gemma2.config_to_hf,

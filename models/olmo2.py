@@ -133,7 +133,6 @@ FAMILY = Family(
     check=check,
     check_layout=check_layout,
     hf=HFMapping(
-        architectures=(hf_olmo2.ARCHITECTURE,),
         model_types={"olmo2": hf_olmo2.ARCHITECTURE},
         config_from_hf=config_from_hf,
         config_to_hf=hf_olmo2.olmo2_hf_config,

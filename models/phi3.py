@@ -164,7 +164,6 @@ FAMILY = Family(
     # models/llama_decode.py's cache, with a forward that refuses crossing LongRoPE's length
     decoder=Decoder(init_cache=llama_decode.init_cache, forward=decode),
     hf=HFMapping(
-        architectures=(hf_phi3.ARCHITECTURE,),
         model_types={"phi3": hf_phi3.ARCHITECTURE},
         config_from_hf=from_hf,
         config_to_hf=hf_phi3.hf_config,

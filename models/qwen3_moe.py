@@ -86,7 +86,6 @@ FAMILY = Family(
     check=check,
     check_layout=check_layout,
     hf=HFMapping(
-        architectures=(hf_qwen3_moe.ARCHITECTURE,),
         model_types={hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE},
         config_from_hf=config_from_hf,
         config_to_hf=hf_qwen3_moe.hf_config_of,
