@@ -5,7 +5,8 @@ models/family.py. The engine, the estimators, the commands and the library reach
 through it; none of them imports a family's own modules. docs/extending.md walks through
 adding one.
 
-    Family              the record: config class, create, loss, checks, HF mapping, decoder
+    Family              the record: config class, create, loss, checks, HF mapping, decoder;
+                        whatever a record leaves out is the llama's
     ModelConfig         what a family's config dataclass (the run's [model] section) provides
     CausalLM            what the module `create` returns provides: the forward pass and its
                         three pipeline pieces
@@ -31,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from models import llama, llama_decode, lora
 from models.hf_tensors import Rule
 from spmd.model_shape import ModelShape
 
@@ -45,11 +47,8 @@ class ModelConfig(Protocol):
     remat: str  # what the backward pass keeps of each block (models.layers.REMAT_POLICIES)
 
     def shape(self) -> ModelShape:
-        """The sizes the estimators read (memory, FLOPs, collective volumes)."""
-        ...
-
-    def n_params(self) -> int:
-        """Parameters of the model (scalars; every expert included)."""
+        """The sizes the estimators read (memory, FLOPs, collective volumes) and the parameter
+        count (ModelShape.n_params: Family.n_params)."""
         ...
 
 
@@ -83,11 +82,17 @@ class HFMapping:
     """A family's Hugging Face checkpoints: which architectures it reads and writes, config.json
     both ways and its tensor table (models/hf_io.py streams the tensors by it)."""
 
-    architectures: tuple[str, ...]  # config.json `architectures` this family reads
-    model_types: dict[str, str]  # config.json model_type -> architecture, for configs naming none
+    # config.json model_type -> the architecture it stands for: every architecture the family
+    # reads, and the one a config.json naming none (only its model_type) is read as
+    model_types: dict[str, str]
     config_from_hf: Callable[[dict, str, str], Any]  # (config.json, where, remat) -> config
     config_to_hf: Callable[[Any, str, int], dict]  # (config, dtype name, max positions) -> dict
     tensors: tuple[Rule, ...]  # (spmd param path, HF tensor name, in_dims): models/hf_tensors
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The config.json `architectures` this family reads (its model types' ones)."""
+        return tuple(self.model_types.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,31 +107,46 @@ class Decoder:
     forward: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
-@dataclasses.dataclass(frozen=True)
+# The decoder of every family whose blocks have `decode` (models/llama_decode.py)
+LLAMA_DECODER = Decoder(init_cache=llama_decode.init_cache, forward=llama_decode.forward)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Family:
-    """One model family. Counts are parameters (scalars)."""
+    """One model family. Counts are parameters (scalars). What a record leaves out is the
+    llama's (models/llama.py's model and losses, models/llama_decode.py's cache, every dense
+    LoRA target of models/lora.py): a family states its name, config, checks and Hugging Face
+    mapping, and only what else differs from a Llama."""
 
     name: str
     config: type  # the config dataclass (ModelConfig): the run's [model] section
-    create: Callable[..., CausalLM]  # (cfg, seed, dtype) -> a freshly initialised model
-    loss: Callable[[Any, dict], jax.Array]  # (model, batch) -> the scalar training loss (fp32)
-    # a pipeline's last-stage loss: (logits, targets[, weights]) -> mean loss (fp32)
-    logits_loss: Callable[..., jax.Array]
     check: Callable[[Any], None]  # (cfg): UsageError if it cannot be built (before device work)
     check_layout: Callable[[Any, Any, str], None]  # (cfg, mesh, executor): UsageError if refused
-    decoder: Decoder
     hf: HFMapping | None = None  # None: no Hugging Face architecture
+    # (cfg, seed, dtype) -> a freshly initialised model (models.layers.creator of its class)
+    create: Callable[..., CausalLM] = llama.create
+    loss: Callable[[Any, dict], jax.Array] = llama.lm_loss  # (model, batch) -> scalar loss (fp32)
+    # a pipeline's last-stage loss: (logits, targets[, weights]) -> mean loss (fp32)
+    logits_loss: Callable[..., jax.Array] = llama.logits_loss
+    decoder: Decoder = LLAMA_DECODER
     step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
     # LoRA (models/lora.py): target name (peft's short form: q, k, v, o, gate, up, down) -> the
     # param paths it adapts (several: one fused projection sharing the adapter's A); empty: the
     # family offers no LoRA
-    lora_targets: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(default_factory=dict)
-    lora_default: tuple[str, ...] = ()  # the targets --lora-targets "" picks
+    lora_targets: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(
+        default_factory=lambda: lora.DENSE
+    )
+    # the targets --lora-targets "" picks (empty: every one of lora_targets)
+    lora_default: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.lora_default:  # frozen: the one field a family's record derives
+            object.__setattr__(self, "lora_default", tuple(self.lora_targets))
 
     def shape(self, cfg: Any) -> ModelShape:
         """The sizes spmd.estimate reads."""
         return cfg.shape()
 
     def n_params(self, cfg: Any) -> int:
-        """Parameters of the model (every expert included)."""
-        return cfg.n_params()
+        """Parameters of the model (every expert included): its shape's count."""
+        return cfg.shape().n_params()

@@ -8,6 +8,9 @@ what a family provides; docs/extending.md how to add one).
     family.open_hf(folder)       a Hugging Face folder, read by the family its config.json names
     family.load_hf / save_hf     its tensors onto a mesh, and params out to a new folder
 
+A family's record states only what differs from a Llama's (models/contract.Family's defaults);
+LoRA and peft, asked of a family, are models/finetune.py's.
+
 Llama 3.x, Mistral, Qwen2 / Qwen2.5 and Qwen3 are the llama family: switches of LlamaConfig
 (rope scaling, sliding_window, qkv_bias, qk_norm), not families of their own, because nothing
 the engine or the estimators ask of a family differs between them; only the Hugging Face
@@ -27,11 +30,9 @@ from models import (
     hf_io,
     hf_mixtral,
     llama,
-    llama_decode,
     lora,
     moe,
     olmo2,
-    peft,
     phi3,
     qwen3_moe,
 )
@@ -42,47 +43,35 @@ __all__ = ["CausalLM", "Decoder", "Family", "HFMapping", "ModelConfig"]
 
 EXPORT_DTYPES = hf_io.EXPORT_DTYPES  # the dtypes --to-hf writes
 
-LLAMA = Family(
+LLAMA = Family(  # the defaults of models/contract.Family are its own
     name="llama",
     config=llama.LlamaConfig,
-    create=llama.create,
-    loss=llama.lm_loss,
-    logits_loss=llama.logits_loss,
     check=llama.check,
     check_layout=llama.check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=hf_config.ARCHITECTURES,
         model_types=hf_config.MODEL_TYPES,
         config_from_hf=hf_config.llama_config,
         config_to_hf=hf_config.hf_config,
         tensors=hf_config.TENSORS,
     ),
-    lora_targets=lora.DENSE,
-    lora_default=lora.DEFAULT,
 )
 MOE = Family(
     name="moe",
     config=moe.MoEConfig,
     create=moe.create,
-    loss=moe.lm_loss,
     # a pipeline passes only activations between stages, so its last stage scores the logits
-    # alone (moe.check_layout refuses the router losses with pp > 1)
-    logits_loss=llama.logits_loss,
+    # alone with the llama's logits_loss (moe.check_layout refuses the router losses with pp > 1)
+    loss=moe.lm_loss,
     check=moe.check,
     check_layout=moe.check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=(hf_mixtral.ARCHITECTURE,),
         model_types={"mixtral": hf_mixtral.ARCHITECTURE},
         config_from_hf=hf_mixtral.mixtral_config,
         config_to_hf=hf_mixtral.moe_hf_config,
         tensors=hf_config.TENSORS + hf_mixtral.TENSORS,
     ),
     step_metrics=moe.router_stats,
-    # adapters on attention: the experts' weights are not targets
-    lora_targets=lora.ATTENTION,
-    lora_default=tuple(lora.ATTENTION),
+    lora_targets=lora.ATTENTION,  # adapters on attention: the experts' weights are not targets
 )
 
 # The registry: one line per family.
@@ -98,54 +87,6 @@ FAMILIES: dict[str, Family] = {
         olmo2.FAMILY,
     )
 }
-
-
-# LoRA (models/lora.py), for the commands, which import only this module and the contract
-LoraSpec = lora.Spec
-with_lora = lora.wrap  # (base model, spec, HF tensor table, seed) -> a LoraModel
-lora_loss = lora.adapted_loss  # a family's loss -> the loss of a LoraModel's adapted model
-lora_metrics = lora.adapted_metrics  # a family's step_metrics -> those of a LoraModel's
-
-
-def lora_spec(
-    family: Family, rank: int, alpha: float, dropout: float, targets: str
-) -> lora.Spec | None:
-    """The adapters the --lora-* flags ask of `family` (None at rank 0); UsageError naming a
-    bad value or a target the family lacks, with the valid ones."""
-    return lora.spec_of(
-        family.lora_targets, family.lora_default, family.name, rank, alpha, dropout, targets
-    )
-
-
-def save_peft(adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str):
-    """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
-    for base `base`; UsageError for a family with no Hugging Face Linear names."""
-    return peft.save(adapters, spec, _hf_of(cfg).tensors, directory, base)
-
-
-PeftAdapter = peft.Adapter
-read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
-
-
-def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
-    """The --lora-targets value (a comma list) of peft `adapter`'s target_modules on a model
-    `cfg`: the same table --to-peft writes them from, read the other way."""
-    fam = of(cfg)
-    names = peft.target_names(adapter, fam.lora_targets, _hf_of(cfg).tensors, fam.name)
-    return ",".join(names)
-
-
-def load_peft(directory: str, spec: lora.Spec, cfg: Any, like: dict[str, Any]) -> dict:
-    """The adapters (fp32 host arrays shaped as `like`'s) of peft folder `directory` for a
-    model `cfg` and adapters `spec`."""
-    return peft.load(directory, spec, _hf_of(cfg).tensors, like)
-
-
-def _hf_of(cfg: Any) -> HFMapping:
-    fam = of(cfg)
-    if fam.hf is None:
-        raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
-    return fam.hf
 
 
 def get(name: str) -> Family:
@@ -280,6 +221,14 @@ def load_hf(checkpoint: hf_io.HFCheckpoint, abstract_params: dict[str, Any]) -> 
     return hf_io.load_params(checkpoint, abstract_params)
 
 
+def hf_of(cfg: Any) -> HFMapping:
+    """The Hugging Face mapping of model `cfg`'s family; UsageError for a family with none."""
+    fam = of(cfg)
+    if fam.hf is None:
+        raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
+    return fam.hf
+
+
 def save_hf(
     params: dict[str, Any],
     cfg: Any,
@@ -291,14 +240,12 @@ def save_hf(
     """Write `params` of model `cfg` as a Hugging Face folder of its family's architecture
     (config.json and safetensors in `dtype`); UsageError for a family or config no
     architecture computes. Returns the files written."""
-    family = of(cfg)
-    if family.hf is None:
-        raise UsageError(f"model family {family.name!r} has no Hugging Face architecture")
+    hf = hf_of(cfg)
     if dtype not in EXPORT_DTYPES:
         raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     hf_io.check_new_folder(directory)
-    config = family.hf.config_to_hf(cfg, dtype, max_positions)
-    return hf_io.save(params, config, directory, family.hf.tensors, dtype, max_shard_bytes)
+    config = hf.config_to_hf(cfg, dtype, max_positions)
+    return hf_io.save(params, config, directory, hf.tensors, dtype, max_shard_bytes)
 
 
 def check_new_folder(directory: str) -> None:

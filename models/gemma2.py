@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import fused_loss, hf_gemma2, llama, llama_decode, lora
+from models import fused_loss, hf_gemma2, layers, llama
 from models.attention import (
     CACHE_NAMES,
     Attention,
@@ -101,29 +101,20 @@ class Gemma2Config:
 
     tie_embeddings = True  # not a field: Gemma's output head is always the embedding
 
-    def n_params(self) -> int:
-        """Parameter count (number of scalars)."""
-        e, d = self.embed_dim, self.head_dim
-        attn = e * d * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * d if self.qk_norm else 0)
-        block = attn + 3 * e * self.mlp_dim + 4 * e
-        return self.vocab_size * e + self.n_layers * block + e
-
     def shape(self) -> ModelShape:
         """The sizes the estimators read (spmd.model_shape): tied, four norms per block."""
         return ModelShape(
-            vocab_size=self.vocab_size,
-            embed_dim=self.embed_dim,
-            mlp_dim=self.mlp_dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
+            **{name: getattr(self, name) for name in llama.SIZES},
             tie_embeddings=True,
             remat=self.remat,
             qk_norm=self.qk_norm,
             norms_per_block=4,
             loss_chunk=self.loss_chunk,
         )
+
+    def n_params(self) -> int:
+        """Parameter count (scalars): its shape's."""
+        return self.shape().n_params()
 
     @property
     def period(self) -> int:
@@ -346,10 +337,7 @@ class Gemma(llama.Llama):
         return self.cfg.final_softcap
 
 
-def create(cfg: Gemma2Config, seed: int, dtype: Any = jnp.float32) -> Gemma:
-    """A freshly initialised model (abstractly sharded; spmd.engine.step creates it sharded)."""
-    with nnx.use_eager_sharding(False):
-        return Gemma(cfg, nnx.Rngs(seed), dtype)
+create = layers.creator(Gemma)  # (cfg, seed, dtype) -> a freshly initialised Gemma
 
 
 def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Gemma2Config:
@@ -359,22 +347,17 @@ def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Gemm
     return cfg
 
 
+# the llama's loss and decoder: the model's head gives the (soft-capped) logits
 FAMILY = Family(
     name="gemma2",
     config=Gemma2Config,
     create=create,
-    loss=llama.lm_loss,  # the model's __call__ gives the (soft-capped) logits
-    logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=(hf_gemma2.GEMMA2,),
         model_types={"gemma2": hf_gemma2.GEMMA2},
         config_from_hf=config_from_hf,
         config_to_hf=hf_gemma2.config_to_hf,
         tensors=hf_gemma2.TENSORS,
     ),
-    lora_targets=lora.DENSE,
-    lora_default=lora.DEFAULT,
 )

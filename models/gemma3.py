@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import gemma2, hf_gemma2, llama, llama_decode, lora
+from models import gemma2, hf_gemma2
 from models.contract import Family, HFMapping
 
 
@@ -50,18 +50,12 @@ FAMILY = Family(
     name="gemma3",
     config=Gemma3Config,
     create=gemma2.create,
-    loss=llama.lm_loss,
-    logits_loss=llama.logits_loss,
     check=gemma2.check,
     check_layout=gemma2.check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=(hf_gemma2.GEMMA3,),
         model_types={"gemma3_text": hf_gemma2.GEMMA3},
         config_from_hf=config_from_hf,
         config_to_hf=hf_gemma2.config_to_hf,
         tensors=hf_gemma2.TENSORS,
     ),
-    lora_targets=lora.DENSE,
-    lora_default=lora.DEFAULT,
 )

@@ -52,20 +52,31 @@ from spmd.errors import UsageError
 # (spmd param path, Hugging Face name ("{}" = layer index), in_dims): HF stores a Linear as
 # [out, in]; in_dims is how many leading dims of the spmd param make up `in` (0: stored as is,
 # FLAT: stored as one dim).
-TENSORS: tuple[Rule, ...] = (
+# The embedding and attention projections, and the MLP, under the names every Llama-shaped
+# architecture gives them (OLMo 2's and Gemma's tables start from them too).
+EMBEDDING_ATTENTION: tuple[Rule, ...] = (
     (("embed",), "model.embed_tokens.weight", 0),
     (("blocks", "attn", "wq"), "model.layers.{}.self_attn.q_proj.weight", 1),
     (("blocks", "attn", "wk"), "model.layers.{}.self_attn.k_proj.weight", 1),
     (("blocks", "attn", "wv"), "model.layers.{}.self_attn.v_proj.weight", 1),
     (("blocks", "attn", "wo"), "model.layers.{}.self_attn.o_proj.weight", 2),
-    (("blocks", "attn", "bq"), "model.layers.{}.self_attn.q_proj.bias", FLAT),
-    (("blocks", "attn", "bk"), "model.layers.{}.self_attn.k_proj.bias", FLAT),
-    (("blocks", "attn", "bv"), "model.layers.{}.self_attn.v_proj.bias", FLAT),
-    (("blocks", "attn", "q_norm", "scale"), "model.layers.{}.self_attn.q_norm.weight", 0),
-    (("blocks", "attn", "k_norm", "scale"), "model.layers.{}.self_attn.k_norm.weight", 0),
+)
+MLP: tuple[Rule, ...] = (
     (("blocks", "mlp", "w_gate"), "model.layers.{}.mlp.gate_proj.weight", 1),
     (("blocks", "mlp", "w_up"), "model.layers.{}.mlp.up_proj.weight", 1),
     (("blocks", "mlp", "w_down"), "model.layers.{}.mlp.down_proj.weight", 1),
+)
+QK_NORMS: tuple[Rule, ...] = (  # Qwen3's and Gemma 3's per-head q and k norms
+    (("blocks", "attn", "q_norm", "scale"), "model.layers.{}.self_attn.q_norm.weight", 0),
+    (("blocks", "attn", "k_norm", "scale"), "model.layers.{}.self_attn.k_norm.weight", 0),
+)
+TENSORS: tuple[Rule, ...] = (
+    *EMBEDDING_ATTENTION,
+    (("blocks", "attn", "bq"), "model.layers.{}.self_attn.q_proj.bias", FLAT),
+    (("blocks", "attn", "bk"), "model.layers.{}.self_attn.k_proj.bias", FLAT),
+    (("blocks", "attn", "bv"), "model.layers.{}.self_attn.v_proj.bias", FLAT),
+    *QK_NORMS,
+    *MLP,
     (("blocks", "attn_norm", "scale"), "model.layers.{}.input_layernorm.weight", 0),
     (("blocks", "mlp_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
     (("final_norm", "scale"), "model.norm.weight", 0),
@@ -276,14 +287,17 @@ def rope_parameters(cfg: llama.LlamaConfig) -> dict[str, Any]:
     return rope
 
 
-def hf_config(cfg: llama.LlamaConfig, dtype: str, max_positions: int) -> dict[str, Any]:
-    """The config.json of `cfg` as the architecture that computes it (`hf_architecture`),
-    readable by transformers 4 and 5."""
-    architecture = hf_architecture(cfg)
-    rope = rope_parameters(cfg)
-    config = {
+def config_json(
+    cfg: Any, architecture: str, model_type: str, dtype: str, **fields: Any
+) -> dict[str, Any]:
+    """The config.json every family writes (as a dict, in the order written): its
+    architecture and model_type, the sizes of a Llama-shaped config `cfg` (vocab_size,
+    hidden_size, intermediate_size, layers, heads, kv heads, head_dim), the family's own
+    `fields` in the order given, and the dtype `dtype` under transformers 4's and 5's names.
+    Values keep the Python types transformers declares (tests/test_hf_config_types.py)."""
+    return {
         "architectures": [architecture],
-        "model_type": next(t for t, a in MODEL_TYPES.items() if a == architecture),
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.embed_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -291,15 +305,29 @@ def hf_config(cfg: llama.LlamaConfig, dtype: str, max_positions: int) -> dict[st
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
-        "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": max_positions,
+        **fields,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+
+
+def hf_config(cfg: llama.LlamaConfig, dtype: str, max_positions: int) -> dict[str, Any]:
+    """The config.json of `cfg` as the architecture that computes it (`hf_architecture`),
+    readable by transformers 4 and 5."""
+    architecture = hf_architecture(cfg)
+    rope = rope_parameters(cfg)
+    config = config_json(
+        cfg,
+        architecture,
+        next(t for t, a in MODEL_TYPES.items() if a == architecture),
+        dtype,
+        hidden_act="silu",
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
+        rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=max_positions,
+    )
     if cfg.rope_scaling != "none":  # transformers 4's spelling (5 reads it first: the same)
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if architecture == "LlamaForCausalLM":

@@ -38,21 +38,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.hf_config import check_numbers, positive_number, rope_fields
+from models.hf_config import (
+    EMBEDDING_ATTENTION,
+    MLP,
+    QK_NORMS,
+    check_numbers,
+    config_json,
+    positive_number,
+    rope_fields,
+)
 from models.hf_tensors import Rule
 from spmd.errors import UsageError
 
 TENSORS: tuple[Rule, ...] = (
-    (("embed",), "model.embed_tokens.weight", 0),
-    (("blocks", "attn", "wq"), "model.layers.{}.self_attn.q_proj.weight", 1),
-    (("blocks", "attn", "wk"), "model.layers.{}.self_attn.k_proj.weight", 1),
-    (("blocks", "attn", "wv"), "model.layers.{}.self_attn.v_proj.weight", 1),
-    (("blocks", "attn", "wo"), "model.layers.{}.self_attn.o_proj.weight", 2),
-    (("blocks", "attn", "q_norm", "scale"), "model.layers.{}.self_attn.q_norm.weight", 0),
-    (("blocks", "attn", "k_norm", "scale"), "model.layers.{}.self_attn.k_norm.weight", 0),
-    (("blocks", "mlp", "w_gate"), "model.layers.{}.mlp.gate_proj.weight", 1),
-    (("blocks", "mlp", "w_up"), "model.layers.{}.mlp.up_proj.weight", 1),
-    (("blocks", "mlp", "w_down"), "model.layers.{}.mlp.down_proj.weight", 1),
+    *EMBEDDING_ATTENTION,
+    *QK_NORMS,
+    *MLP,
     (("blocks", "attn_norm", "scale"), "model.layers.{}.input_layernorm.weight", 0),
     (("blocks", "post_attn_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
     (("blocks", "mlp_norm", "scale"), "model.layers.{}.pre_feedforward_layernorm.weight", 0),
@@ -232,31 +233,24 @@ def config_to_hf(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "linear":
         full.update(rope_type="linear", factor=cfg.rope_factor)
-    config = {
-        "architectures": [architecture],
-        "model_type": next(t for t, a in MODEL_TYPES.items() if a == architecture),
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": cfg.norm_eps,
-        "query_pre_attn_scalar": int(cfg.query_pre_attn_scalar),  # transformers: an int
-        "attn_logit_softcapping": cfg.attn_softcap or None,
-        "final_logit_softcapping": cfg.final_softcap or None,
-        "sliding_window": cfg.sliding_window or None,
-        "layer_types": pattern(cfg.global_every, cfg.n_layers),
-        "attention_bias": False,
-        "use_bidirectional_attention": False,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": max_positions,
-        "rope_theta": cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
+    config = config_json(
+        cfg,
+        architecture,
+        next(t for t, a in MODEL_TYPES.items() if a == architecture),
+        dtype,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=cfg.norm_eps,
+        query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),  # transformers: an int
+        attn_logit_softcapping=cfg.attn_softcap or None,
+        final_logit_softcapping=cfg.final_softcap or None,
+        sliding_window=cfg.sliding_window or None,
+        layer_types=pattern(cfg.global_every, cfg.n_layers),
+        attention_bias=False,
+        use_bidirectional_attention=False,
+        tie_word_embeddings=True,
+        max_position_embeddings=max_positions,
+        rope_theta=cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
+    )
     if not gemma3:
         return {**config, "rope_parameters": full}
     local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta}

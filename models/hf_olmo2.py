@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.hf_config import dense_config, hf_config
+from models.hf_config import EMBEDDING_ATTENTION, MLP, dense_config, hf_config
 from models.hf_tensors import FLAT, Rule
 from spmd.errors import UsageError
 
@@ -58,16 +58,10 @@ NORM_EPS = 1e-5  # transformers' Olmo2Config default rms_norm_eps
 
 # (spmd param path, HF name ("{}" = layer), in_dims): models/hf_tensors.py
 TENSORS: tuple[Rule, ...] = (
-    (("embed",), "model.embed_tokens.weight", 0),
-    (("blocks", "attn", "wq"), "model.layers.{}.self_attn.q_proj.weight", 1),
-    (("blocks", "attn", "wk"), "model.layers.{}.self_attn.k_proj.weight", 1),
-    (("blocks", "attn", "wv"), "model.layers.{}.self_attn.v_proj.weight", 1),
-    (("blocks", "attn", "wo"), "model.layers.{}.self_attn.o_proj.weight", 2),
+    *EMBEDDING_ATTENTION,
     (("blocks", "attn", "q_norm", "scale"), "model.layers.{}.self_attn.q_norm.weight", FLAT),
     (("blocks", "attn", "k_norm", "scale"), "model.layers.{}.self_attn.k_norm.weight", FLAT),
-    (("blocks", "mlp", "w_gate"), "model.layers.{}.mlp.gate_proj.weight", 1),
-    (("blocks", "mlp", "w_up"), "model.layers.{}.mlp.up_proj.weight", 1),
-    (("blocks", "mlp", "w_down"), "model.layers.{}.mlp.down_proj.weight", 1),
+    *MLP,
     (("blocks", "post_attn_norm", "scale"), "model.layers.{}.post_attention_layernorm.weight", 0),
     (
         ("blocks", "post_mlp_norm", "scale"),

@@ -54,7 +54,7 @@ import dataclasses
 import math
 from typing import Any
 
-from models.hf_config import dense_config, positive_number, rope_parameters
+from models.hf_config import config_json, dense_config, positive_number, rope_parameters
 from models.hf_tensors import Rule
 from models.rope import factors
 from spmd.errors import UsageError
@@ -175,35 +175,28 @@ def hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
     and 5."""
     longrope = cfg.rope_scaling == "longrope"
     original = cfg.rope_original_max_positions if longrope else max_positions
-    config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "phi3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,  # Phi3Attention reads it where given
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
-        "rope_parameters": (
+    config = config_json(  # head_dim among the sizes: Phi3Attention reads it where given
+        cfg,
+        ARCHITECTURE,
+        "phi3",
+        dtype,
+        hidden_act="silu",
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,  # transformers 4 reads this, 5 the rope_parameters
+        rope_parameters=(
             longrope_parameters(cfg)
             if longrope
             else rope_parameters(cfg) | {"partial_rotary_factor": 1.0}
         ),
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "sliding_window": cfg.sliding_window or None,
-        "max_position_embeddings": round(original * cfg.rope_factor) if longrope else max_positions,
-        "original_max_position_embeddings": original,
+        tie_word_embeddings=cfg.tie_embeddings,
+        sliding_window=cfg.sliding_window or None,
+        max_position_embeddings=round(original * cfg.rope_factor) if longrope else max_positions,
+        original_max_position_embeddings=original,
         **dict.fromkeys(DROPOUTS, 0.0),
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if longrope:  # transformers 5's Phi3Config reads this before rope_parameters, as 4 does
         rope = config["rope_parameters"]
         config["rope_scaling"] = {"type": "longrope"} | {

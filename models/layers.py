@@ -1,6 +1,7 @@
 """The smallest pieces of the decoders: a param with its logical axis names, RMSNorm (and
 Gemma's (1 + scale) form, and HeadsRMSNorm over all heads' features at once), the dense
-projection every matmul with a weight goes through, and the SwiGLU and GeGLU activations.
+projection every matmul with a weight goes through, the SwiGLU and GeGLU activations, and
+`creator`: a family's `create` from its model class.
 
 Params are created in fp32 (the master copy); callers cast them to the compute dtype.
 """
@@ -8,6 +9,8 @@ Params are created in fp32 (the master copy); callers cast them to the compute d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,21 @@ assert tuple(REMAT_POLICIES) == REMATS
 # over `tensor` under sequence parallelism; the matmuls' inputs are whole along `length`.
 RESIDUAL = ("batch", "residual_length", "embed")
 WHOLE = ("batch", "length", "embed")
+
+
+Model = TypeVar("Model", bound=nnx.Module)
+
+
+def creator(model: Callable[[Any, nnx.Rngs, Any], Model]) -> Callable[..., Model]:
+    """A family's `create` (models/contract.py) for a model class built as `model(cfg, rngs,
+    dtype)`: (cfg, seed, dtype=fp32) -> the model freshly initialised from `seed`, with
+    abstract shardings (eager and unsharded; spmd.engine.step creates it sharded)."""
+
+    def create(cfg: Any, seed: int, dtype: Any = jnp.float32) -> Model:
+        with nnx.use_eager_sharding(False):
+            return model(cfg, nnx.Rngs(seed), dtype)
+
+    return create
 
 
 def param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:

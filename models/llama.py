@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import fused_loss
+from models import fused_loss, layers
 from models.attention import Attention, segment_positions
 from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu, weight
 from models.layers import param as _param
@@ -85,39 +85,24 @@ class LlamaConfig:
     # (models/fused_loss.py); 0: unfused, the whole logits at once
     loss_chunk: int = fused_loss.DEFAULT_CHUNK
 
-    def n_params(self) -> int:
-        """Parameter count (number of scalars)."""
-        attn = self.embed_dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        attn += self.attention_extras()
-        block = attn + 3 * self.embed_dim * self.mlp_dim + 2 * self.embed_dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.embed_dim
-        return self.vocab_size * self.embed_dim + self.n_layers * block + self.embed_dim + head
-
-    def attention_extras(self) -> int:
-        """Parameters of one layer's q, k, v biases and q, k norms (0 for a Llama)."""
-        biases = self.head_dim * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
-        return biases + (2 * self.head_dim if self.qk_norm else 0)
-
-    def n_active_params(self) -> int:
-        """Parameters one token uses: all of them (a dense model)."""
-        return self.n_params()
-
     def shape(self) -> ModelShape:
         """The sizes the estimators read (spmd.model_shape): a dense model, no experts."""
         return ModelShape(
-            vocab_size=self.vocab_size,
-            embed_dim=self.embed_dim,
-            mlp_dim=self.mlp_dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
+            **{name: getattr(self, name) for name in SIZES},
             tie_embeddings=self.tie_embeddings,
             remat=self.remat,
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
             loss_chunk=self.loss_chunk,
         )
+
+    def n_params(self) -> int:
+        """Parameter count (scalars): its shape's."""
+        return self.shape().n_params()
+
+    def n_active_params(self) -> int:
+        """Parameters one token uses (an MoE's k experts of E): its shape's."""
+        return self.shape().n_active_params()
 
 
 # The sizes of a Llama, each a count of at least 1.
@@ -346,10 +331,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return log_total - tp_sum(jnp.where(mine, picked[..., 0], 0.0), "vocab")
 
 
-def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> Llama:
-    """A freshly initialised model (eager, unsharded; use spmd.engine.step to create it sharded)."""
-    with nnx.use_eager_sharding(False):
-        return Llama(cfg, nnx.Rngs(seed), dtype)
+# (cfg, seed, dtype=fp32) -> a freshly initialised Llama (eager, unsharded; spmd.engine.step
+# creates it sharded)
+create = layers.creator(Llama)
 
 
 def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:

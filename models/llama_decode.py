@@ -1,5 +1,5 @@
 """The forward pass with a key/value cache, for generation: the Decoder of every family whose
-blocks have a `decode` method (llama.Block, moe.Block, ...).
+blocks have a `decode` method (llama.Block, moe.Block, ...; models/contract.py's default).
 
 `forward(model, tokens, positions, cache)` runs tokens [batch, T] that sit at per-row
 `positions` [batch, T] through the same params and maths as the model's `__call__`: its
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import CACHE_NAMES
-from models.contract import Decoder
 
 
 def init_cache(cfg: Any, batch: int, length: int, dtype: Any) -> dict[str, jax.Array]:
@@ -55,7 +54,4 @@ def forward(
     return model.head_logits(x), {"k": keys, "v": values}
 
 
-# the Decoder of every family whose blocks have `decode` (each family's record names it)
-DECODER = Decoder(init_cache=init_cache, forward=forward)
-
-__all__ = ["CACHE_NAMES", "DECODER", "forward", "init_cache"]
+__all__ = ["CACHE_NAMES", "forward", "init_cache"]

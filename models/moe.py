@@ -35,7 +35,7 @@ from flax import nnx
 
 from models import llama
 from models.attention import Attention
-from models.layers import REMAT_POLICIES, RMSNorm, expert_dense, swiglu
+from models.layers import REMAT_POLICIES, RMSNorm, creator, expert_dense, swiglu
 from models.layers import param as _param
 from models.llama import LlamaConfig
 from spmd.errors import UsageError
@@ -72,25 +72,6 @@ class MoEConfig(LlamaConfig):
     @property
     def expert_dim(self) -> int:
         return self.expert_mlp_dim or self.mlp_dim
-
-    def _expert_params(self) -> int:
-        return 3 * self.embed_dim * self.expert_dim
-
-    def n_params(self) -> int:
-        """Parameter count (scalars), every expert included."""
-        dense = super().n_params()
-        if not self.n_experts:
-            return dense
-        per_layer = self.embed_dim * self.n_experts + self.n_experts * self._expert_params()
-        per_layer += self._expert_params() if self.shared_expert else 0
-        return dense + self.n_layers * (per_layer - 3 * self.embed_dim * self.mlp_dim)
-
-    def n_active_params(self) -> int:
-        """Parameters one token uses: the k routed experts (and the shared one), not all E."""
-        if not self.n_experts:
-            return self.n_params()
-        idle = (self.n_experts - self.experts_per_token) * self._expert_params()
-        return self.n_params() - self.n_layers * idle
 
     def shape(self) -> ModelShape:
         """The sizes the estimators read (spmd.model_shape), the experts' included. A pipeline
@@ -293,13 +274,15 @@ class MoELlama(llama.Llama):
         return scan_layers(layer, x, block_state, policy, unrolled=not self.cfg.scan_layers)
 
 
+create_moe = creator(MoELlama)  # (cfg, seed, dtype) -> a freshly initialised MoELlama
+
+
 def create(cfg: LlamaConfig, seed: int, dtype: Any = jnp.float32) -> llama.Llama:
     """A freshly initialised model: MoELlama, or llama.Llama for a dense config (a LlamaConfig,
     or n_experts 0)."""
     if not isinstance(cfg, MoEConfig) or not cfg.n_experts:
         return llama.create(cfg, seed, dtype)
-    with nnx.use_eager_sharding(False):
-        return MoELlama(cfg, nnx.Rngs(seed), dtype)
+    return create_moe(cfg, seed, dtype)
 
 
 def router_loss(cfg: MoEConfig, stats: dict) -> jax.Array:

@@ -31,13 +31,12 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from models import hf_olmo2, llama, llama_decode, lora
+from models import hf_olmo2, llama
 from models.attention import Attention
 from models.contract import Family, HFMapping
-from models.layers import RESIDUAL, RMSNorm
+from models.layers import RESIDUAL, RMSNorm, creator
 from models.llama import LlamaConfig
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
@@ -50,10 +49,6 @@ class Olmo2Config(LlamaConfig):
     sliding_window stay off: OLMo 2 has none of them). Sizes are counts."""
 
     family: str = "olmo2"  # the model family this config describes (models.family)
-
-    def attention_extras(self) -> int:
-        """Parameters of one layer's q and k norms: one scale per feature of each projection."""
-        return self.head_dim * (self.n_heads + self.n_kv_heads)
 
     def shape(self) -> ModelShape:
         """The sizes the estimators read: a dense Llama's, with the q and k norms over the
@@ -123,12 +118,6 @@ class Olmo2(llama.Llama):
     block_type = Block
 
 
-def create(cfg: Olmo2Config, seed: int, dtype: Any = jnp.float32) -> Olmo2:
-    """A freshly initialised model (eager, unsharded; spmd.engine.step creates it sharded)."""
-    with nnx.use_eager_sharding(False):
-        return Olmo2(cfg, nnx.Rngs(seed), dtype)
-
-
 def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Olmo2Config:
     """The Olmo2Config of an Olmo2ForCausalLM config.json (models/hf_olmo2.py); UsageError
     naming any field spmd does not compute."""
@@ -140,19 +129,13 @@ def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Olmo
 FAMILY = Family(
     name="olmo2",
     config=Olmo2Config,
-    create=create,
-    loss=llama.lm_loss,
-    logits_loss=llama.logits_loss,
+    create=creator(Olmo2),
     check=check,
     check_layout=check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=(hf_olmo2.ARCHITECTURE,),
         model_types={"olmo2": hf_olmo2.ARCHITECTURE},
         config_from_hf=config_from_hf,
         config_to_hf=hf_olmo2.olmo2_hf_config,
         tensors=hf_olmo2.TENSORS,
     ),
-    lora_targets=lora.DENSE,
-    lora_default=lora.DEFAULT,
 )

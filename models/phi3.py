@@ -38,7 +38,6 @@ import math
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 
 from models import hf_phi3, llama, llama_decode, lora
 from models.contract import Decoder, Family, HFMapping
@@ -141,11 +140,6 @@ def decode(
     return llama_decode.forward(model, tokens, positions, cache)
 
 
-def create(cfg: Phi3Config, seed: int, dtype: Any = jnp.float32) -> llama.Llama:
-    """A freshly initialised Phi-3 (llama.Llama, eager and unsharded)."""
-    return llama.create(cfg, seed, dtype)
-
-
 def from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Phi3Config:
     """The Phi3Config of a Phi3ForCausalLM config.json (as a dict); UsageError naming a field
     spmd does not compute."""
@@ -165,20 +159,15 @@ LORA_TARGETS = {
 FAMILY = Family(
     name="phi3",
     config=Phi3Config,
-    create=create,
-    loss=llama.lm_loss,
-    logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
     # models/llama_decode.py's cache, with a forward that refuses crossing LongRoPE's length
     decoder=Decoder(init_cache=llama_decode.init_cache, forward=decode),
     hf=HFMapping(
-        architectures=(hf_phi3.ARCHITECTURE,),
         model_types={"phi3": hf_phi3.ARCHITECTURE},
         config_from_hf=from_hf,
         config_to_hf=hf_phi3.hf_config,
         tensors=hf_phi3.TENSORS,
     ),
     lora_targets=LORA_TARGETS,
-    lora_default=tuple(LORA_TARGETS),
 )

@@ -30,10 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
-from flax import nnx
-
-from models import hf_config, hf_qwen3_moe, llama, llama_decode, lora, moe
+from models import hf_config, hf_qwen3_moe, lora, moe
 from models.contract import Family, HFMapping
 from spmd.errors import UsageError
 
@@ -71,12 +68,6 @@ def check_layout(cfg: Qwen3MoEConfig, mesh: Any, executor: str) -> None:
     moe.check_layout(cfg, mesh, executor)
 
 
-def create(cfg: Qwen3MoEConfig, seed: int, dtype: Any = jnp.float32) -> moe.MoELlama:
-    """A freshly initialised model (abstract shardings: spmd.engine.step creates it sharded)."""
-    with nnx.use_eager_sharding(False):
-        return moe.MoELlama(cfg, nnx.Rngs(seed), dtype)
-
-
 def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Qwen3MoEConfig:
     """The config of a Qwen3-MoE config.json (as a dict); UsageError naming a field whose value
     spmd does not compute (models/hf_qwen3_moe.py)."""
@@ -88,21 +79,18 @@ def config_from_hf(raw: dict[str, Any], where: str, remat: str = "none") -> Qwen
 FAMILY = Family(
     name="qwen3_moe",
     config=Qwen3MoEConfig,
-    create=create,
+    create=moe.create_moe,
+    # a pipeline's last stage scores the llama's logits_loss alone (check_layout refuses the
+    # router losses)
     loss=moe.lm_loss,
-    # a pipeline's last stage scores the logits alone (check_layout refuses router losses)
-    logits_loss=llama.logits_loss,
     check=check,
     check_layout=check_layout,
-    decoder=llama_decode.DECODER,
     hf=HFMapping(
-        architectures=(hf_qwen3_moe.ARCHITECTURE,),
         model_types={hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe.ARCHITECTURE},
         config_from_hf=config_from_hf,
         config_to_hf=hf_qwen3_moe.hf_config_of,
         tensors=hf_config.TENSORS + hf_qwen3_moe.TENSORS,
     ),
     step_metrics=moe.router_stats,
-    lora_targets=lora.ATTENTION,
-    lora_default=tuple(lora.ATTENTION),
+    lora_targets=lora.ATTENTION,  # adapters on attention: the experts' weights are not targets
 )

@@ -25,7 +25,7 @@ import jax
 import optax
 from flax import nnx
 
-from models import family
+from models import family, finetune
 from spmd.checks import check_sequence_split
 from spmd.config import Config
 from spmd.engine import diloco, objectives, precision
@@ -134,11 +134,11 @@ def build(
     return build_program(spec.make, spec.loss, tx, layout, options)
 
 
-def lora_spec(model_cfg: Any, cfg: LoraConfig) -> family.LoraSpec | None:
+def lora_spec(model_cfg: Any, cfg: LoraConfig) -> finetune.LoraSpec | None:
     """The adapters `cfg` asks of the family of `model_cfg` (None: no LoRA); UsageError for a
     bad rank, alpha, dropout or target."""
     fam = family.of(model_cfg)
-    return family.lora_spec(
+    return finetune.lora_spec(
         fam,
         cfg.lora_rank,
         cfg.lora_alpha,
@@ -158,7 +158,7 @@ def run_model(cfg: Config) -> ModelSpec:
 def model_spec(
     model_cfg: Any,
     policy: precision.Policy,
-    adapters: family.LoraSpec | None = None,
+    adapters: finetune.LoraSpec | None = None,
     objective: str = RunConfig.objective,
 ) -> ModelSpec:
     """The family model of `model_cfg`, made in the policy's compute dtype, and the loss of
@@ -173,17 +173,17 @@ def model_spec(
     def make(seed: int) -> nnx.Module:
         model = fam.create(model_cfg, seed, policy.compute_dtype)
         assert isinstance(model, nnx.Module)  # a family's CausalLM is an NNX module
-        return model if adapters is None else family.with_lora(model, adapters, tensors, seed)
+        return model if adapters is None else finetune.with_lora(model, adapters, tensors, seed)
 
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
         fam.check_layout(model_cfg, mesh, executor)
 
-    loss = objective_loss if adapters is None else family.lora_loss(objective_loss)
+    loss = objective_loss if adapters is None else finetune.lora_loss(objective_loss)
     moe = bool(fam.shape(model_cfg).n_experts)
     # an MoE family's config without experts builds the dense model: no router to report
     metrics = fam.step_metrics if moe else None
     if metrics is not None and adapters is not None:
-        metrics = family.lora_metrics(metrics)
+        metrics = finetune.lora_metrics(metrics)
     dropout = adapters.dropout if adapters is not None else 0.0
     frozen = adapters is not None
     return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics)
@@ -236,7 +236,7 @@ def program(
 
 
 def model_program(
-    model_cfg: Any, layout: Layout, adapters: family.LoraSpec | None = None
+    model_cfg: Any, layout: Layout, adapters: finetune.LoraSpec | None = None
 ) -> Program:
     """The Program of a model alone on `layout` (params, shardings and forward pass; identity
     optimizer), as `spmd.generate` and `spmd.convert` load weights into it; with `adapters`

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from models import family
+from models import family, finetune
 from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
@@ -33,7 +33,7 @@ def check_choices(cfg: Config) -> None:
     precision.from_section(cfg.precision)  # UsageError naming the valid values
     family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
     lora = cfg.lora  # rank, alpha, dropout and targets, with LoRA off too
-    family.lora_spec(
+    finetune.lora_spec(
         family.of(cfg.model), lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets
     )
     check_checkpoint_choices(cfg)

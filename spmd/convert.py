@@ -107,7 +107,7 @@ def run(argv: list[str] | None) -> int:
             if not paths.is_url(target):
                 output_paths.check_folder(flag, target)  # a folder can be made and written
                 occupied.check_free(flag, target)  # not a live run's, nor inside a run's folders
-    from models import family
+    from models import family, finetune
     from spmd import weights
     from spmd.io import checkpoint, params_io
 
@@ -147,7 +147,7 @@ def run(argv: list[str] | None) -> int:
             raise UsageError(f"--to-peft: {cfg.checkpoint} is not a LoRA run (--lora-rank 0)")
         # the base the adapters were checked against, absolute: peft reads it from any folder
         base = run_paths.absolute(loaded.base)
-        files = family.save_peft(loaded.adapters, loaded.lora, loaded.model, cfg.to_peft, base)
+        files = finetune.save_peft(loaded.adapters, loaded.lora, loaded.model, cfg.to_peft, base)
         target = f"peft adapter {cfg.to_peft} ({len(files)} files, rank {loaded.lora.rank})"
     else:
         family.check_new_folder(cfg.to_hf)
@@ -166,8 +166,9 @@ def run(argv: list[str] | None) -> int:
         )
         files += export_text_files(text_source, loaded.run_config, Path(cfg.to_hf))
         target = f"Hugging Face folder {cfg.to_hf} ({len(files)} files, {cfg.hf_dtype})"
+    n_params = family.of(loaded.model).n_params(loaded.model)
     print(
-        f"converted {loaded.source} ({loaded.model.n_params() / 1e6:.2f} M params) to {target} "
+        f"converted {loaded.source} ({n_params / 1e6:.2f} M params) to {target} "
         f"in {time.perf_counter() - started:.1f} s"
     )
     return 0

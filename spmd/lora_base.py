@@ -38,7 +38,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from models import family
+from models import family, finetune
 from spmd import sections
 from spmd.engine import frozen
 from spmd.errors import UsageError
@@ -169,7 +169,7 @@ def with_base(cfg: Any, program: Any, restored: Any) -> dict[str, Any]:
 def planner_fields(model_cfg: Any, lora_cfg: Any) -> dict[str, Any]:
     """The Setup fields (lora_rank, lora_targets) of a run's [lora] section for its model's
     family (its default targets when none are named); UsageError for bad flags."""
-    spec = family.lora_spec(
+    spec = finetune.lora_spec(
         family.of(model_cfg),
         lora_cfg.lora_rank,
         lora_cfg.lora_alpha,
@@ -216,7 +216,7 @@ def check_settings(cfg: Any, saved_config: dict[str, Any], where: str) -> None:
 def _settings(fam: Any, rank: int, alpha: float, targets: str) -> tuple | None:
     """(rank, alpha, target names in the family's order) of the --lora-* values, alpha 0 read
     as 2 x rank and no targets as the family's default; None at rank 0."""
-    spec = family.lora_spec(fam, rank, alpha, 0.0, targets)
+    spec = finetune.lora_spec(fam, rank, alpha, 0.0, targets)
     if spec is None:
         return None
     return spec.rank, spec.alpha, tuple(name for name in fam.lora_targets if name in spec.targets)

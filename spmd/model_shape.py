@@ -60,6 +60,44 @@ class ModelShape:
         """Hidden size of one expert (expert_mlp_dim, or mlp_dim when that is 0)."""
         return self.expert_mlp_dim or self.mlp_dim
 
+    def param_counts(self) -> dict[str, int]:
+        """Parameters (scalars) of each kind the model holds, the one count of them (a family's
+        n_params, the planner's groups in spmd.estimate.shape): "matrices" (every block's
+        attention and dense MLP, or its shared expert), "norms" (every block's RMSNorm scales),
+        "tables" (embedding, and the head unless tied), "final_norm"; and only where the model
+        has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "router"
+        and "experts" (the routed ones)."""
+        e, d, layers = self.embed_dim, self.head_dim, self.n_layers
+        mlp = 3 * e * self.mlp_dim
+        if self.n_experts:  # the shared expert (if any) is a dense MLP of expert_dim
+            mlp = 3 * e * self.expert_dim if self.shared_expert else 0
+        counts = {
+            "matrices": layers * (e * d * (2 * self.n_heads + 2 * self.n_kv_heads) + mlp),
+            "norms": layers * self.norms_per_block * e,
+            "tables": self.vocab_size * e * (1 if self.tie_embeddings else 2),
+            "final_norm": e,
+        }
+        if self.qkv_bias:  # [heads, head_dim] and twice [kv_heads, head_dim] per block
+            counts["qkv_bias"] = layers * d * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:  # two [head_dim] scales per block
+            counts["qk_norm"] = layers * 2 * d
+        if self.whole_qk_norm:  # [heads, head_dim] and [kv_heads, head_dim] per block
+            counts["whole_qk_norm"] = layers * d * (self.n_heads + self.n_kv_heads)
+        if self.n_experts:  # each block's router [embed, experts], then the routed experts
+            counts["router"] = layers * e * self.n_experts
+            counts["experts"] = layers * self.n_experts * 3 * e * self.expert_dim
+        return counts
+
+    def n_params(self) -> int:
+        """Parameters of the model (scalars; every expert included)."""
+        return sum(self.param_counts().values())
+
+    def n_active_params(self) -> int:
+        """Parameters one token uses: all but the E - k routed experts it skips in every
+        layer (all of them in a dense model)."""
+        idle = self.n_layers * (self.n_experts - self.experts_per_token) if self.n_experts else 0
+        return self.n_params() - idle * 3 * self.embed_dim * self.expert_dim
+
     def active_mlp_params(self) -> int:
         """MLP params one token uses in one layer: the router, k experts and the shared one (the
         dense MLP without experts)."""

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from models import family
+from models import family, finetune
 from spmd import builder, config
 from spmd.checks import batch_arithmetic, format_batch_arithmetic
 from spmd.config import Config
@@ -58,7 +58,7 @@ def with_sources(resolved: dict[str, Any], weights: bool = True) -> dict[str, An
     leaves the flags' values as given (a Hub id stays an id)."""
     adapter = None
     if resolved["run"].init_from_peft:
-        adapter = family.read_peft(resolved["run"].init_from_peft)
+        adapter = finetune.read_peft(resolved["run"].init_from_peft)
         resolved["run"] = peft_base(resolved["run"], adapter)
     if weights:
         resolved = hub.resolve_names(resolved)  # Hub ids in --init-from-hf, --tokenizer: folders
@@ -81,7 +81,7 @@ def with_sources(resolved: dict[str, Any], weights: bool = True) -> dict[str, An
     return resolved
 
 
-def peft_base(run: RunConfig, adapter: family.PeftAdapter) -> RunConfig:
+def peft_base(run: RunConfig, adapter: finetune.PeftAdapter) -> RunConfig:
     """The run section with the base of --init-from-peft's adapter as --init-from-hf: the
     folder or Hub id its base_model_name_or_path names (a relative path read from the current
     directory, as peft reads it), unless --init-from-hf names the base itself."""
@@ -100,14 +100,14 @@ def peft_base(run: RunConfig, adapter: family.PeftAdapter) -> RunConfig:
     return dataclasses.replace(run, init_from_hf=adapter.base)
 
 
-def peft_lora(resolved: dict[str, Any], adapter: family.PeftAdapter) -> LoraConfig:
+def peft_lora(resolved: dict[str, Any], adapter: finetune.PeftAdapter) -> LoraConfig:
     """The [lora] section of a run continuing peft `adapter`: its r, lora_alpha and
     target_modules (as the base's family names them), and its lora_dropout unless
     --lora-dropout is given (dropout is a training choice, not part of the adapter's weights).
     UsageError naming both values for a --lora-rank/-alpha/-targets given (or a config file's
     value) that says otherwise."""
     lora, given = resolved["lora"], resolved["given"]
-    targets = family.peft_targets(adapter, resolved["model"])
+    targets = finetune.peft_targets(adapter, resolved["model"])
     dropout = lora.lora_dropout if "lora_dropout" in given else adapter.dropout
     read = {
         "lora_rank": (adapter.rank, "r", adapter.rank),

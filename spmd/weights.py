@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from models import family
+from models import family, finetune
 from spmd import builder, lora_base
 from spmd.engine import frozen
 from spmd.engine.step import Program
@@ -35,7 +35,7 @@ class Loaded:
     # a LoRA checkpoint's adapters (host arrays) and their spec; `params` are then the merged
     # model's (base + scale * A @ B)
     adapters: Any = None
-    lora: Any = None  # family.LoraSpec
+    lora: Any = None  # finetune.LoraSpec
     base: str = ""  # the folder an adapter-only LoRA checkpoint's base was read from
 
 
@@ -161,7 +161,7 @@ def init_from_hf(
     base = family.load_hf(checkpoint, program.abstract_master[frozen.FROZEN])
     if peft:
         like = frozen.trainable(program.abstract_master)
-        host = {"lora": family.load_peft(peft, adapters, checkpoint.config, like["lora"])}
+        host = {"lora": finetune.load_peft(peft, adapters, checkpoint.config, like["lora"])}
         trained = jax.tree.map(
             lambda x, t: jax.make_array_from_callback(x.shape, t.sharding, lambda i: x[i]),
             host,

@@ -35,8 +35,10 @@ COMMAND_MODULES = {
     if isinstance(node, ast.Constant) and str(node.value).startswith("spmd.")
 } | {"spmd.cli"}
 # What spmd/ may import from models/: the registry and the contract, never a family's own
-# module, so that a family registered in models/family.py needs no edit in spmd/.
-SPMD_MAY_IMPORT_FROM_MODELS = {"models", "models.family", "models.contract"}
+# module, so that a family registered in models/family.py needs no edit in spmd/; and
+# models.finetune, LoRA and peft asked of a family record (its lora_targets, its tensor
+# table), which would otherwise sit in the registry as pass-throughs.
+SPMD_MAY_IMPORT_FROM_MODELS = {"models", "models.family", "models.contract", "models.finetune"}
 # What models/ may import from spmd: the hooks, the exception that means "exit 2", the file
 # format the Hugging Face mapping reads, and the shape they describe themselves with.
 MODEL_ALLOWED = {

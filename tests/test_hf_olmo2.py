@@ -124,7 +124,7 @@ def train_run(mesh: str, executor: str = "auto", steps: int = 3):
     cfg = family.open_hf(str(OLMO2)).config
     run = flat(None, steps=steps, batch=8, seq_len=16, warmup=1, lr=3e-3)
     program = build_program(
-        lambda seed: olmo2.create(cfg, seed),
+        lambda seed: olmo2.FAMILY.create(cfg, seed),
         llama.lm_loss,
         lambda names: optimizer(run)(names),
         trainer.layout(mesh),

@@ -106,7 +106,7 @@ def test_the_fused_tensors_split_at_heads_then_kv_heads_twice_and_gate_then_up()
 
 def test_a_fused_tensors_entries_know_their_rows():
     cfg = loaded("dp=1").model
-    found = hf_tensors.entries(hf_tensors.param_shapes(phi3.create, cfg), hf_phi3.TENSORS)
+    found = hf_tensors.entries(hf_tensors.param_shapes(phi3.FAMILY.create, cfg), hf_phi3.TENSORS)
     qkv = [e for e in found if e.hf_name == "model.layers.1.self_attn.qkv_proj.weight"]
     assert [(e.path[-1], e.offset, e.fused_rows) for e in qkv] == [
         ("wq", 0, 32),

@@ -275,5 +275,5 @@ def test_the_registry_finds_the_family_by_architecture_model_type_and_saved_sect
     assert family.for_hf({"model_type": "qwen3_moe"}, "x") is qwen3_moe.FAMILY
     cfg = loaded("dp=1").model
     assert family.config_from_dict(dataclasses.asdict(cfg)) == cfg  # a checkpoint's section
-    model = nnx.eval_shape(lambda: qwen3_moe.create(cfg, 0))
+    model = nnx.eval_shape(lambda: qwen3_moe.FAMILY.create(cfg, 0))
     assert isinstance(model, family.CausalLM) and hasattr(model.blocks, "decode")

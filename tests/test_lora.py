@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import family, llama
+from models import family, finetune, llama
 from models import peft as models_peft
 from spmd import builder, weights
 from spmd.config import flat
@@ -205,7 +205,7 @@ def test_the_peft_export_has_peft_names_and_reads_back(tmp_path):
     cfg, adapters = prog.model(params).cfg, jax.device_get(params["lora"])
     spec = builder.lora_spec(cfg, LORA)
     folder = tmp_path / "peft"
-    family.save_peft(adapters, spec, cfg, str(folder), "org/base")
+    finetune.save_peft(adapters, spec, cfg, str(folder), "org/base")
     config = json.loads((folder / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert config["base_model_name_or_path"] == "org/base"

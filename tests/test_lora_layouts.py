@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import family, llama, moe
+from models import family, finetune, llama, moe
 from spmd import builder
 from spmd.config import build, flat, preset
 from spmd.engine import precision
@@ -94,7 +94,7 @@ def test_dropout_changes_the_gradients_but_not_the_eval():
     graphdefs = [prog.graphdef]
     model.rate = 0.0  # the same model without dropout
     graphdefs.append(nnx.graphdef(model))
-    loss_fn = family.lora_loss(family.LLAMA.loss)
+    loss_fn = finetune.lora_loss(family.LLAMA.loss)
 
     def losses(p: dict) -> tuple:
         def loss(graphdef: Any) -> Any:  # of the adapters, the base held fixed
@@ -179,18 +179,18 @@ def test_adapters_beside_the_matmuls_give_the_merged_models_logits():
     projections, checked so by hand: within 1e-5 too (docs/strategies/lora.md)."""
     checkpoint = family.open_hf(str(PHI3))
     cfg, fam = checkpoint.config, family.get(checkpoint.family)
-    spec = family.lora_spec(fam, 4, 8.0, 0.0, "")
+    spec = finetune.lora_spec(fam, 4, 8.0, 0.0, "")
     assert spec is not None
 
     def make() -> Any:
-        model = family.with_lora(fam.create(cfg, 0, np.float32), spec, fam.hf.tensors, 0)
+        model = finetune.with_lora(fam.create(cfg, 0, np.float32), spec, fam.hf.tensors, 0)
         pure = nnx.to_pure_dict(nnx.state(model))
         for i, adapter in enumerate(pure["lora"].values()):  # B != 0
             for key, b in adapter["b"].items():
                 adapter["b"][key] = 0.1 * jax.random.normal(jax.random.key(i), b.shape)
         return pure
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: family.with_lora(
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: finetune.with_lora(
         fam.create(cfg, 0, np.float32), spec, fam.hf.tensors, 0)))  # fmt: skip
     tokens = np.arange(32, dtype=np.int32).reshape(2, 16) % cfg.vocab_size
 

@@ -24,14 +24,13 @@ def capacity(model: ModelShape, seq_len: int) -> int:
 
 def expert_params(model: ModelShape) -> int:
     """Parameters of all routed experts of all layers (three SwiGLU matrices each)."""
-    return model.n_layers * model.n_experts * 3 * model.embed_dim * model.expert_dim
+    return model.param_counts().get("experts", 0)
 
 
 def active_params(model: ModelShape, n_params: int) -> int:
     """Parameters one token uses of a model of `n_params`: all but the E - k routed experts it
     skips in every layer."""
-    idle = model.n_layers * (model.n_experts - model.experts_per_token)
-    return n_params - idle * 3 * model.embed_dim * model.expert_dim
+    return n_params - (model.n_params() - model.n_active_params())
 
 
 def padding_flops_per_token(model: ModelShape, seq_len: int) -> tuple[float, float]:

@@ -226,10 +226,10 @@ def state_against_formula(
     the ZeRO paper's formula for the same layout (spmd.estimate.memory), with compiled/formula
     ratios; under --offload also the bytes in device and in host memory (`by_memory`, from
     spmd.engine.offload.state_bytes_by_memory) beside the formula's split.
-    `model_cfg` is the run's model config (a Llama-shaped config with n_params())."""
+    `model_cfg` is the run's model config (any family's: it describes its shape)."""
     s = cost.Setup(
         shape=model_cfg.shape(),  # any model family's config describes its shape
-        n_params=model_cfg.n_params(),
+        n_params=model_cfg.shape().n_params(),
         mesh=dict(mesh_sizes),
         zero=zero,
         precision=precision.precision,

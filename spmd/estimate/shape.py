@@ -11,7 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-from spmd.estimate import experts
 from spmd.model_shape import ModelShape
 
 # The fields that define a shape, in the order a `python -m spmd.train` command line gives them.
@@ -28,38 +27,14 @@ FIELDS = (
 
 
 def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
-    """(parameter count, mesh axes other than ZeRO's fsdp that split it) for each kind of param,
-    following spmd.parallel.rules: matrices split over tensor, stacked layers over pipeline.
-    Every param has an `embed` dim, which ZeRO shards over fsdp, except an MoE's routed
-    experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The embedding and head
-    stay whole over pipeline (spmd.parallel.pipeline keeps them on every stage). The q, k, v
-    biases and q, k norms have no `embed` dim: ZeRO leaves them whole (NO_FSDP). The
-    counts add up to n_params()."""
-    e, layers = shape.embed_dim, shape.n_layers
-    attention = e * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
-    tables = shape.vocab_size * e * (1 if shape.tie_embeddings else 2)
-    n_experts = shape.n_experts
-    mlp = 3 * e * shape.mlp_dim
-    if n_experts:  # the shared expert (if any) is split like a dense MLP
-        mlp = 3 * e * shape.expert_dim if shape.shared_expert else 0
-    groups = [
-        (layers * (attention + mlp), ("tensor", "pipeline")),
-        (layers * shape.norms_per_block * e, ("pipeline",)),  # each block's RMSNorm scales
-        (tables, ("tensor",)),  # embedding and output head: vocab over tensor
-        (e, ()),  # final norm
-    ]
-    if shape.qkv_bias:  # [heads, head_dim] and twice [kv_heads, head_dim] per block
-        biases = layers * shape.head_dim * (shape.n_heads + 2 * shape.n_kv_heads)
-        groups.append((biases, ("tensor", "pipeline", NO_FSDP)))
-    if shape.qk_norm:  # two [head_dim] scales per block
-        groups.append((layers * 2 * shape.head_dim, ("pipeline", NO_FSDP)))
-    if shape.whole_qk_norm:  # [heads, head_dim] and [kv_heads, head_dim] per block
-        norms = layers * shape.head_dim * (shape.n_heads + shape.n_kv_heads)
-        groups.append((norms, ("tensor", "pipeline", NO_FSDP)))
-    if n_experts:  # MoE: each block's router [embed, experts], then the routed experts
-        groups.append((layers * e * n_experts, ("pipeline",)))
-        groups.append((experts.expert_params(shape), EXPERT_AXES))
-    return groups
+    """(parameter count, mesh axes other than ZeRO's fsdp that split it) for each kind of param
+    (ModelShape.param_counts), following spmd.parallel.rules: matrices split over tensor,
+    stacked layers over pipeline. Every param has an `embed` dim, which ZeRO shards over fsdp,
+    except an MoE's routed experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The
+    embedding and head stay whole over pipeline (spmd.parallel.pipeline keeps them on every
+    stage). The q, k, v biases and q, k norms have no `embed` dim: ZeRO leaves them whole
+    (NO_FSDP). The counts add up to the shape's n_params()."""
+    return [(count, PARAM_AXES[kind]) for kind, count in shape.param_counts().items()]
 
 
 # Marks a group of params without an `embed` dim, which ZeRO's fsdp does not shard (no mesh
@@ -70,10 +45,23 @@ NO_FSDP = "no fsdp"
 # (spmd.parallel.rules), their mlp dim over tensor, their layers over pipeline.
 EXPERT_AXES = ("fsdp", "expert", "tensor", "pipeline")
 
+# The mesh axes (besides fsdp) that split each kind of param of ModelShape.param_counts.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "matrices": ("tensor", "pipeline"),
+    "norms": ("pipeline",),  # each block's RMSNorm scales
+    "tables": ("tensor",),  # embedding and output head: vocab over tensor
+    "final_norm": (),
+    "qkv_bias": ("tensor", "pipeline", NO_FSDP),
+    "qk_norm": ("pipeline", NO_FSDP),
+    "whole_qk_norm": ("tensor", "pipeline", NO_FSDP),
+    "router": ("pipeline",),
+    "experts": EXPERT_AXES,
+}
+
 
 def shape_params(shape: ModelShape) -> int:
     """Parameter count of a shape (scalars)."""
-    return sum(count for count, _ in param_groups(shape))
+    return shape.n_params()
 
 
 @dataclasses.dataclass(frozen=True)
