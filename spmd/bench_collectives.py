@@ -232,7 +232,10 @@ def bench_layout(
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
     variants = variants or {e: {"collectives": e} for e in EXECUTORS}
-    steps, states, volume, reductions, gathers = {}, {}, {}, {}, {}
+    # Any: jax.stages.Compiled, whose __call__ jax sets at run time (mypy sees no call)
+    steps: dict[str, Any] = {}
+    states: dict[str, Any] = {}
+    volume, reductions, gathers = {}, {}, {}
     for name, keywords in variants.items():
         cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **keywords))
         program = builder.program(cfg, mesh)

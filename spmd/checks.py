@@ -50,7 +50,7 @@ def check_choices(cfg: Config) -> None:
 
 # Counts that must be at least 1, by flag (field) name, and those that may also be 0, with
 # what 0 means; a count read from a section (`seed` has its own range).
-POSITIVE = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
+POSITIVE: tuple[str, ...] = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
 POSITIVE += ("pp_virtual", "sync_every", "ref_batch")
 ZERO_MEANS = {
     "eval_every": "only at the end",

@@ -119,7 +119,7 @@ def build_parser(
             elif show_defaults:
                 text += _default_text(cls, name, defaults or {})
             text = text.replace("%", "%%")  # argparse formats help with %
-            names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
+            names = [flag_name(name), *([short[name]] if short and name in short else [])]
             takes = _takes(name, kind)
             if name == "model" and kind is str:  # the run's preset: list the shipped ones
                 takes["metavar"] = "|".join(preset_names())

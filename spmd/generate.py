@@ -209,7 +209,8 @@ class Stream:
     constant however long the text."""
 
     def __init__(self, codec: Codec):
-        self.codec, self.ids, self.context, self.shown = codec, [], 0, 0
+        self.codec, self.context, self.shown = codec, 0, 0
+        self.ids: list[int] = []
 
     def __call__(self, new: list[list[int]], last: bool = False) -> None:
         """Print what `new` (the row's next ids) adds; with `last`, all of it and a newline."""

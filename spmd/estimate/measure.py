@@ -38,7 +38,7 @@ def simulated_devices(count: int) -> list:
         if not mesh_lib.cpu_only():
             jax.config.update("jax_platforms", "cpu")
         # Never fewer than already asked for: other code in this process may rely on them.
-        wanted = max(count, int(jax.config.jax_num_cpu_devices or 0))
+        wanted = max(count, int(jax.config.values["jax_num_cpu_devices"] or 0))
         mesh_lib.simulate_cpu_devices(wanted, announce=False)
     except RuntimeError:  # the backend has started: use the devices it has
         pass

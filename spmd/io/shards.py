@@ -85,11 +85,11 @@ def open_records(
     except OSError:
         # Another process of the job (same cache) finished the entry and removed the pieces
         # under this one: use its entry.
-        entry = tokens._read_entry(cache / f"tokens-{key}.json", what)
-        if entry is None:
+        theirs = tokens._read_entry(cache / f"tokens-{key}.json", what)
+        if theirs is None:
             raise
         shutil.rmtree(folder, ignore_errors=True)  # what this process left there
-        return entry
+        return theirs
     bad = sum(info["bad_records"] for info in infos)
     if bad:
         examples = [e for info in infos for e in info["bad_examples"]][:3]
