@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
@@ -40,6 +40,8 @@ class ModelConfig(Protocol):
     the training command's model flags, with help from each field's comment). Sizes are
     counts."""
 
+    # a dataclass (dataclasses.replace and fields work on every family's config)
+    __dataclass_fields__: ClassVar[dict[str, Any]]
     family: str  # the registered family name (models.family.get)
     n_layers: int  # stacked blocks: a pipeline splits them
     remat: str  # what the backward pass keeps of each block (models.layers.REMAT_POLICIES)

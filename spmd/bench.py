@@ -23,7 +23,7 @@ if __name__ == "__main__":  # the huge-page restart before the imports, as in sp
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family
 from spmd import builder, checks, config, run_setup
@@ -31,6 +31,9 @@ from spmd.config import Config
 from spmd.errors import UsageError, run_command
 from spmd.io import data, hub, tokens
 from spmd.log import say
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,7 @@ class BenchConfig:
     json: str = ""
 
 
-def bare_step_fn(program: Any, tx: Any, loss_fn: Any) -> Any:
+def bare_step_fn(program: AnyProgram, tx: Any, loss_fn: Any) -> Any:
     """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
     16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
     working params, the update applied to the fp32 master weights, the result cast back. A
@@ -261,7 +264,7 @@ def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict
     return times
 
 
-def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str) -> dict:
+def report(cfg: Config, program: AnyProgram, times: dict, compile_s: dict, rounds: str) -> dict:
     """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
     formula the training records use; MFU only where the device's peak is known) and compile
     time of each program, then their ratio. Returns {"median_s", "tflops", "mfu"}, each by

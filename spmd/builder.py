@@ -37,6 +37,7 @@ from spmd.parallel.layout import Layout
 from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
+    from models.contract import ModelConfig
     from spmd.parallel.pipeline import Pipeline
 
 
@@ -132,7 +133,7 @@ def build(
     return build_program(spec.make, spec.loss, tx, layout, options)
 
 
-def lora_spec(model_cfg: Any, cfg: LoraConfig) -> family.LoraSpec | None:
+def lora_spec(model_cfg: ModelConfig, cfg: LoraConfig) -> family.LoraSpec | None:
     """The adapters `cfg` asks of the family of `model_cfg` (None: no LoRA); UsageError for a
     bad rank, alpha, dropout or target."""
     fam = family.of(model_cfg)
@@ -153,7 +154,7 @@ def run_model(cfg: Config) -> ModelSpec:
 
 
 def model_spec(
-    model_cfg: Any, policy: precision.Policy, adapters: family.LoraSpec | None = None
+    model_cfg: ModelConfig, policy: precision.Policy, adapters: family.LoraSpec | None = None
 ) -> ModelSpec:
     """The family model of `model_cfg`, made in the policy's compute dtype; with `adapters`
     its base frozen under LoRA adapters (models/lora.py), the family's loss and step metrics
@@ -228,7 +229,7 @@ def program(
 
 
 def model_program(
-    model_cfg: Any, layout: Layout, adapters: family.LoraSpec | None = None
+    model_cfg: ModelConfig, layout: Layout, adapters: family.LoraSpec | None = None
 ) -> Program:
     """The Program of a model alone on `layout` (params, shardings and forward pass; identity
     optimizer), as `spmd.generate` and `spmd.convert` load weights into it; with `adapters`

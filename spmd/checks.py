@@ -5,7 +5,7 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family
 from spmd import config
@@ -15,6 +15,9 @@ from spmd.estimate import long_sequence
 from spmd.log import say
 from spmd.observe import profile
 from spmd.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
+
+if TYPE_CHECKING:
+    from spmd.sections import RunConfig
 
 
 def check_choices(cfg: Config) -> None:
@@ -79,7 +82,7 @@ def check_counts(cfg: Config) -> None:
     check_job_flags(cfg.run)
 
 
-def check_job_flags(run: Any) -> None:
+def check_job_flags(run: RunConfig) -> None:
     """UsageError unless --coordinator, --num-processes and --process-id describe a job
     together: all three (a HOST:PORT, a count, a rank in it) or none of them (spmd.launch or a
     cluster JAX detects says the rest), a --coordinator-timeout of at least one second and a

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family
 from spmd import builder, config
@@ -19,6 +19,9 @@ from spmd.io import hub
 from spmd.log import say
 from spmd.section_views import model_section
 from spmd.sections import LoraConfig, RunConfig, flag_name
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
 ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -134,7 +137,7 @@ def _agrees(field: str, flag: Any, value: Any, rank: int) -> bool:
     return flag == value
 
 
-def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
+def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
     """Print the mesh, the batch arithmetic, the precision policy and the pipeline schedule of
     the run's Program; returns the pipeline schedule's figures (None at pp=1)."""
     import jax

@@ -22,7 +22,7 @@ if __name__ == "__main__":
 
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family
 from spmd import builder, config, run_setup
@@ -41,6 +41,10 @@ from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
 from spmd.observe.metrics import MetricsLog
 from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled, AnyProgram
+    from spmd.training.loop import Run
 
 
 def start_processes(cfg: Config) -> int:
@@ -221,7 +225,9 @@ def train_in_folder(
     return train_until_stopped(make_run, restored, signals, closing=(manager, log))
 
 
-def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_report: Any) -> None:
+def report_dry_run(
+    cfg: Config, program: AnyProgram, compiled: AnyCompiled, facts: dict, pipe_report: Any
+) -> None:
     """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
     compiled collectives against theory, the gradient reductions and the memory report."""
     from spmd import lora_base
@@ -285,7 +291,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     return run_setup.resolve_run(argv, "python -m spmd.train", printable=True)
 
 
-def compile_step(cfg: Config, program: Any) -> tuple:
+def compile_step(cfg: Config, program: AnyProgram) -> tuple:
     """(the compiled train step, what the config record and dry run report of it), printing the
     compile time and per-device memory."""
     import jax
@@ -334,15 +340,17 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     if step_metrics is not None:
         facts["observer"].model_metrics = model_metrics(program, step_metrics)
     if cfg.parallel.dcn_sync == "diloco":
+        from spmd.engine.diloco import Compiled, DilocoProgram
         from spmd.estimate import dcn_traffic
 
+        assert isinstance(program, DilocoProgram) and isinstance(compiled, Compiled)
         facts["dcn_traffic"] = dcn_traffic.traffic(program, compiled)
         say(dcn_traffic.format_traffic(facts["dcn_traffic"]))
     return compiled, facts
 
 
 def write_config_record(
-    log: MetricsLog, cfg: Config, program: Any, facts: dict, pipe_report: Any
+    log: MetricsLog, cfg: Config, program: AnyProgram, facts: dict, pipe_report: Any
 ) -> None:
     """The first JSONL record: the resolved config, the mesh and what the compile found."""
     import jax
@@ -374,7 +382,7 @@ def write_config_record(
     )
 
 
-def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
+def initial_state(run: Run, restored: Any) -> tuple[dict[str, Any], int] | None:
     """(state, first step) to train from: the restored checkpoint's, the Hugging Face
     weights of --init-from-hf, or a fresh init; None when the checkpoint already completes
     --steps."""

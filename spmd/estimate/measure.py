@@ -21,7 +21,9 @@ from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
 
 if TYPE_CHECKING:
+    from models.contract import ModelConfig
     from spmd.engine.diloco import AnyProgram
+
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -213,7 +215,7 @@ def state_against_formula(
     run: RunConfig,
     zero: int,
     precision: PrecisionConfig,
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     mesh_sizes: dict[str, int],
     held: dict[str, int],
     by_memory: dict[str, dict[str, int]] | None = None,

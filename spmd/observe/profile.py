@@ -28,10 +28,13 @@ import dataclasses
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.errors import UsageError
 from spmd.estimate import hlo
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled
 
 CONTROL_FLOW = ("while", "conditional", "call")  # their events span the ops they run
 
@@ -180,9 +183,9 @@ def format_breakdown(table: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def module_name(compiled: Any) -> str:
+def module_name(compiled: AnyCompiled | str) -> str:
     """The HLO module name of a compiled step (what the trace's hlo_module stat says)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = compiled if isinstance(compiled, str) else hlo.optimized_text(compiled)
     m = re.match(r"HloModule ([^\s,]+)", text)
     return m.group(1) if m else ""
 
