@@ -125,10 +125,10 @@ class Family:
     lora_targets: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(default_factory=dict)
     lora_default: tuple[str, ...] = ()  # the targets --lora-targets "" picks
 
-    def shape(self, cfg: Any) -> ModelShape:
+    def shape(self, cfg: ModelConfig) -> ModelShape:
         """The sizes spmd.estimate reads."""
         return cfg.shape()
 
-    def n_params(self, cfg: Any) -> int:
+    def n_params(self, cfg: ModelConfig) -> int:
         """Parameters of the model (every expert included)."""
         return cfg.n_params()

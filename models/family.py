@@ -117,7 +117,9 @@ def lora_spec(
     )
 
 
-def save_peft(adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str):
+def save_peft(
+    adapters: dict[str, Any], spec: lora.Spec, cfg: ModelConfig, directory: str, base: str
+):
     """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
     for base `base`; UsageError for a family with no Hugging Face Linear names."""
     return peft.save(adapters, spec, _hf_of(cfg).tensors, directory, base)
@@ -127,7 +129,7 @@ PeftAdapter = peft.Adapter
 read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
 
 
-def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
+def peft_targets(adapter: peft.Adapter, cfg: ModelConfig) -> str:
     """The --lora-targets value (a comma list) of peft `adapter`'s target_modules on a model
     `cfg`: the same table --to-peft writes them from, read the other way."""
     fam = of(cfg)
@@ -135,13 +137,13 @@ def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
     return ",".join(names)
 
 
-def load_peft(directory: str, spec: lora.Spec, cfg: Any, like: dict[str, Any]) -> dict:
+def load_peft(directory: str, spec: lora.Spec, cfg: ModelConfig, like: dict[str, Any]) -> dict:
     """The adapters (fp32 host arrays shaped as `like`'s) of peft folder `directory` for a
     model `cfg` and adapters `spec`."""
     return peft.load(directory, spec, _hf_of(cfg).tensors, like)
 
 
-def _hf_of(cfg: Any) -> HFMapping:
+def _hf_of(cfg: ModelConfig) -> HFMapping:
     fam = of(cfg)
     if fam.hf is None:
         raise UsageError(f"model family {fam.name!r} has no Hugging Face architecture")
@@ -155,7 +157,7 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
-def of(cfg: Any) -> Family:
+def of(cfg: ModelConfig) -> Family:
     """The family of config `cfg`, by its type (an MoEConfig is "moe" even with n_experts 0:
     moe.create builds the dense Llama then)."""
     for family in FAMILIES.values():
@@ -282,7 +284,7 @@ def load_hf(checkpoint: hf_io.HFCheckpoint, abstract_params: dict[str, Any]) -> 
 
 def save_hf(
     params: dict[str, Any],
-    cfg: Any,
+    cfg: ModelConfig,
     directory: str,
     dtype: str = "float32",
     max_shard_bytes: int = 4 << 30,
