@@ -5,13 +5,17 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
+
+import jax
 
 from models import family
 from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
+from spmd.estimate.units import binary
 from spmd.log import say
 from spmd.observe import profile
 from spmd.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
@@ -149,7 +153,6 @@ def check_parallel(cfg: Config) -> None:
 def processes_of(cfg: Config) -> int:
     """The job's process count as far as it is known before joining it: --num-processes, else
     what spmd.launch says, else 0 (unknown)."""
-    import os
 
     launched = os.environ.get("SPMD_NUM_PROCESSES", "")
     return cfg.run.num_processes or (int(launched) if launched.isdigit() else 0)
@@ -296,9 +299,7 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
     bytes, XLA's peak estimate: arguments + outputs + temp - aliased, above what one of the
     mesh's devices holds, spmd.observe.capacity), naming the flags that shrink it; None when
     it fits or the device's memory is unknown. Checked after compiling, before allocating."""
-    import jax
 
-    from spmd.estimate.units import binary
     from spmd.observe.capacity import device_capacity
 
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

@@ -30,11 +30,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from models import family
-from spmd import config, lora_base, plan_flags, run_setup
+from spmd import builder, config, lora_base, plan_flags, run_setup
+from spmd.checks import check_choices
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
+from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.section_views import model_section
 from spmd.sections import LoraConfig
@@ -56,7 +58,6 @@ def check_values(cfg: Config, plan: Any) -> None:
     for any training flag spmd.train would refuse (spmd.checks.check_choices: a training
     command line is planned as it is, so it is checked as it is; --batch 0 is the planner's
     "about --tokens-per-step")."""
-    from spmd.checks import check_choices
 
     for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops", "host_bandwidth", "host_memory"):
         if not 0 < getattr(plan, name) < math.inf:
@@ -242,8 +243,6 @@ def engine_program(s: cost.Setup, model_cfg: ModelConfig, devices: list, cfg: Co
     (spmd.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
     the defaults). The engine has no stage 0: plain DDP is the fsdp devices folded into
     `data`."""
-    from spmd import builder
-    from spmd.parallel import mesh as mesh_lib
 
     measure.check_engine_can_build(s)
     cfg = cfg or Config(model=model_cfg)

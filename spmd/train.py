@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from models import family
 from spmd import builder, config, run_setup
 from spmd.checks import (
@@ -35,10 +37,24 @@ from spmd.checks import (
     step_memory_error,
 )
 from spmd.config import Config
+from spmd.engine import offload
+from spmd.engine.diloco import Compiled, DilocoProgram
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError, end_process, leave, run_command
+from spmd.estimate import hlo
 from spmd.io import run_data
-from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
+from spmd.log import (
+    close_rank_file,
+    say,
+    set_level,
+    set_primary,
+    survive_a_lost_console,
+    to_rank_file,
+    warn,
+)
 from spmd.observe.metrics import MetricsLog
+from spmd.parallel.hooks import notes
+from spmd.parallel.mesh import format_mesh, setup_mesh
 from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
 
@@ -51,7 +67,6 @@ def start_processes(cfg: Config) -> int:
     """Join the multi-process job if this is one (flags, spmd.launch, or a cluster that JAX's
     own detection finds: spmd.parallel.distributed); only process 0 prints progress and writes
     metrics. Returns the number of processes."""
-    from spmd.log import set_primary
     from spmd.parallel import distributed
 
     run = cfg.run
@@ -160,7 +175,6 @@ def train_in_folder(
     from spmd.training.evaluation import check_eval_batches
 
     check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
-    from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
     check_dcn_sync_mesh(cfg, mesh, n_processes)
@@ -294,11 +308,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
 def compile_step(cfg: Config, program: AnyProgram) -> tuple:
     """(the compiled train step, what the config record and dry run report of it), printing the
     compile time and per-device memory."""
-    import jax
 
-    from spmd.engine import offload
-    from spmd.engine.state_layout import state_bytes_per_device
-    from spmd.estimate import hlo
     from spmd.observe.observer import make_observer, model_metrics
 
     started = time.perf_counter()
@@ -314,7 +324,6 @@ def compile_step(cfg: Config, program: AnyProgram) -> tuple:
         f"MiB with --remat {cfg.model.remat} (activations kept for the backward pass)"
         + offload.describe(by_memory, cfg.parallel.offload)
     )
-    from spmd.parallel.hooks import notes
 
     say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
     fingerprint = hlo.fingerprint(compiled)
@@ -340,7 +349,6 @@ def compile_step(cfg: Config, program: AnyProgram) -> tuple:
     if step_metrics is not None:
         facts["observer"].model_metrics = model_metrics(program, step_metrics)
     if cfg.parallel.dcn_sync == "diloco":
-        from spmd.engine.diloco import Compiled, DilocoProgram
         from spmd.estimate import dcn_traffic
 
         assert isinstance(program, DilocoProgram) and isinstance(compiled, Compiled)
@@ -353,9 +361,6 @@ def write_config_record(
     log: MetricsLog, cfg: Config, program: AnyProgram, facts: dict, pipe_report: Any
 ) -> None:
     """The first JSONL record: the resolved config, the mesh and what the compile found."""
-    import jax
-
-    from spmd.parallel.mesh import format_mesh
 
     mesh = program.layout.mesh
     log.write(
@@ -408,7 +413,6 @@ def initial_state(run: Run, restored: Any) -> tuple[dict[str, Any], int] | None:
 def command() -> None:
     """`python -m spmd.train` as a process (spmd.errors.end_process: it does not wait on the
     threads a failed or interrupted save leaves)."""
-    from spmd.log import survive_a_lost_console
 
     survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
     end_process(main)

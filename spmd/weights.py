@@ -20,6 +20,7 @@ from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import setup_mesh
 from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ class Loaded:
 def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
     """The mesh of `--mesh` (simulating CPU devices when needed, so call this before anything
     starts JAX's backend) and the ZeRO stage that decides how params are sharded."""
-    from spmd.parallel.mesh import setup_mesh
 
     return Layout(setup_mesh(mesh, devices), zero)
 

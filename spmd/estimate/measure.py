@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.engine import offload as engine_offload
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import comms, cost, memory
 from spmd.estimate import offload as offload_model
+from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import PrecisionConfig, RunConfig
 
@@ -32,9 +36,6 @@ COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 def simulated_devices(count: int) -> list:
     """`count` CPU devices: simulated now if JAX has not started its backend, else the first
     `count` of the CPU devices it has (e.g. under pytest). UsageError if there are too few."""
-    import jax
-
-    from spmd.parallel import mesh as mesh_lib
 
     try:
         if not mesh_lib.cpu_only():
@@ -101,9 +102,7 @@ def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto
     all-reduce of the whole buffer, so on CPU with the auto executor the analytic
     reduce-scatters are counted that way. Returns {"rows": {what: {"analytic", "compiled"
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
-    import jax
 
-    from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
     devices = list(mesh.devices.flat)

@@ -20,6 +20,7 @@ Progress (shards, documents, tokens, tokens/s, ETA by bytes) is printed as shard
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import shutil
@@ -246,7 +247,6 @@ def _encode_chats(records: list[tuple], encoder, separator: int | None, sft: boo
 
 def _read_shard(prefix: Path) -> dict | None:
     """The finished shard's JSON, or None if it is not finished (or its files do not match)."""
-    import json
 
     try:
         info = json.loads(prefix.with_name(prefix.name + ".json").read_text())

@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.estimate import flops
 from spmd.log import say
 from spmd.observe import profile, stragglers
@@ -112,7 +114,6 @@ def make_observer(
 ) -> Observer:
     """An Observer for a run (`run`'s steps, batch and sequence length, in `precision`) on
     `mesh` with the compiled step, reporting as `observe` says."""
-    import jax
 
     device_kind = mesh.devices.flat[0].device_kind
     peak = flops.peak_tflops(device_kind, precision, observe.peak_tflops)
@@ -141,7 +142,6 @@ def make_observer(
 def model_metrics(program: AnyProgram, metrics_fn: Any) -> Any:
     """jitted (params, batch) -> metrics_fn(model, batch): a forward pass under the auto layout
     of the program's mesh (the same math under either executor), metrics replicated."""
-    import jax
 
     from spmd.parallel import traced_layout
 

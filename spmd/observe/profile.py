@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+from jax.profiler import ProfileData
+
 from spmd.errors import UsageError
 from spmd.estimate import hlo
 
@@ -71,7 +74,6 @@ class OpEvent:
 
 def read_trace(trace_dir: str | Path) -> list[OpEvent]:
     """The HLO-op events of the newest xplane.pb under `trace_dir` (empty if there is none)."""
-    from jax.profiler import ProfileData
 
     files = sorted(Path(trace_dir).glob("plugins/profile/*/*.xplane.pb"))
     if not files:
@@ -201,7 +203,6 @@ class StepProfiler:
 
     def before_step(self, step: int, in_flight: Any) -> float:
         """Start tracing before the window's first step; return the seconds spent starting."""
-        import jax
 
         start, stop = self.window
         if self.first_traced is not None or not start <= step <= stop:
@@ -215,7 +216,6 @@ class StepProfiler:
     def after_step(self, step: int, outputs: Any) -> tuple[dict | None, float]:
         """After step STOP: (the breakdown table, seconds spent stopping and reading the
         trace); (None, 0.0) at other steps."""
-        import jax
 
         if step != self.window[1] or self.first_traced is None:
             return None, 0.0

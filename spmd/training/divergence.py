@@ -44,6 +44,8 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say, warn
@@ -190,7 +192,6 @@ class Guard:
         return median if loss > self.cfg.spike_threshold * median else None
 
     def _params_finite(self, params: Any) -> bool:
-        import jax
 
         from spmd.engine import precision
 
@@ -339,7 +340,6 @@ class Guard:
 def _leave_together(step: int) -> None:
     """Wait until every process has decided to stop: a process that exits first (non-zero
     exits skip JAX's shutdown barrier) would cut off the others' last lines, process 0's own."""
-    import jax
 
     if jax.process_count() > 1:
         from orbax.checkpoint import multihost

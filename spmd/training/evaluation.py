@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
+import numpy as np
+
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say
@@ -26,8 +29,6 @@ def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
     split's, else the first set's). The eval step is compiled on first use: runs without an
     eval split skip it. `run` is the loop's spmd.training.loop.Run (which imports this module:
     the loop makes the evaluator)."""
-    import jax
-    import numpy as np
 
     program = run.program
     compiled_eval: list[Any] = []
