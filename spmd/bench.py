@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import optax
@@ -36,15 +36,13 @@ from spmd import builder, checks, config, run_setup
 from spmd.config import Config
 from spmd.engine import frozen, optim
 from spmd.engine.precision import cast
+from spmd.engine.step import Program
 from spmd.errors import UsageError, run_command
 from spmd.estimate import hlo
 from spmd.io import data, hub, tokens
 from spmd.log import say
 from spmd.parallel import traced_layout
 from spmd.parallel.mesh import format_mesh, setup_mesh
-
-if TYPE_CHECKING:
-    from spmd.engine.diloco import AnyProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +55,7 @@ class BenchConfig:
     json: str = ""
 
 
-def bare_step_fn(program: AnyProgram, tx: Any, loss_fn: Any) -> Any:
+def bare_step_fn(program: Program, tx: Any, loss_fn: Any) -> Any:
     """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
     16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
     working params, the update applied to the fp32 master weights, the result cast back. A
@@ -195,6 +193,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
             "with; use --dcn-sync every-step"
         )
     program = builder.program(cfg, mesh)
+    assert isinstance(program, Program)  # --dcn-sync diloco is refused above
     run_setup.describe_program(cfg, program)  # mesh, batch, precision, pipeline schedule
     if mesh.shape["pipeline"] > 1:
         say(
@@ -216,7 +215,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     token_file = tokens.open_tokens(cfg.data.data, cfg.data.tokenizer, cfg.data.data_cache)
     windows = data.TokenWindows(token_file.load(), cfg.run.seq_len, 0.0)
     sharding = program.layout.batch_sharding()
-    state = {"spmd": program.init(), "bare": program.init()}
+    state: dict[str, tuple[Any, Any, Any]] = {"spmd": program.init(), "bare": program.init()}
     fixed_batch = data.global_batch(
         windows, data.train_window_ids(cfg.run.seed, 0, cfg.run.batch, windows.n_train), sharding
     )
@@ -260,7 +259,7 @@ def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict
     return times
 
 
-def report(cfg: Config, program: AnyProgram, times: dict, compile_s: dict, rounds: str) -> dict:
+def report(cfg: Config, program: Program, times: dict, compile_s: dict, rounds: str) -> dict:
     """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
     formula the training records use; MFU only where the device's peak is known) and compile
     time of each program, then their ratio. Returns {"median_s", "tflops", "mfu"}, each by
