@@ -211,7 +211,7 @@ def token_positions(x: jax.Array, whole: bool = False) -> jax.Array:
     mesh, axis, ways, manual = _context()
     sequence = () if whole else _sequence_axes("heads")  # () outside the explicit executor
     # no mesh: outside both executors, where `sequence` is ()
-    length = x.shape[1] * (math.prod(mesh.shape[a] for a in sequence) if mesh else 1)
+    length = x.shape[1] * (math.prod(mesh.shape[a] for a in sequence) if mesh is not None else 1)
     if axis is None:
         positions = jnp.arange(length, dtype=jnp.int32)
     elif manual:  # this device's block of the load-balanced order
