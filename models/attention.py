@@ -22,7 +22,7 @@ window or soft-capping; `causal_attention` says so in its note.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,9 @@ from spmd.parallel.hooks import (
     tp_reduce,
 )
 
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
+
 CACHE_NAMES = ("batch", "length", "kv_heads", None)  # of one layer's cached keys or values
 
 
@@ -60,7 +63,7 @@ class Attention(nnx.Module):
     RMS norms of q and of k over all heads' features at once (layers.HeadsRMSNorm, OLMo 2),
     before rotary, instead of the config's per-head ones (qk_norm, Qwen3)."""
 
-    def __init__(self, cfg: Any, rngs: nnx.Rngs, whole_qk_norm: bool = False):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, whole_qk_norm: bool = False):
         e, h, k, d = cfg.embed_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if whole_qk_norm and (cfg.qk_norm or cfg.qkv_bias):
             raise ValueError("whole_qk_norm goes with neither qk_norm nor qkv_bias")

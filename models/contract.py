@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
@@ -42,6 +42,8 @@ class ModelConfig(Protocol):
     the training command's model flags, with help from each field's comment). Sizes are
     counts."""
 
+    # a dataclass (dataclasses.replace and fields work on every family's config)
+    __dataclass_fields__: ClassVar[dict[str, Any]]
     family: str  # the registered family name (models.family.get)
     n_layers: int  # stacked blocks: a pipeline splits them
     remat: str  # what the backward pass keeps of each block (models.layers.REMAT_POLICIES)
@@ -143,10 +145,10 @@ class Family:
         if not self.lora_default:  # frozen: the one field a family's record derives
             object.__setattr__(self, "lora_default", tuple(self.lora_targets))
 
-    def shape(self, cfg: Any) -> ModelShape:
+    def shape(self, cfg: ModelConfig) -> ModelShape:
         """The sizes spmd.estimate reads."""
         return cfg.shape()
 
-    def n_params(self, cfg: Any) -> int:
+    def n_params(self, cfg: ModelConfig) -> int:
         """Parameters of the model (every expert included): its shape's count."""
         return cfg.shape().n_params()

@@ -96,7 +96,7 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
-def of(cfg: Any) -> Family:
+def of(cfg: ModelConfig) -> Family:
     """The family of config `cfg`, by its type (an MoEConfig is "moe" even with n_experts 0:
     moe.create builds the dense Llama then)."""
     for family in FAMILIES.values():
@@ -231,7 +231,7 @@ def hf_of(cfg: Any) -> HFMapping:
 
 def save_hf(
     params: dict[str, Any],
-    cfg: Any,
+    cfg: ModelConfig,
     directory: str,
     dtype: str = "float32",
     max_shard_bytes: int = 4 << 30,

@@ -36,7 +36,7 @@ The norm weights are stored as Gemma stores them, the offset from 1 of the (1 + 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.hf_config import (
     EMBEDDING_ATTENTION,
@@ -49,6 +49,9 @@ from models.hf_config import (
 )
 from models.hf_tensors import Rule
 from spmd.errors import UsageError
+
+if TYPE_CHECKING:
+    from models.gemma2 import Gemma2Config
 
 TENSORS: tuple[Rule, ...] = (
     *EMBEDDING_ATTENTION,
@@ -214,7 +217,7 @@ def gemma3_rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return {**kept, "rope_local_theta": float(local_fields["rope_theta"])}
 
 
-def config_to_hf(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
+def config_to_hf(cfg: Gemma2Config, dtype: str, max_positions: int) -> dict[str, Any]:
     """The config.json of a Gemma2Config (family gemma2) or Gemma3Config (gemma3), readable
     by transformers 4 and 5; UsageError for a model the architecture cannot express."""
     gemma3 = cfg.family == "gemma3"

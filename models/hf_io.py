@@ -25,7 +25,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.hf_tensors import STACKED, Entry, Rule, entries, get, param_shapes, put
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
+
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -84,7 +87,7 @@ def read_config(directory: str) -> dict[str, Any]:
 def open_checkpoint(
     directory: str,
     raw: dict[str, Any],
-    cfg: Any,
+    cfg: ModelConfig,
     family: str,
     create: Callable[..., Any],
     table: tuple[Rule, ...],
@@ -126,7 +129,7 @@ def _read_tensors(folder: Path) -> dict[str, safetensors_io.TensorInfo]:
 def _check_tensors(
     tensors: dict[str, safetensors_io.TensorInfo],
     expected: list[Entry],
-    cfg: Any,
+    cfg: ModelConfig,
     folder: Path,
     raw: dict[str, Any],
 ) -> None:

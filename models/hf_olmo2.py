@@ -47,11 +47,14 @@ heads.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.hf_config import EMBEDDING_ATTENTION, MLP, dense_config, hf_config
 from models.hf_tensors import FLAT, Rule
 from spmd.errors import UsageError
+
+if TYPE_CHECKING:
+    from models.olmo2 import Olmo2Config
 
 ARCHITECTURE = "Olmo2ForCausalLM"
 NORM_EPS = 1e-5  # transformers' Olmo2Config default rms_norm_eps
@@ -87,7 +90,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
     }
 
 
-def olmo2_hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
+def olmo2_hf_config(cfg: Olmo2Config, dtype: str, max_positions: int) -> dict[str, Any]:
     """The config.json of an Olmo2Config as an Olmo2ForCausalLM, readable by transformers 4
     and 5 (the Llama's fields, hf_config.hf_config, under OLMo 2's names)."""
     config = hf_config(cfg, dtype, max_positions)

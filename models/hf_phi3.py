@@ -52,12 +52,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.hf_config import config_json, dense_config, positive_number, rope_parameters
 from models.hf_tensors import Rule
 from models.rope import factors
 from spmd.errors import UsageError
+
+if TYPE_CHECKING:
+    from models.phi3 import Phi3Config
 
 ARCHITECTURE = "Phi3ForCausalLM"
 DROPOUTS = ("resid_pdrop", "embd_pdrop", "attention_dropout")
@@ -156,7 +159,7 @@ def longrope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     }
 
 
-def longrope_parameters(cfg: Any) -> dict[str, Any]:
+def longrope_parameters(cfg: Phi3Config) -> dict[str, Any]:
     """config.json's rope_parameters of a LongRoPE config (transformers 5's spelling)."""
     return {
         "rope_type": "longrope",
@@ -170,7 +173,7 @@ def longrope_parameters(cfg: Any) -> dict[str, Any]:
     }
 
 
-def hf_config(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
+def hf_config(cfg: Phi3Config, dtype: str, max_positions: int) -> dict[str, Any]:
     """The config.json of phi3 config `cfg` as a Phi3ForCausalLM, readable by transformers 4
     and 5."""
     longrope = cfg.rope_scaling == "longrope"

@@ -32,11 +32,14 @@ window (`use_sliding_window`), attention biases and rope types spmd lacks (hf_co
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.hf_config import dense_config, hf_config, positive_number
 from models.hf_tensors import Rule
 from spmd.errors import UsageError
+
+if TYPE_CHECKING:
+    from models.qwen3_moe import Qwen3MoEConfig
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
@@ -121,7 +124,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
     }
 
 
-def hf_config_of(cfg: Any, dtype: str, max_positions: int) -> dict[str, Any]:
+def hf_config_of(cfg: Qwen3MoEConfig, dtype: str, max_positions: int) -> dict[str, Any]:
     """The config.json of a qwen3_moe config as a Qwen3MoeForCausalLM, readable by
     transformers 4 and 5; UsageError for a model it cannot express. A model trained with a
     capacity factor exports as is: transformers then runs it dropless."""

@@ -17,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flax import nnx
+
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
 
 FLAT = -1  # in_dims of a tensor HF stores flattened: a bias [heads * head_dim]
 
@@ -75,7 +78,7 @@ class Entry:
         return np.ascontiguousarray(host, dtype=dtype).reshape(part)
 
 
-def param_shapes(create: Callable[..., nnx.Module], cfg: Any) -> dict[str, Any]:
+def param_shapes(create: Callable[..., nnx.Module], cfg: ModelConfig) -> dict[str, Any]:
     """The spmd params of the model `create(cfg, seed)` builds, as a pure dict of
     ShapeDtypeStructs (nothing allocated)."""
     with nnx.use_eager_sharding(False):

@@ -54,7 +54,9 @@ def creator(model: Callable[[Any, nnx.Rngs, Any], Model]) -> Callable[..., Model
     return create
 
 
-def param(rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+def param(
+    rngs: nnx.Rngs, std: float, shape: tuple[int, ...], names: tuple[str | None, ...]
+) -> nnx.Param:
     """A param of normal(0, std) values, or of ones when `std` is 0 (a norm's scale)."""
     init = jax.nn.initializers.normal(std) if std else jax.nn.initializers.ones
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names)

@@ -18,7 +18,7 @@ a row's tokens sit at exactly the positions they would have alone, with no offse
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,11 @@ from flax import nnx
 
 from models.attention import CACHE_NAMES
 
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
 
-def init_cache(cfg: Any, batch: int, length: int, dtype: Any) -> dict[str, jax.Array]:
+
+def init_cache(cfg: LlamaConfig, batch: int, length: int, dtype: Any) -> dict[str, jax.Array]:
     """Zeroed keys and values: {"k", "v"} of [layers, batch, length, kv_heads, head_dim]."""
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

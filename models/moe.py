@@ -242,6 +242,7 @@ class MoELlama(llama.Llama):
     """llama.Llama with MoE blocks: tokens [batch, length] -> logits [batch, length, vocab]."""
 
     block_type = Block  # the rest (embedding, stacked layers, head) is llama.Llama's
+    cfg: MoEConfig  # create makes one only for an MoEConfig with experts
 
     def forward(
         self, tokens: jax.Array, segments: jax.Array | None = None

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 import jax.numpy as jnp
 
 from spmd.parallel.hooks import tp_max
+
+if TYPE_CHECKING:
+    from models.llama import LlamaConfig
 
 Scaling = Literal["none", "linear", "llama3"]
 SCALINGS = ("none", "linear", "llama3")  # LlamaConfig's; "longrope" is the phi3 family's
@@ -50,7 +53,7 @@ class Rope:
     attention_factor: float = 1.0  # longrope: scales cos and sin (q . k by its square)
 
     @classmethod
-    def of(cls, cfg: Any) -> Rope:
+    def of(cls, cfg: LlamaConfig) -> Rope:
         """The rotary settings of a LlamaConfig (or anything with its rope_* fields)."""
         return cls(
             theta=cfg.rope_theta,

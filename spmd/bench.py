@@ -21,16 +21,28 @@ if __name__ == "__main__":  # the huge-page restart before the imports, as in sp
     huge_pages.restart_early(sys.argv[1:])
 
 import dataclasses
+import json
 import statistics
 import time
+import traceback
 from typing import Any
+
+import jax
+import optax
+from flax import nnx
 
 from models import family
 from spmd import builder, checks, config, run_setup
 from spmd.config import Config
+from spmd.engine import frozen, optim
+from spmd.engine.precision import cast
+from spmd.engine.step import Program
 from spmd.errors import UsageError, run_command
+from spmd.estimate import hlo
 from spmd.io import data, hub, tokens
 from spmd.log import say
+from spmd.parallel import traced_layout
+from spmd.parallel.mesh import format_mesh, setup_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +55,12 @@ class BenchConfig:
     json: str = ""
 
 
-def bare_step_fn(program: Any, tx: Any, loss_fn: Any) -> Any:
+def bare_step_fn(program: Program, tx: Any, loss_fn: Any) -> Any:
     """The reference: value_and_grad + optax update under plain jax.jit, nothing else. Under a
     16-bit policy it is the same mixed-precision math written out: gradients of the 16-bit
     working params, the update applied to the fp32 master weights, the result cast back. A
     LoRA model's frozen base is held fixed (spmd.engine.frozen: no gradient, no update), and
     its adapters' dropout draws the train step's masks, as the framework's step does."""
-    import jax
-    import optax
-    from flax import nnx
-
-    from spmd.engine import frozen, optim
-    from spmd.engine.precision import cast
-    from spmd.parallel import traced_layout
 
     policy = program.policy
 
@@ -128,7 +133,6 @@ def json_path(argv: list[str] | None) -> str:
 def error_tail(error: BaseException, lines: int = 12) -> list[str]:
     """The last `lines` lines of an exception's traceback and message (XLA's out-of-memory
     errors list every buffer: the end names the failure)."""
-    import traceback
 
     text = "".join(traceback.format_exception(error)).rstrip().splitlines()
     # JAX closes its filtered tracebacks with a line of dashes: the message is above it
@@ -137,8 +141,6 @@ def error_tail(error: BaseException, lines: int = 12) -> list[str]:
 
 def write_json(path: str, result: dict) -> None:
     if path:
-        import json
-
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
@@ -159,7 +161,6 @@ def prepare(
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
     checks.check_choices(cfg)
     from spmd.parallel import xla_flags
-    from spmd.parallel.mesh import setup_mesh
 
     say(
         xla_flags.describe(
@@ -180,10 +181,6 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     compiled train step): the training run's compiled step (spmd.builder, as `spmd.train`
     builds it) fed by its data pipeline, and the bare jit step on a fixed device-resident
     batch, each with its own initial state."""
-    import jax
-
-    from spmd.engine import frozen
-    from spmd.estimate import hlo
 
     if cfg.precision.precision == "fp16":
         raise UsageError(
@@ -196,6 +193,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
             "with; use --dcn-sync every-step"
         )
     program = builder.program(cfg, mesh)
+    assert isinstance(program, Program)  # --dcn-sync diloco is refused above
     run_setup.describe_program(cfg, program)  # mesh, batch, precision, pipeline schedule
     if mesh.shape["pipeline"] > 1:
         say(
@@ -217,7 +215,7 @@ def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     token_file = tokens.open_tokens(cfg.data.data, cfg.data.tokenizer, cfg.data.data_cache)
     windows = data.TokenWindows(token_file.load(), cfg.run.seq_len, 0.0)
     sharding = program.layout.batch_sharding()
-    state = {"spmd": program.init(), "bare": program.init()}
+    state: dict[str, tuple[Any, Any, Any]] = {"spmd": program.init(), "bare": program.init()}
     fixed_batch = data.global_batch(
         windows, data.train_window_ids(cfg.run.seed, 0, cfg.run.batch, windows.n_train), sharding
     )
@@ -261,15 +259,13 @@ def time_alternating(steps: dict[str, Any], rounds: int, per_round: int) -> dict
     return times
 
 
-def report(cfg: Config, program: Any, times: dict, compile_s: dict, rounds: str) -> dict:
+def report(cfg: Config, program: Program, times: dict, compile_s: dict, rounds: str) -> dict:
     """The table: median step time, tokens/s, TFLOP/s and MFU per device (model FLOPs, the
     formula the training records use; MFU only where the device's peak is known) and compile
     time of each program, then their ratio. Returns {"median_s", "tflops", "mfu"}, each by
     program (mfu None without a peak)."""
-    import jax
 
     from spmd.estimate import flops
-    from spmd.parallel.mesh import format_mesh
 
     mesh = program.layout.mesh
     device_kind = jax.devices()[0].device_kind

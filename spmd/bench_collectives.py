@@ -206,7 +206,7 @@ def bench_layout(
 
     from models import family
     from spmd import builder, config
-    from spmd.engine.step import EXECUTORS
+    from spmd.engine.step import EXECUTORS, Program
     from spmd.estimate import hlo
     from spmd.parallel.mesh import build_mesh, format_mesh
 
@@ -232,10 +232,13 @@ def bench_layout(
         "targets": jax.device_put(tokens[:, 1:], layout.batch_sharding()),
     }
     variants = variants or {e: {"collectives": e} for e in EXECUTORS}
-    steps, states, volume, reductions, gathers = {}, {}, {}, {}, {}
+    steps: dict[str, jax.stages.Compiled] = {}
+    states: dict[str, Any] = {}
+    volume, reductions, gathers = {}, {}, {}
     for name, keywords in variants.items():
         cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **keywords))
         program = builder.program(cfg, mesh)
+        assert isinstance(program, Program)  # the presets sync every step (no DiLoCo pair)
         steps[name] = program.compile_train_step(args.batch, args.seq_len)
         colls = hlo.collectives(steps[name], layout.mesh)
         volume[name] = sum(row["bytes"] for row in hlo.collective_summary(colls).values())

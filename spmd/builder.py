@@ -38,6 +38,7 @@ from spmd.parallel.layout import Layout
 from spmd.sections import LoraConfig, RunConfig
 
 if TYPE_CHECKING:
+    from models.contract import ModelConfig
     from spmd.parallel.pipeline import Pipeline
 
 
@@ -134,7 +135,7 @@ def build(
     return build_program(spec.make, spec.loss, tx, layout, options)
 
 
-def lora_spec(model_cfg: Any, cfg: LoraConfig) -> finetune.LoraSpec | None:
+def lora_spec(model_cfg: ModelConfig, cfg: LoraConfig) -> finetune.LoraSpec | None:
     """The adapters `cfg` asks of the family of `model_cfg` (None: no LoRA); UsageError for a
     bad rank, alpha, dropout or target."""
     fam = family.of(model_cfg)
@@ -156,7 +157,7 @@ def run_model(cfg: Config) -> ModelSpec:
 
 
 def model_spec(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     policy: precision.Policy,
     adapters: finetune.LoraSpec | None = None,
     objective: str = RunConfig.objective,
@@ -236,7 +237,7 @@ def program(
 
 
 def model_program(
-    model_cfg: Any, layout: Layout, adapters: finetune.LoraSpec | None = None
+    model_cfg: ModelConfig, layout: Layout, adapters: finetune.LoraSpec | None = None
 ) -> Program:
     """The Program of a model alone on `layout` (params, shardings and forward pass; identity
     optimizer), as `spmd.generate` and `spmd.convert` load weights into it; with `adapters`

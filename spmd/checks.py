@@ -5,16 +5,23 @@ run prints: micro-batch x accum x data-parallel = global batch."""
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 from models import family, finetune
 from spmd import config
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
+from spmd.estimate.units import binary
 from spmd.log import say
 from spmd.observe import profile
 from spmd.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
+
+if TYPE_CHECKING:
+    from spmd.sections import RunConfig
 
 
 def check_choices(cfg: Config) -> None:
@@ -50,7 +57,7 @@ def check_choices(cfg: Config) -> None:
 
 # Counts that must be at least 1, by flag (field) name, and those that may also be 0, with
 # what 0 means; a count read from a section (`seed` has its own range).
-POSITIVE = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
+POSITIVE: tuple[str, ...] = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
 POSITIVE += ("pp_virtual", "sync_every", "ref_batch")
 ZERO_MEANS = {
     "eval_every": "only at the end",
@@ -79,7 +86,7 @@ def check_counts(cfg: Config) -> None:
     check_job_flags(cfg.run)
 
 
-def check_job_flags(run: Any) -> None:
+def check_job_flags(run: RunConfig) -> None:
     """UsageError unless --coordinator, --num-processes and --process-id describe a job
     together: all three (a HOST:PORT, a count, a rank in it) or none of them (spmd.launch or a
     cluster JAX detects says the rest), a --coordinator-timeout of at least one second and a
@@ -146,7 +153,6 @@ def check_parallel(cfg: Config) -> None:
 def processes_of(cfg: Config) -> int:
     """The job's process count as far as it is known before joining it: --num-processes, else
     what spmd.launch says, else 0 (unknown)."""
-    import os
 
     launched = os.environ.get("SPMD_NUM_PROCESSES", "")
     return cfg.run.num_processes or (int(launched) if launched.isdigit() else 0)
@@ -293,9 +299,7 @@ def step_memory_error(cfg: Config, facts: dict[str, Any], mesh: Any) -> str | No
     bytes, XLA's peak estimate: arguments + outputs + temp - aliased, above what one of the
     mesh's devices holds, spmd.observe.capacity), naming the flags that shrink it; None when
     it fits or the device's memory is unknown. Checked after compiling, before allocating."""
-    import jax
 
-    from spmd.estimate.units import binary
     from spmd.observe.capacity import device_capacity
 
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

@@ -24,7 +24,7 @@ import tomllib
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from spmd.errors import UsageError
 from spmd.parser import Parser
@@ -47,6 +47,9 @@ from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read 
     literal_choices,
 )
 
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
+
 # The table name older config files and checkpoints use for every non-model field at once.
 FLAT_TABLE = "train"
 TOML_LIMIT_BYTES = 1 << 20  # the longest --config read: a run's whole config is about 4 KiB
@@ -67,7 +70,7 @@ def sections_from_flat(values: dict[str, Any], source: str = "config") -> dict[s
     return {name: build(SECTIONS[name], by_section[name], source) for name in SECTIONS}
 
 
-def flat(model_cfg: Any = None, /, **values: Any) -> Config:
+def flat(model_cfg: ModelConfig | None = None, /, **values: Any) -> Config:
     """A Config from the model section and flat field values, e.g. `flat(model_cfg, steps=20,
     lr=1e-3, mesh="dp=2")`: the short way to write a run in tests and scripts."""
     return Config(model=model_cfg, **sections_from_flat(values))
@@ -142,7 +145,7 @@ def build_parser(
             elif show_defaults:
                 text += _default_text(cls, name, defaults or {})
             text = text.replace("%", "%%")  # argparse formats help with %
-            names = [flag_name(name), *([short[name]] if name in (short or {}) else [])]
+            names = [flag_name(name), *([short[name]] if short and name in short else [])]
             takes = _takes(name, kind)
             if name == "model" and kind is str:  # the run's preset: list the shipped ones
                 takes["metavar"] = "|".join(preset_names())

@@ -27,7 +27,8 @@ from typing import Any
 from spmd import config, decoding
 from spmd.decoding import Sampling, generate
 from spmd.errors import UsageError, run_command
-from spmd.io import eos, hub, run_paths
+from spmd.io import chat, eos, hub, run_paths
+from spmd.io.tokens import _load_tokenizer
 from spmd.sections import MeshConfig
 
 
@@ -131,7 +132,6 @@ class Codec:
 def codec_for(cfg: GenerateConfig, run_config: dict[str, Any], vocab: int) -> Codec:
     """--tokenizer, else the tokenizer the checkpoint was trained or converted with, else a
     Hugging Face folder's tokenizer.json; bytes if none."""
-    from spmd.io.tokens import _load_tokenizer
 
     recorded = run_paths.tokenizer_file(cfg.checkpoint, run_config) if cfg.checkpoint else None
     named = run_paths.tokenizer_named(run_config)  # trained with; converted with
@@ -188,7 +188,6 @@ def encode_prompts(cfg: GenerateConfig, texts: list[str], codec: Codec) -> list[
     template's generation prompt (UsageError where there is no template)."""
     if not cfg.chat:
         return [codec.encode(text) for text in texts]
-    from spmd.io import chat
 
     if codec.tokenizer is None:  # byte-level text has no template
         chat.load_template("", "--chat")
@@ -209,7 +208,8 @@ class Stream:
     constant however long the text."""
 
     def __init__(self, codec: Codec):
-        self.codec, self.ids, self.context, self.shown = codec, [], 0, 0
+        self.codec, self.context, self.shown = codec, 0, 0
+        self.ids: list[int] = []
 
     def __call__(self, new: list[list[int]], last: bool = False) -> None:
         """Print what `new` (the row's next ids) adds; with `last`, all of it and a newline."""

@@ -200,14 +200,17 @@ class Supervisor:
 
     def run(self) -> int:
         selector = selectors.DefaultSelector()
+        outputs = {}  # rank -> the process's stdout pipe (Popen(stdout=PIPE) made each)
         for rank, proc in enumerate(self.procs):
+            assert proc.stdout is not None
+            outputs[rank] = proc.stdout
             os.set_blocking(proc.stdout.fileno(), False)
             selector.register(proc.stdout, selectors.EVENT_READ, rank)
         partial = {rank: b"" for rank in range(len(self.procs))}
         while selector.get_map():
             for key, _ in selector.select(timeout=0.2):
                 rank = key.data
-                chunk = key.fileobj.read()
+                chunk = outputs[rank].read()
                 if not chunk:
                     selector.unregister(key.fileobj)
                     chunk = b"\n" if partial[rank] else b""
@@ -279,7 +282,7 @@ class Supervisor:
         if not beats or now - min(beats.values()) <= self.cfg.hang_timeout:
             return None
         stopped = [rank for rank in beats if _stopped(self.procs[rank].pid)]
-        return stopped[0] if stopped else min(beats, key=beats.get)
+        return stopped[0] if stopped else min(beats, key=lambda rank: beats[rank])
 
 
 HUNG_EXIT = 124  # as `timeout` reports a command it ended

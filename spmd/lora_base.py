@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family, finetune
 from spmd import sections
@@ -44,12 +44,17 @@ from spmd.engine import frozen
 from spmd.errors import UsageError
 from spmd.io import run_paths
 
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
+    from spmd.engine.diloco import AnyProgram
+    from spmd.sections import Config
+
 KEY = "lora_base"  # the saved config's key of the base reference
 _CHUNK = 8 << 20
 _HASHES: dict[tuple, str] = {}  # (folder, its files' names, sizes, mtimes) -> hash
 
 
-def adapter_only(cfg: Any) -> bool:
+def adapter_only(cfg: Config) -> bool:
     """Whether run `cfg` checkpoints its adapters alone: LoRA onto an --init-from-hf base."""
     return cfg.lora.lora_rank > 0 and bool(cfg.run.init_from_hf)
 
@@ -79,10 +84,10 @@ def reference(base: str) -> dict[str, str]:
     return {"base": run_paths.absolute(base), "sha256": content_hash(family.open_hf(base).path)}
 
 
-def config_record(cfg: Any) -> dict[str, Any]:
+def config_record(cfg: Config) -> dict[str, Any]:
     """The config a checkpoint of run `cfg` saves: its sections, its tokenizer's absolute path
     (spmd.io.run_paths), and the base reference when it checkpoints adapters only."""
-    record = cfg.as_dict()
+    record: dict[str, Any] = cfg.as_dict()
     if cfg.data.tokenizer:
         record[run_paths.TOKENIZER_KEY] = run_paths.absolute(cfg.data.tokenizer)
     if adapter_only(cfg):
@@ -90,7 +95,7 @@ def config_record(cfg: Any) -> dict[str, Any]:
     return record
 
 
-def saved_state(cfg: Any, view: dict[str, Any]) -> dict[str, Any]:
+def saved_state(cfg: Config, view: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of run `cfg` holds of a checkpoint view: all of it, or without the
     frozen base."""
     if not adapter_only(cfg):
@@ -98,7 +103,7 @@ def saved_state(cfg: Any, view: dict[str, Any]) -> dict[str, Any]:
     return {**view, "params": frozen.trainable(view["params"])}
 
 
-def restore_target(cfg: Any, program: Any) -> dict[str, Any]:
+def restore_target(cfg: Config, program: AnyProgram) -> dict[str, Any]:
     """The restore target of run `cfg`'s checkpoints on `program`'s mesh."""
     return saved_state(cfg, program.abstract_checkpoint())
 
@@ -147,7 +152,7 @@ def load_base(saved: dict[str, Any], base: str, abstract_master: Any, where: str
     return family.load_hf(family.open_hf(folder), abstract_master[frozen.FROZEN])
 
 
-def with_base(cfg: Any, program: Any, restored: Any) -> dict[str, Any]:
+def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]:
     """The restored checkpoint's state with its base joined back (what `program.
     from_checkpoint` takes); as restored for a run that checkpoints the whole state."""
     if not adapter_only(cfg):
@@ -166,7 +171,7 @@ def with_base(cfg: Any, program: Any, restored: Any) -> dict[str, Any]:
     return state
 
 
-def planner_fields(model_cfg: Any, lora_cfg: Any) -> dict[str, Any]:
+def planner_fields(model_cfg: ModelConfig, lora_cfg: Any) -> dict[str, Any]:
     """The Setup fields (lora_rank, lora_targets) of a run's [lora] section for its model's
     family (its default targets when none are named); UsageError for bad flags."""
     spec = finetune.lora_spec(
@@ -181,7 +186,7 @@ def planner_fields(model_cfg: Any, lora_cfg: Any) -> dict[str, Any]:
     return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
 
 
-def check_settings(cfg: Any, saved_config: dict[str, Any], where: str) -> None:
+def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> None:
     """UsageError unless the LoRA adapters a checkpoint holds (its saved config's [lora]
     section: none, or their rank, alpha and targets) are those run `cfg` trains; the line
     names what differs and the flags that resume the checkpoint. `where` names the checkpoint

@@ -3,6 +3,9 @@ folder) and writable by this process."""
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 from spmd import paths
@@ -55,9 +58,6 @@ def check_writable(flag: str, where: Path, given: str) -> None:
     """UsageError unless this process can write `where`: make (and drop) a file in a folder,
     open an existing file for appending; a device file only when it is a terminal, a pipe or
     /dev/null (/dev/full takes nothing)."""
-    import os
-    import stat
-    import tempfile
 
     try:
         if where.is_dir():

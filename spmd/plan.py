@@ -27,17 +27,22 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import family
-from spmd import config, lora_base, plan_flags, run_setup
+from spmd import builder, config, lora_base, plan_flags, run_setup
+from spmd.checks import check_choices
 from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
+from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.section_views import model_section
 from spmd.sections import LoraConfig
+
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +58,6 @@ def check_values(cfg: Config, plan: Any) -> None:
     for any training flag spmd.train would refuse (spmd.checks.check_choices: a training
     command line is planned as it is, so it is checked as it is; --batch 0 is the planner's
     "about --tokens-per-step")."""
-    from spmd.checks import check_choices
 
     for name in ("hbm", "bandwidth", "inter_bandwidth", "tflops", "host_bandwidth", "host_memory"):
         if not 0 < getattr(plan, name) < math.inf:
@@ -149,7 +153,7 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _base(shape: Any, n_params: float, cfg: Config, model_cfg: Any, plan: Any) -> Any:
+def _base(shape: Any, n_params: float, cfg: Config, model_cfg: ModelConfig, plan: Any) -> Any:
     """The run on one device, before a mesh and batch are chosen for it."""
     return cost.Setup(
         shape=shape,
@@ -234,13 +238,11 @@ def _named_axes(mesh: str, given: frozenset[str]) -> dict[str, int] | None:
     return {axis: size for axis, size in named.items() if size != -1}
 
 
-def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | None = None):
+def engine_program(s: cost.Setup, model_cfg: ModelConfig, devices: list, cfg: Config | None = None):
     """(Program, Mesh) of layout `s` on `devices` as `python -m spmd.train` would build it
     (spmd.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
     the defaults). The engine has no stage 0: plain DDP is the fsdp devices folded into
     `data`."""
-    from spmd import builder
-    from spmd.parallel import mesh as mesh_lib
 
     measure.check_engine_can_build(s)
     cfg = cfg or Config(model=model_cfg)
@@ -267,7 +269,7 @@ def engine_program(s: cost.Setup, model_cfg: Any, devices: list, cfg: Config | N
     return builder.program(engine_cfg, mesh), mesh
 
 
-def _measure(s: cost.Setup, model_cfg: Any, cfg: Config) -> dict:
+def _measure(s: cost.Setup, model_cfg: ModelConfig, cfg: Config) -> dict:
     """Compile the layout's real train step on simulated CPU devices (spmd.estimate.measure)."""
     built = dataclasses.replace(model_cfg, remat=s.remat)
     s = dataclasses.replace(s, n_params=float(family.of(built).n_params(built)))
@@ -315,7 +317,7 @@ def learning_rate(
     return optimizer, flags, suggested.rule
 
 
-def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -> tuple:
+def model_shape(given: frozenset[str], model_cfg: ModelConfig, cfg: Config, plan: Any) -> tuple:
     """(model config, parameter count, description, spmd.train model flags) of the preset, of
     --init-from-hf's config.json (--init-from-peft's base), or of the published shape that
     stands for --params; `given`: the fields the command line gave."""
@@ -358,11 +360,12 @@ def model_shape(given: frozenset[str], model_cfg: Any, cfg: Config, plan: Any) -
     return shape, plan.params, described, _shape_flags(shape, fields)
 
 
-def _hf_model(given: frozenset[str], model_cfg: Any, cfg: Config) -> tuple:
+def _hf_model(given: frozenset[str], model_cfg: ModelConfig, cfg: Config) -> tuple:
     """model_shape's tuple for --init-from-hf (or --init-from-peft): the family config its
     config.json reads as, its real parameter count, and the flags that name it again."""
     fam = family.of(model_cfg)
     n_params = float(fam.n_params(model_cfg))
+    shape = fam.shape(model_cfg)
     if cfg.run.init_from_peft:
         source = ["--init-from-peft", cfg.run.init_from_peft]
         if "init_from_hf" in given:
@@ -371,8 +374,8 @@ def _hf_model(given: frozenset[str], model_cfg: Any, cfg: Config) -> tuple:
         source = ["--init-from-hf", cfg.run.init_from_hf]
     knobs = [name for name in run_setup.ROUTER_KNOBS if name in given]
     described = (
-        f"{' '.join(source)} ({fam.name} family: embed {model_cfg.embed_dim}, "
-        f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size})"
+        f"{' '.join(source)} ({fam.name} family: embed {shape.embed_dim}, "
+        f"{model_cfg.n_layers} layers, vocab {shape.vocab_size})"
     )
     return model_cfg, n_params, described, [*source, *_shape_flags(model_cfg, knobs)]
 

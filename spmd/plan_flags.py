@@ -70,7 +70,16 @@ def sections() -> dict[str, type]:
 
 
 # The training flags that change the plan; the rest of spmd.train's are accepted and ignored.
-TRAIN_FLAGS = ("model", "layout", "mesh", "devices", "zero", "batch", "accum", "seq_len")
+TRAIN_FLAGS: tuple[str, ...] = (
+    "model",
+    "layout",
+    "mesh",
+    "devices",
+    "zero",
+    "batch",
+    "accum",
+    "seq_len",
+)
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
 TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
 TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather", "optimizer")

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None) -> int:
-    files = config.Positional(
+    metrics = config.Positional(
         "metrics", "+", "run folders or metrics JSONL files of spmd.train runs"
     )
     resolved = config.resolve(
@@ -199,7 +199,7 @@ def run(argv: list[str] | None) -> int:
         {"report": ReportConfig},
         "python -m spmd.report",
         description=__doc__,
-        positional=files,
+        positional=metrics,
     )
     given, out = resolved["metrics"], resolved["report"].out
     folders = [run_folder_of(path) for path in given]

@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 from models import family, finetune
 from spmd import builder, config
 from spmd.checks import batch_arithmetic, format_batch_arithmetic
 from spmd.config import Config
-from spmd.engine import precision
+from spmd.engine import fp8_setup, precision
 from spmd.errors import UsageError
 from spmd.io import hub
 from spmd.log import say
+from spmd.parallel.mesh import format_mesh
 from spmd.section_views import model_section
 from spmd.sections import LoraConfig, RunConfig, flag_name
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyProgram
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
 ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -134,12 +140,9 @@ def _agrees(field: str, flag: Any, value: Any, rank: int) -> bool:
     return flag == value
 
 
-def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
+def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
     """Print the mesh, the batch arithmetic, the precision policy and the pipeline schedule of
     the run's Program; returns the pipeline schedule's figures (None at pp=1)."""
-    import jax
-
-    from spmd.parallel.mesh import format_mesh
 
     layout = program.layout
     mesh, n_params = layout.mesh, family.of(cfg.model).n_params(cfg.model)
@@ -152,8 +155,6 @@ def describe_program(cfg: Config, program: Any) -> dict[str, Any] | None:
     if policy.fp8 is None:
         say(precision.describe(policy))
     else:
-        from spmd.engine import fp8_setup
-
         spec = builder.model_spec(cfg.model, policy, builder.lora_spec(cfg.model, cfg.lora))
         matmuls = fp8_setup.block_matmuls(spec.make, spec.loss, policy.fp8)
         say(precision.describe(policy, matmuls))

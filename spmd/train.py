@@ -22,7 +22,9 @@ if __name__ == "__main__":
 
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 from models import family
 from spmd import builder, config, run_setup
@@ -35,19 +37,36 @@ from spmd.checks import (
     step_memory_error,
 )
 from spmd.config import Config
+from spmd.engine import offload
+from spmd.engine.diloco import Compiled, DilocoProgram
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError, end_process, leave, run_command
+from spmd.estimate import hlo
 from spmd.io import run_data
-from spmd.log import close_rank_file, say, set_level, to_rank_file, warn
+from spmd.log import (
+    close_rank_file,
+    say,
+    set_level,
+    set_primary,
+    survive_a_lost_console,
+    to_rank_file,
+    warn,
+)
 from spmd.observe.metrics import MetricsLog
+from spmd.parallel.hooks import notes
+from spmd.parallel.mesh import format_mesh, setup_mesh
 from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled, AnyProgram
+    from spmd.training.loop import Run
 
 
 def start_processes(cfg: Config) -> int:
     """Join the multi-process job if this is one (flags, spmd.launch, or a cluster that JAX's
     own detection finds: spmd.parallel.distributed); only process 0 prints progress and writes
     metrics. Returns the number of processes."""
-    from spmd.log import set_primary
     from spmd.parallel import distributed
 
     run = cfg.run
@@ -156,7 +175,6 @@ def train_in_folder(
     from spmd.training.evaluation import check_eval_batches
 
     check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
-    from spmd.parallel.mesh import setup_mesh
 
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
     check_dcn_sync_mesh(cfg, mesh, n_processes)
@@ -221,7 +239,9 @@ def train_in_folder(
     return train_until_stopped(make_run, restored, signals, closing=(manager, log))
 
 
-def report_dry_run(cfg: Config, program: Any, compiled: Any, facts: dict, pipe_report: Any) -> None:
+def report_dry_run(
+    cfg: Config, program: AnyProgram, compiled: AnyCompiled, facts: dict, pipe_report: Any
+) -> None:
     """What `--dry-run` prints after compiling: the state bytes against the ZeRO formula, the
     compiled collectives against theory, the gradient reductions and the memory report."""
     from spmd import lora_base
@@ -286,14 +306,10 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     return run_setup.resolve_run(argv, "python -m spmd.train", printable=True)
 
 
-def compile_step(cfg: Config, program: Any) -> tuple:
+def compile_step(cfg: Config, program: AnyProgram) -> tuple:
     """(the compiled train step, what the config record and dry run report of it), printing the
     compile time and per-device memory."""
-    import jax
 
-    from spmd.engine import offload
-    from spmd.engine.state_layout import state_bytes_per_device
-    from spmd.estimate import hlo
     from spmd.observe.observer import make_observer, model_metrics
 
     started = time.perf_counter()
@@ -309,7 +325,6 @@ def compile_step(cfg: Config, program: Any) -> tuple:
         f"MiB with --remat {cfg.model.remat} (activations kept for the backward pass)"
         + offload.describe(by_memory, cfg.parallel.offload)
     )
-    from spmd.parallel.hooks import notes
 
     say(f"model choices while tracing: {notes() or 'none'}")  # e.g. the attention kernel
     fingerprint = hlo.fingerprint(compiled)
@@ -337,18 +352,16 @@ def compile_step(cfg: Config, program: Any) -> tuple:
     if cfg.parallel.dcn_sync == "diloco":
         from spmd.estimate import dcn_traffic
 
+        assert isinstance(program, DilocoProgram) and isinstance(compiled, Compiled)
         facts["dcn_traffic"] = dcn_traffic.traffic(program, compiled)
         say(dcn_traffic.format_traffic(facts["dcn_traffic"]))
     return compiled, facts
 
 
 def write_config_record(
-    log: MetricsLog, cfg: Config, program: Any, facts: dict, pipe_report: Any
+    log: MetricsLog, cfg: Config, program: AnyProgram, facts: dict, pipe_report: Any
 ) -> None:
     """The first JSONL record: the resolved config, the mesh and what the compile found."""
-    import jax
-
-    from spmd.parallel.mesh import format_mesh
 
     mesh = program.layout.mesh
     log.write(
@@ -375,7 +388,7 @@ def write_config_record(
     )
 
 
-def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
+def initial_state(run: Run, restored: Any) -> tuple[dict[str, Any], int] | None:
     """(state, first step) to train from: the restored checkpoint's, the Hugging Face
     weights of --init-from-hf, or a fresh init; None when the checkpoint already completes
     --steps."""
@@ -401,7 +414,6 @@ def initial_state(run: Any, restored: Any) -> tuple[dict[str, Any], int] | None:
 def command() -> None:
     """`python -m spmd.train` as a process (spmd.errors.end_process: it does not wait on the
     threads a failed or interrupted save leaves)."""
-    from spmd.log import survive_a_lost_console
 
     survive_a_lost_console()  # a killed launcher's closed pipe must not end the run unsaved
     end_process(main)

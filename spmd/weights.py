@@ -8,7 +8,7 @@ describes, so params land in exactly the layout a training run of that mesh woul
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -20,7 +20,12 @@ from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
+from spmd.parallel.mesh import setup_mesh
 from spmd.sections import LoraConfig
+
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
+    from spmd.engine.diloco import AnyProgram
 
 
 @dataclasses.dataclass
@@ -42,12 +47,11 @@ class Loaded:
 def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
     """The mesh of `--mesh` (simulating CPU devices when needed, so call this before anything
     starts JAX's backend) and the ZeRO stage that decides how params are sharded."""
-    from spmd.parallel.mesh import setup_mesh
 
     return Layout(setup_mesh(mesh, devices), zero)
 
 
-def model_program(cfg: Any, layout: Layout) -> Program:
+def model_program(cfg: ModelConfig, layout: Layout) -> Program:
     """The Program of model `cfg` (its family's) on `layout`, for its
     param shardings and forward pass (no training: the optimizer is the identity, which has no
     state); spmd.builder's, as training builds it."""
@@ -148,7 +152,7 @@ def describe(checkpoint: str, step: int, from_hf: str) -> Source:
 
 
 def init_from_hf(
-    directory: str, program: Program, peft: str = "", adapters: Any = None
+    directory: str, program: AnyProgram, peft: str = "", adapters: Any = None
 ) -> tuple[Any, Any, Any]:
     """(params, optimizer state, loss scale) to start training `program` from a Hugging Face
     folder: its weights, read in fp32 as the master weights, with a fresh optimizer state (the

@@ -62,10 +62,29 @@ def project_modules() -> dict[str, pathlib.Path]:
     return found
 
 
+def type_checking_imports(tree: ast.Module) -> set[int]:
+    """ids of the import statements under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            found.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return found
+
+
 def imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """Project modules that `path` imports anywhere in its body (function-level included)."""
+    """Project modules that `path` imports anywhere in its body (function-level included),
+    except under `if TYPE_CHECKING:`: those are read by the type checker only, never run, so
+    they load nothing and cannot make a cycle or an upward arrow at run time. A lower layer may
+    name a higher layer's type in an annotation (a `Program`, a `Run`) rather than `Any`."""
+    tree = ast.parse(path.read_text())
+    for_types_only = type_checking_imports(tree)
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in for_types_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -216,3 +235,17 @@ def test_architecture_page_names_every_module():
     )
     unnamed = [str(path) for path in modules if path.stem not in named]
     assert not unnamed, f"docs/architecture.md names no {', '.join(unnamed)}"
+
+
+def test_type_checking_imports_are_not_arrows(tmp_path):
+    # an annotation may name a higher layer's type (spmd.training may say `program: Program`)
+    # without an arrow: what `if TYPE_CHECKING:` imports never runs
+    module = tmp_path / "lower.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import spmd.sections\n"
+        "if TYPE_CHECKING:\n"
+        "    from spmd.engine.step import Program\n"
+        "    import spmd.train\n"
+    )
+    assert imports_of(module, project_modules()) == {"spmd.sections"}

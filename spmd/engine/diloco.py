@@ -372,3 +372,5 @@ def _steps(
 # What the builder returns and the training loop runs: a synchronous Program, or DiLoCo's
 # (whose extra attributes reach the inner Program's through __getattr__).
 AnyProgram = Program | DilocoProgram
+# a compiled train step: jax's, or DiLoCo's pair (which answers as its synced program)
+AnyCompiled = jax.stages.Compiled | Compiled

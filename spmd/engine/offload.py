@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -29,6 +29,9 @@ from jax.sharding import NamedSharding
 from spmd.engine.state_layout import HasAbstractState, sharded_bytes, state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.sections import ParallelConfig, choices
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled
 
 OFFLOADS = choices(ParallelConfig, "offload")
 HOST = "pinned_host"
@@ -126,7 +129,9 @@ def bytes_by_memory(abstract: Any) -> dict[str, int]:
     return {DEVICE: sharded_bytes(leaves) - host, "host": host}
 
 
-def state_bytes_by_memory(compiled: Any, program: HasAbstractState) -> dict[str, dict[str, int]]:
+def state_bytes_by_memory(
+    compiled: AnyCompiled, program: HasAbstractState
+) -> dict[str, dict[str, int]]:
     """{"params" | "opt_state": {"device": bytes, "host": bytes}} one device holds, read from
     the shardings (and their memory kinds) the compiled train step takes its state in."""
     return state_bytes_per_device(compiled, program, bytes_by_memory)

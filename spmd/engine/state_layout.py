@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,9 @@ from jax.sharding import NamedSharding
 from spmd.engine import frozen, precision
 from spmd.parallel import rules
 from spmd.parallel.layout import Layout
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled
 
 
 def state_shardings(
@@ -101,7 +104,7 @@ class HasAbstractState(Protocol):
 
 
 def state_bytes_per_device(
-    compiled: Any,  # a jax.stages.Compiled, or DiLoCo's pair (spmd.engine.diloco.Compiled)
+    compiled: AnyCompiled,  # a jax.stages.Compiled, or DiLoCo's pair (spmd.engine.diloco.Compiled)
     program: HasAbstractState,
     measure: Callable[[Any], Any] = sharded_bytes,
 ) -> dict[str, Any]:

@@ -133,9 +133,8 @@ class Program:
             self.abstract_params, self.abstract_opt_state, self.abstract_loss_scale, batch
         )
 
-    def compile_train_step(self, global_batch: int, seq_len: int) -> Any:
-        """Lower and compile the train step for a batch shape (AOT; nothing runs): a
-        jax.stages.Compiled (Any here: its __call__ is untyped, and callers call it)."""
+    def compile_train_step(self, global_batch: int, seq_len: int) -> jax.stages.Compiled:
+        """Lower and compile the train step for a batch shape (AOT; nothing runs)."""
         return self.lower_train_step(global_batch, seq_len).compile()
 
 

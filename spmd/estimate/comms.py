@@ -67,7 +67,10 @@ def collectives(s: Setup) -> list[Comm]:
             activation, tokens, norms, tensor, s.sequence_parallel, passes,
             frozen_embedding=frozen_embedding,
         )  # fmt: skip
-        out += [Comm(kind, ("tensor",), tensor, *row) for kind, *row in traffic]
+        out += [
+            Comm(kind, ("tensor",), tensor, size, calls, purpose)
+            for kind, size, calls, purpose in traffic
+        ]
         if s.lora_rank:  # each adapter's low-rank partial sums
             size, calls = lora.tensor_traffic(s, executions, layers)
             out.append(Comm("all-reduce", ("tensor",), tensor, size, calls, "adapter activations"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Collection
 
 from spmd.engine import offload as engine_offload
 from spmd.engine import optimizers, precision
@@ -140,7 +141,7 @@ class Network:
 
 def check_setup(s: Setup) -> None:
     """UsageError when a value is out of range or a mesh axis does not divide what it splits."""
-    choices = {
+    choices: dict[str, Collection[str]] = {
         "precision": precision.POLICIES,
         "optimizer": optimizers.OPTIMIZERS,
         "remat": REMATS,

@@ -14,17 +14,18 @@ from spmd.estimate import hlo
 from spmd.parallel import rules
 
 if TYPE_CHECKING:
-    from spmd.engine.diloco import DilocoProgram
+    from spmd.engine.diloco import AnyCompiled, Compiled, DilocoProgram
+
 
 AXIS = "data"  # the replicas' mesh axis (spmd.engine.diloco.AXIS)
 
 
-def cross_replica_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> int:
+def cross_replica_bytes(compiled: AnyCompiled, mesh: jax.sharding.Mesh) -> int:
     """Bytes per device that one run of `compiled` moves in collectives over the data axis."""
     return sum(c.bytes * c.count for c in hlo.collectives(compiled, mesh) if AXIS in c.axes)
 
 
-def traffic(program: DilocoProgram, compiled: Any) -> dict[str, Any]:
+def traffic(program: DilocoProgram, compiled: Compiled) -> dict[str, Any]:
     """Cross-replica (cross-host) bytes per device, read from the compiled programs: per local
     step, per synced step, averaged per optimizer step, and what synchronous data parallelism
     would all-reduce every step instead (the gradients, in the reduce dtype, per device)."""

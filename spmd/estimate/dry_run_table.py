@@ -3,18 +3,18 @@ layout's textbook figures (spmd.estimate.theory), with their ratios, in the unit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spmd.estimate import hlo, theory, units
 from spmd.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from spmd.engine.diloco import AnyProgram
+    from spmd.engine.diloco import AnyCompiled, AnyProgram
 
 
 def report(
     program: AnyProgram,
-    compiled: Any,
+    compiled: AnyCompiled,
     model: ModelShape,
     global_batch: int,
     seq_len: int,

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spmd.errors import UsageError
 from spmd.estimate import hlo
+
+if TYPE_CHECKING:
+    from models.contract import ModelConfig
+    from spmd.engine.diloco import AnyCompiled
 
 # Dense peak TFLOP/s of one JAX device (no structured sparsity), per compute precision.
 # Matched by substring of `jax.Device.device_kind`, first match wins, so specific names come
@@ -51,13 +55,13 @@ HALF_PRECISIONS = ("bf16", "fp16", "fp8")
 FP8_MATMUL_SPEEDUP = 2.0
 
 
-def decoder_flops_per_token(cfg: Any, seq_len: int) -> float:
+def decoder_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs (forward + backward) per trained token of model config `cfg` (any model
     family's: the formula is its shape's, spmd.model_shape.ModelShape.flops_per_token)."""
     return cfg.shape().flops_per_token(seq_len)
 
 
-def cost_analysis_flops(compiled: Any) -> float | None:
+def cost_analysis_flops(compiled: AnyCompiled) -> float | None:
     """FLOPs of one execution on one device as XLA's cost analysis reports them (None if the
     backend gives none). A while loop's body is counted once, whatever its trip count."""
     try:
@@ -70,7 +74,7 @@ def cost_analysis_flops(compiled: Any) -> float | None:
     return float(flops) if flops is not None and flops >= 0 else None
 
 
-def hlo_dot_flops(compiled: Any) -> float:
+def hlo_dot_flops(compiled: AnyCompiled | str) -> float:
     """Matmul FLOPs of one execution on one device: 2 * output elements * contracted size of
     every dot in the partitioned HLO, times the trip counts of the loops around it."""
     instrs = hlo.instructions(compiled)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
 from spmd.estimate import hlo_text, units
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _OPCODES = {k: k for k in KINDS} | {
@@ -39,7 +42,18 @@ class Collective:
     name: str  # HLO instruction name
 
 
-def collectives(compiled: Any, mesh: jax.sharding.Mesh | None = None) -> list[Collective]:
+def optimized_text(compiled: AnyCompiled) -> str:
+    """The optimized HLO text of a compiled program. jax types it `str | None`; XLA gives the
+    text of every program spmd compiles, so None is an error here, not a silent empty text."""
+    text = compiled.as_text()
+    if text is None:
+        raise RuntimeError("the compiled program has no HLO text (jax.stages.Compiled.as_text)")
+    return text
+
+
+def collectives(
+    compiled: AnyCompiled | jax.stages.Lowered | str, mesh: jax.sharding.Mesh | None = None
+) -> list[Collective]:
     """Collectives of ``compiled`` (a jax Compiled object or its HLO text; or a Lowered one: the
     program as spmd emits it, before XLA optimizes it), in HLO text order. XLA:CPU promotes
     16-bit collectives to fp32 when it compiles; the lowered program shows the emitted dtype.
@@ -51,7 +65,7 @@ def collectives(compiled: Any, mesh: jax.sharding.Mesh | None = None) -> list[Co
     elif isinstance(compiled, jax.stages.Lowered):
         text = compiled.as_text(dialect="hlo")
     else:
-        text = compiled.as_text()
+        text = optimized_text(compiled)
     partitions = hlo_text.header_int(text, "num_partitions")
     replicas = hlo_text.header_int(text, "replica_count")
     comps, entry = hlo_text.parse_computations(text)
@@ -93,7 +107,7 @@ _METADATA = re.compile(r",? metadata=\{[^}]*\}")
 _NUMBERED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_\-]*)((?:\.(?:[0-9]+|clone))+)\b")
 
 
-def fingerprint(compiled: Any) -> str:
+def fingerprint(compiled: AnyCompiled) -> str:
     """16 hex digits of the compiled module's text without its source locations, names
     renumbered in order of appearance (the numbers XLA gives depend on what was traced before
     in the process): two compilations of the same step (same ops, shardings, collectives and
@@ -107,10 +121,10 @@ def fingerprint(compiled: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _without_locations(compiled: Any) -> list[str]:
+def _without_locations(compiled: AnyCompiled) -> list[str]:
     """The lines of the compiled module's text, source-location tables and metadata dropped."""
     kept, skipping = [], False
-    for line in compiled.as_text().splitlines():
+    for line in optimized_text(compiled).splitlines():
         if line.strip() in _LOCATION_TABLES:
             skipping = True
         elif skipping and not line.strip():
@@ -135,13 +149,15 @@ def collective_summary(colls: list[Collective]) -> dict[str, dict]:
     return summary
 
 
-def dot_dtypes(compiled: Any) -> list[tuple[str, tuple[str, ...]]]:
+def dot_dtypes(
+    compiled: AnyCompiled | jax.stages.Lowered | str,
+) -> list[tuple[str, tuple[str, ...]]]:
     """(result element type, operand element types) of every dot instruction, e.g.
     ("f32", ("bf16", "bf16")): which precision the matmuls run in. Takes a Compiled, a
     Lowered (read as its pre-optimization HLO) or HLO text."""
-    if hasattr(compiled, "compile"):
+    if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.as_text(dialect="hlo")
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = compiled if isinstance(compiled, str) else optimized_text(compiled)
     comps, _ = hlo_text.parse_computations(text)
     out = []
     for instrs in comps.values():
@@ -155,7 +171,7 @@ def dot_dtypes(compiled: Any) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def memory(compiled: Any) -> dict[str, int]:
+def memory(compiled: AnyCompiled) -> dict[str, int]:
     """Per-device bytes from ``compiled.memory_analysis()``: argument, output, temp,
     generated_code, alias, and peak_estimate = argument + output + temp - alias; host_argument,
     host_output and host_temp where the backend reports host memory apart (non-zero).
@@ -189,11 +205,11 @@ def format_report(summary: dict, mem: dict) -> str:
     return "\n".join(lines)
 
 
-def instructions(compiled: Any) -> list[tuple[str, str, str, str, str, int]]:
+def instructions(compiled: AnyCompiled | str) -> list[tuple[str, str, str, str, str, int]]:
     """Every instruction of ``compiled`` (a jax Compiled object or its HLO text) as
     (computation, name, result shape, opcode, attribute text, executions per step), the last
     being the product of the known trip counts of the while loops around it (0: never called)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = compiled if isinstance(compiled, str) else optimized_text(compiled)
     comps, entry = hlo_text.parse_computations(text)
     mult = hlo_text.multipliers(comps, entry)
     return [

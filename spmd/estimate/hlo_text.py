@@ -19,7 +19,9 @@ def parse_computations(text: str) -> tuple[dict[str, list[tuple]], str | None]:
     for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             if not line.startswith("HloModule"):
-                current = re.match(r"(?:ENTRY\s+)?%?([^\s(]+)", line).group(1)
+                header = re.match(r"(?:ENTRY\s+)?%?([^\s(]+)", line)
+                assert header, line  # the pattern matches any line that starts with a non-space
+                current = header.group(1)
                 comps[current] = []
                 entry = current if line.startswith("ENTRY") else entry
             continue

@@ -13,15 +13,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.engine import offload as engine_offload
+from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import comms, cost, memory
 from spmd.estimate import offload as offload_model
+from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import format_mesh
 from spmd.sections import OptimizerConfig, PrecisionConfig, RunConfig
 
 if TYPE_CHECKING:
+    from models.contract import ModelConfig
     from spmd.engine.diloco import AnyProgram
+
 
 # fp16 is left out: XLA:CPU cannot compile its matmuls (no F16_F16_F32 dot_general).
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -30,15 +36,12 @@ COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 def simulated_devices(count: int) -> list:
     """`count` CPU devices: simulated now if JAX has not started its backend, else the first
     `count` of the CPU devices it has (e.g. under pytest). UsageError if there are too few."""
-    import jax
-
-    from spmd.parallel import mesh as mesh_lib
 
     try:
         if not mesh_lib.cpu_only():
             jax.config.update("jax_platforms", "cpu")
         # Never fewer than already asked for: other code in this process may rely on them.
-        wanted = max(count, int(jax.config.jax_num_cpu_devices or 0))
+        wanted = max(count, int(jax.config.values["jax_num_cpu_devices"] or 0))
         mesh_lib.simulate_cpu_devices(wanted, announce=False)
     except RuntimeError:  # the backend has started: use the devices it has
         pass
@@ -99,9 +102,7 @@ def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto
     all-reduce of the whole buffer, so on CPU with the auto executor the analytic
     reduce-scatters are counted that way. Returns {"rows": {what: {"analytic", "compiled"
     (bytes), "ratio" (compiled/analytic)}}, "compiled_memory", "compile_s", "device", ...}."""
-    import jax
 
-    from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
 
     devices = list(mesh.devices.flat)
@@ -213,7 +214,7 @@ def state_against_formula(
     run: RunConfig,
     zero: int,
     precision: PrecisionConfig,
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     mesh_sizes: dict[str, int],
     held: dict[str, int],
     by_memory: dict[str, dict[str, int]] | None = None,

@@ -82,6 +82,8 @@ class TokenWindows:
     def segments(self, window_ids: np.ndarray) -> np.ndarray:
         """int32 [n, seq_len]: the document of each input position, counted from the window's
         first (0). A document's end-of-text token belongs to the document it ends."""
+        # made only where __post_init__ found document ends (--document-mask on)
+        assert self.document_ends is not None
         positions = self._positions(window_ids)[:, :-1]
         documents = np.searchsorted(self.document_ends, positions, side="right")
         return (documents - documents[:, :1]).astype(np.int32)

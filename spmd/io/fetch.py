@@ -14,10 +14,14 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spmd import paths
 from spmd.errors import UsageError
 from spmd.log import say
+
+if TYPE_CHECKING:  # fsspec loads on the first URL only (local_copy)
+    import fsspec
 
 REMOTE = "remote"
 
@@ -47,7 +51,7 @@ def local_copy(path: str, cache_dir: Path, flag: str = "--data") -> str:
     return str(target / name)
 
 
-def _copy(fs: object, remote: str, local: Path) -> None:
+def _copy(fs: fsspec.AbstractFileSystem, remote: str, local: Path) -> None:
     """Copy one remote file to `local` unless a copy of the same size is there."""
     size = fs.size(remote)
     if local.is_file() and local.stat().st_size == size:

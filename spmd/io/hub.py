@@ -116,9 +116,13 @@ def snapshot(repo_id: str, flag: str, patterns: tuple[str, ...], needed: str) ->
     import huggingface_hub
     from huggingface_hub import constants, errors
 
-    files = {"allow_patterns": list(patterns), "ignore_patterns": SUBFOLDERS}
+    wanted, unwanted = list(patterns), list(SUBFOLDERS)
     try:
-        cached = Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, **files))
+        cached = Path(
+            huggingface_hub.snapshot_download(
+                repo_id, local_files_only=True, allow_patterns=wanted, ignore_patterns=unwanted
+            )
+        )
         if (cached / needed).is_file():
             return cached
     except errors.LocalEntryNotFoundError:  # not cached, or known to be incomplete
@@ -131,7 +135,11 @@ def snapshot(repo_id: str, flag: str, patterns: tuple[str, ...], needed: str) ->
             f"or unset HF_HUB_OFFLINE"
         )
     try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, **files))
+        folder = Path(
+            huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=wanted, ignore_patterns=unwanted
+            )
+        )
     except errors.GatedRepoError:
         raise UsageError(
             f"{where} is gated: accept its terms on huggingface.co and log in (hf auth login, "

@@ -20,6 +20,7 @@ Progress (shards, documents, tokens, tokens/s, ETA by bytes) is printed as shard
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import multiprocessing
 import os
 import shutil
@@ -85,11 +86,11 @@ def open_records(
     except OSError:
         # Another process of the job (same cache) finished the entry and removed the pieces
         # under this one: use its entry.
-        entry = tokens._read_entry(cache / f"tokens-{key}.json", what)
-        if entry is None:
+        theirs = tokens._read_entry(cache / f"tokens-{key}.json", what)
+        if theirs is None:
             raise
         shutil.rmtree(folder, ignore_errors=True)  # what this process left there
-        return entry
+        return theirs
     bad = sum(info["bad_records"] for info in infos)
     if bad:
         examples = [e for info in infos for e in info["bad_examples"]][:3]
@@ -246,7 +247,6 @@ def _encode_chats(records: list[tuple], encoder, separator: int | None, sft: boo
 
 def _read_shard(prefix: Path) -> dict | None:
     """The finished shard's JSON, or None if it is not finished (or its files do not match)."""
-    import json
 
     try:
         info = json.loads(prefix.with_name(prefix.name + ".json").read_text())

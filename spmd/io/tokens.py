@@ -271,7 +271,7 @@ def _write_entry(
     fingerprint = digest.hexdigest()
     info = {"dtype": dtype, "n_tokens": n_tokens, "max_id": max_id, "fingerprint": fingerprint}
     _write_json(cache / f"tokens-{key}.json", {**info, "source": source})
-    return TokenFile(final, source=source, **info)
+    return TokenFile(final, dtype, n_tokens, max_id, fingerprint, source)
 
 
 def _read_entry(description: Path, source: str) -> TokenFile | None:

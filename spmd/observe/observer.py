@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.estimate import flops
 from spmd.log import say
 from spmd.observe import profile, stragglers
@@ -20,7 +22,8 @@ from spmd.observe.metrics import MetricsLog, device_memory
 from spmd.sections import ObserveConfig, RunConfig
 
 if TYPE_CHECKING:
-    from spmd.engine.diloco import AnyProgram
+    from models.contract import ModelConfig
+    from spmd.engine.diloco import AnyCompiled, AnyProgram
 
 
 @dataclasses.dataclass
@@ -105,13 +108,12 @@ def make_observer(
     observe: ObserveConfig,
     run: RunConfig,
     precision: str,
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     mesh: Any,
-    compiled: Any,
+    compiled: AnyCompiled,
 ) -> Observer:
     """An Observer for a run (`run`'s steps, batch and sequence length, in `precision`) on
     `mesh` with the compiled step, reporting as `observe` says."""
-    import jax
 
     device_kind = mesh.devices.flat[0].device_kind
     peak = flops.peak_tflops(device_kind, precision, observe.peak_tflops)
@@ -140,7 +142,6 @@ def make_observer(
 def model_metrics(program: AnyProgram, metrics_fn: Any) -> Any:
     """jitted (params, batch) -> metrics_fn(model, batch): a forward pass under the auto layout
     of the program's mesh (the same math under either executor), metrics replicated."""
-    import jax
 
     from spmd.parallel import traced_layout
 
@@ -153,7 +154,7 @@ def model_metrics(program: AnyProgram, metrics_fn: Any) -> Any:
     return jax.jit(run, out_shardings=program.layout.replicated)
 
 
-def dry_run_report(observer: Observer, compiled: Any, device_kind: str) -> str:
+def dry_run_report(observer: Observer, compiled: AnyCompiled, device_kind: str) -> str:
     """FLOPs per step three ways and the peak that MFU will use."""
     comparison = flops.format_comparison(
         observer.flops_per_step,

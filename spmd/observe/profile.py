@@ -28,10 +28,16 @@ import dataclasses
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.profiler import ProfileData
 
 from spmd.errors import UsageError
 from spmd.estimate import hlo
+
+if TYPE_CHECKING:
+    from spmd.engine.diloco import AnyCompiled
 
 CONTROL_FLOW = ("while", "conditional", "call")  # their events span the ops they run
 
@@ -68,7 +74,6 @@ class OpEvent:
 
 def read_trace(trace_dir: str | Path) -> list[OpEvent]:
     """The HLO-op events of the newest xplane.pb under `trace_dir` (empty if there is none)."""
-    from jax.profiler import ProfileData
 
     files = sorted(Path(trace_dir).glob("plugins/profile/*/*.xplane.pb"))
     if not files:
@@ -180,9 +185,9 @@ def format_breakdown(table: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def module_name(compiled: Any) -> str:
+def module_name(compiled: AnyCompiled | str) -> str:
     """The HLO module name of a compiled step (what the trace's hlo_module stat says)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    text = compiled if isinstance(compiled, str) else hlo.optimized_text(compiled)
     m = re.match(r"HloModule ([^\s,]+)", text)
     return m.group(1) if m else ""
 
@@ -198,7 +203,6 @@ class StepProfiler:
 
     def before_step(self, step: int, in_flight: Any) -> float:
         """Start tracing before the window's first step; return the seconds spent starting."""
-        import jax
 
         start, stop = self.window
         if self.first_traced is not None or not start <= step <= stop:
@@ -212,7 +216,6 @@ class StepProfiler:
     def after_step(self, step: int, outputs: Any) -> tuple[dict | None, float]:
         """After step STOP: (the breakdown table, seconds spent stopping and reading the
         trace); (None, 0.0) at other steps."""
-        import jax
 
         if step != self.window[1] or self.first_traced is None:
             return None, 0.0

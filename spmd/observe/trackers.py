@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from typing import Any
 
 from spmd.errors import UsageError
@@ -224,7 +225,6 @@ class MLflow:
 
 
 def _millis() -> int:
-    import time
 
     return int(time.time() * 1000)
 

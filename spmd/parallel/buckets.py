@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from spmd.parallel import collectives
-from spmd.parallel.traced_layout import explicit_mesh, varying_axes
+from spmd.parallel.traced_layout import explicit_mesh, tracing_explicit, varying_axes
 
 MB = 2**20  # --bucket-mb counts binary megabytes (MiB)
 
@@ -104,7 +104,7 @@ def _reduce_group(
 ) -> list[jax.Array]:
     """Reduce the gradients of one group (scattered along `dims`) in buckets; the reduced
     leaves, in order."""
-    mesh = explicit_mesh()
+    mesh = tracing_explicit().mesh
     rows = math.prod(mesh.shape[a] for a in how.scatter) if how.scatter else 1
     pieces = [_to_rows(g, dim, rows) for g, dim in zip(grads, dims, strict=True)]
     buffer = jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
@@ -138,7 +138,9 @@ def reduce_grads(
     collectives.reduce_grad), with the collectives of each reduction group merged into buckets
     of `bucket_bytes` of local gradient. `order`: leaf indices in the order the forward pass
     uses them (the buckets run in reverse). bucket_bytes <= 0: one collective per leaf."""
-    leaves, treedef = jax.tree.flatten(grads)
+    # Any: jaxlib's PyTreeDef (flatten_up_to, unflatten) has no stub mypy reads
+    leaves, structure = jax.tree.flatten(grads)
+    treedef: Any = structure
     p_specs = treedef.flatten_up_to(param_specs)
     g_specs = treedef.flatten_up_to(grad_specs)
     if bucket_bytes <= 0:
@@ -161,8 +163,10 @@ def reduce_grads(
             out[i] = collectives.reduce_grad(leaves[i], p_specs[i], g_specs[i], batch_axes)
     for i in reversed(order if order is not None else range(len(leaves))):
         if out[i] is None:
-            key = (leaves[i].dtype, hows[i].scatter, hows[i].rest, varying_axes(leaves[i]))
-            groups.setdefault(key, []).append((i, hows[i].dim))
+            how = hows[i]
+            assert how is not None  # a leaf without a reduction was reduced above
+            key = (leaves[i].dtype, how.scatter, how.rest, varying_axes(leaves[i]))
+            groups.setdefault(key, []).append((i, how.dim))
     for (dtype, scatter, rest, _), members in groups.items():
         # As reduce_grad: 16-bit sums are divided first (overflow), fp32 ones after.
         predivide = shards > 1 and jnp.dtype(dtype).itemsize < 4

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from spmd.parallel.traced_layout import explicit_mesh, varying_axes
+from spmd.parallel.traced_layout import explicit_mesh, tracing_explicit, varying_axes
 
 
 def _dim_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
@@ -91,7 +91,7 @@ def take_slice(x: jax.Array, have: PartitionSpec, want: PartitionSpec) -> jax.Ar
             continue
         if h:
             raise ValueError(f"cannot refine dim {dim} from {have} to {want}")
-        size = x.shape[dim] // math.prod(explicit_mesh().shape[a] for a in extra)
+        size = x.shape[dim] // math.prod(tracing_explicit().mesh.shape[a] for a in extra)
         x = lax.dynamic_slice_in_dim(x, lax.axis_index(extra) * size, size, axis=dim)
     return x
 

@@ -52,6 +52,8 @@ def client() -> Any:
     (Any: its methods are the key-value store's)."""
     if num_processes() == 1:
         return None
+    # jax's private modules are imported where used (here and below), not at the top: should
+    # a jax release move them, only multi-process jobs fail, not every import of spmd
     from jax._src import distributed
 
     return distributed.global_state.client

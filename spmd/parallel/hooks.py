@@ -169,15 +169,18 @@ def batch_mean(x: jax.Array) -> jax.Array:
     return lax.pmean(x, axes) if axes else x
 
 
-def _context() -> tuple[jax.sharding.Mesh | None, str | None, int, bool]:
+def _context() -> tuple[
+    jax.sharding.Mesh | jax.sharding.AbstractMesh | None, str | None, int, bool
+]:
     """(mesh, axis, ways, manual) of context parallelism in the layout being traced (axis
     None, ways 1 when none); `manual`: each device holds its own chunks where hooks run."""
-    if traced.manual_context_axis() is not None:
-        return None, *traced.manual_context_axis(), True
-    if traced.explicit() is not None:
-        mesh, axes = traced.explicit_mesh(), traced.split_axes("length")
-    elif traced.activations() is not None:
-        mesh, table, _ = traced.activations()
+    if (manual_context := traced.manual_context_axis()) is not None:
+        return None, *manual_context, True
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+    if (layout := traced.explicit()) is not None:
+        mesh, axes = layout.mesh, traced.split_axes("length")
+    elif (auto := traced.activations()) is not None:
+        mesh, table, _ = auto
         axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
     else:
         return None, None, 1, False
@@ -207,7 +210,8 @@ def token_positions(x: jax.Array, whole: bool = False) -> jax.Array:
     `whole`: x is whole along sequence parallelism's split (a batch field, a matmul's input)."""
     mesh, axis, ways, manual = _context()
     sequence = () if whole else _sequence_axes("heads")  # () outside the explicit executor
-    length = x.shape[1] * math.prod(mesh.shape[a] for a in sequence)
+    # no mesh: outside both executors, where `sequence` is ()
+    length = x.shape[1] * (math.prod(mesh.shape[a] for a in sequence) if mesh is not None else 1)
     if axis is None:
         positions = jnp.arange(length, dtype=jnp.int32)
     elif manual:  # this device's block of the load-balanced order
@@ -230,8 +234,8 @@ def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     def split(x: jax.Array) -> jax.Array:
         order = ring_attention.balanced_order(x.shape[1], ways)
         if manual:
-            order = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
-            return jnp.take(x, order, axis=1)
+            mine = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
+            return jnp.take(x, mine, axis=1)
         names = ("batch", "length") + (None,) * (x.ndim - 2)
         return constrain(jnp.take(x, jnp.asarray(order), axis=1), names)
 
@@ -282,7 +286,7 @@ def scan_layers(
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     layer, carry = _in_fp8_blocks(layer, n_layers, carry)
-    asked = gathering and traced.explicit().prefetch
+    asked = gathering and traced.tracing_explicit().prefetch
     if not (asked and remat is not None and n_layers >= 2):
         if asked and n_layers > 1:  # said only where prefetch was asked for and could run
             note("layer_scan", "prefetch off: --remat none")
@@ -291,6 +295,7 @@ def scan_layers(
         note("layer_scan", "prefetch off: the layer closes over a traced float")
         return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
     note("layer_scan", "prefetch")
+    assert policy is not None  # made by remat_policy for the gathered axes
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [param_gather.logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
 
@@ -342,9 +347,9 @@ def _scan_result(result: tuple[Any, Any]) -> tuple[Any, Any]:
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
-    if traced.activations() is None:
+    if (auto := traced.activations()) is None:
         return x
-    mesh, table, _ = traced.activations()
+    mesh, table, _ = auto
     spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -263,6 +263,7 @@ class _Pullbacks:
         gather: Callable[[Arrays], Arrays],
     ) -> tuple[Any, Arrays]:
         """(the carry's cotangent, the layer's param shards' cotangents)."""
+        assert self.layout is not None, "the forward pass records the layout before backward"
         tree, slots, constants = self.layout
         rest = iter(kept)
         leaves = [

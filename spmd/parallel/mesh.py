@@ -186,7 +186,7 @@ def cpu_only() -> bool:
 
     Decided without starting the JAX backend, so that CPU devices can still be simulated.
     """
-    platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.jax_platforms or "")
+    platforms = os.environ.get("JAX_PLATFORMS", "") or str(jax.config.values["jax_platforms"] or "")
     return huge_pages.runs_on_cpu(platforms)
 
 

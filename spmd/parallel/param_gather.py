@@ -31,7 +31,7 @@ def logical_names(variable: Any) -> tuple[str | None, ...]:
 def gathered_axes(names: tuple[str | None, ...]) -> list[tuple[str, ...]]:
     """Per dim of a param with logical `names`: the mesh axes it is gathered over before use
     (stored split, computed whole; empty where nothing is gathered)."""
-    layout = traced.explicit()
+    layout = traced.tracing_explicit()
     used: set[str] = set()
     out = []
     for name in names:
@@ -59,7 +59,7 @@ def gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = Tr
 
 def _whole_shape(value: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> tuple[int, ...]:
     """The shape `value` has once gathered along `dims`."""
-    mesh = traced.explicit_mesh()
+    mesh = traced.tracing_explicit().mesh
     shape = list(value.shape)
     for dim, axes in dims:
         shape[dim] *= math.prod(mesh.shape[a] for a in axes)

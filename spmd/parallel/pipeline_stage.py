@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,14 @@ from spmd.parallel import hooks, rules, schedules, traced_layout
 from spmd.parallel.traced_layout import varying_axes
 
 AXIS = "pipeline"
-# (logits, targets, loss weights or None) -> mean loss
-LogitsLoss = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
+
+
+class LogitsLoss(Protocol):
+    """(logits, targets[, loss weights]) -> mean loss (fp32): a family's `logits_loss`."""
+
+    def __call__(
+        self, logits: jax.Array, targets: jax.Array, weights: jax.Array = ..., /
+    ) -> jax.Array: ...
 
 
 def _vary(x: jax.Array, like: object = None) -> jax.Array:
@@ -33,7 +40,9 @@ def _vary(x: jax.Array, like: object = None) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array, when: jax.Array) -> jax.Array:
+def _write(
+    buffer: jax.Array, slot: jax.Array, value: jax.Array, when: jax.Array | bool
+) -> jax.Array:
     """buffer[slot] = value if `when`, else unchanged (slot -1 means nothing to write)."""
     slot = jnp.maximum(slot, 0)
     old = jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
@@ -69,7 +78,7 @@ class Stage:
     def pin_buffer(self, x: jax.Array) -> jax.Array:
         return hooks.constrain(x, (None, "batch", "residual_length", "embed"))
 
-    def blocks_of(self, k: jax.Array) -> list:  # k -1 (an idle slot run in lockstep): any
+    def blocks_of(self, k: jax.Array | int) -> list:  # k -1 (an idle slot run in lockstep): any
         k = jnp.maximum(k, 0)
         return [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in self.chunks]
 

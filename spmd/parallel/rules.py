@@ -88,7 +88,7 @@ def partition_spec(
     names: tuple[str | None, ...],
     shape: tuple[int, ...],
     rules: Rules,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     what: str = "array",
 ) -> PartitionSpec:
     """Resolve one array's logical names to a PartitionSpec on `mesh`.
@@ -103,7 +103,8 @@ def partition_spec(
     for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
         if name is not None and name not in rules:
             raise ValueError(f"{what}: unknown logical axis {name!r}; known: {sorted(rules)}")
-        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in used)
+        named = rules.get(name, ()) if name is not None else ()
+        axes = tuple(a for a in named if mesh.shape[a] > 1 and a not in used)
         ways = math.prod(mesh.shape[a] for a in axes)
         if name in REPLICATE_WHEN_FEWER and ways > size and ways % size == 0:
             axes, ways = (), 1

@@ -89,8 +89,8 @@ class Table:
         """Maximal runs of ticks with the same slot kinds in use somewhere (warm-up: forwards
         only, steady: both, cool-down: backwards only). Stages run in lockstep and skip their
         idle slots, so a tick costs the slot kinds that some stage uses in it."""
-        has_f = (self.column("f_chunk") >= 0).any(axis=1)
-        has_b = (self.column("b_chunk") >= 0).any(axis=1)
+        has_f = np.asarray((self.column("f_chunk") >= 0).any(axis=1))
+        has_b = np.asarray((self.column("b_chunk") >= 0).any(axis=1))
         runs: list[Phase] = []
         for t in range(self.ticks):
             kind = (bool(has_f[t]), bool(has_b[t]))

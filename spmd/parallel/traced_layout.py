@@ -45,7 +45,7 @@ class ExplicitLayout:
 
 
 _EXPLICIT: list[ExplicitLayout] = []
-_ACTIVATIONS: list[tuple[jax.sharding.Mesh, rules.Rules, bool]] = []
+_ACTIVATIONS: list[tuple[jax.sharding.Mesh | jax.sharding.AbstractMesh, rules.Rules, bool]] = []
 _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual by the engine
 _PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
 _TRAINING: list[jax.Array | None] = []  # inside a train step's loss: its step number
@@ -127,9 +127,18 @@ def explicit_mesh() -> jax.sharding.Mesh | None:
     return _EXPLICIT[-1].mesh if _EXPLICIT else None
 
 
+def tracing_explicit() -> ExplicitLayout:
+    """The explicit layout being traced, for code that runs only inside `explicit_layout`
+    (a collective of the explicit executor): RuntimeError outside one."""
+    if not _EXPLICIT:
+        raise RuntimeError("an explicit collective traced outside spmd's explicit_layout")
+    return _EXPLICIT[-1]
+
+
 def mesh_axes(layout: ExplicitLayout, table: rules.Rules, name: str | None) -> tuple[str, ...]:
     """The mesh axes over 1 that `table` maps logical dimension `name` to."""
-    return tuple(a for a in table.get(name, ()) if layout.mesh.shape[a] > 1)
+    named = table.get(name, ()) if name is not None else ()
+    return tuple(a for a in named if layout.mesh.shape[a] > 1)
 
 
 def split_axes(name: str) -> tuple[str, ...]:
@@ -150,7 +159,7 @@ def varying_axes(x: Any) -> frozenset:
 
 @contextlib.contextmanager
 def activation_layout(
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     zero_stage: int,
     exclude: tuple[str, ...] = (),
     sequence_parallel: bool | None = None,
@@ -185,13 +194,13 @@ def no_activation_layout() -> Iterator[None]:
         _ACTIVATIONS.extend(saved)
 
 
-def activations() -> tuple[jax.sharding.Mesh, rules.Rules, bool] | None:
+def activations() -> tuple[jax.sharding.Mesh | jax.sharding.AbstractMesh, rules.Rules, bool] | None:
     """(mesh, activation rules, sequence parallel) of the auto layout being traced, or None."""
     return _ACTIVATIONS[-1] if _ACTIVATIONS else None
 
 
 @contextlib.contextmanager
-def manual_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
+def manual_context(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> Iterator[None]:
     """Inside a shard_map manual over the axis that splits `length` but not over every axis
     (the auto executor's pipeline stages): the context hooks act on this device's chunks as
     under the explicit executor (the ring's ppermutes written directly, not nested)."""

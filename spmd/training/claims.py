@@ -32,6 +32,7 @@ from typing import Any
 
 from spmd import paths, sections
 from spmd.errors import UsageError
+from spmd.log import say, warn
 from spmd.observe.metrics import TORN_SUFFIX
 from spmd.sections import Config
 from spmd.training import run_folder
@@ -198,7 +199,6 @@ def locked_folders(cfg: Config, folder: str | None) -> list[str]:
 def claim(cfg: Config, folder: str | None) -> FolderLocks:
     """Check the run's folders and take their locks (process 0; the others learn the outcome
     and raise the same UsageError). Returns the locks, to release when the run ends."""
-    from spmd.log import say, warn
     from spmd.parallel import distributed
 
     locks = FolderLocks([])  # none on the processes other than 0
@@ -232,7 +232,6 @@ def claim(cfg: Config, folder: str | None) -> FolderLocks:
 def release() -> None:
     """Unlock the folders the run locked (every way out of a run calls this); a lock that
     cannot be removed is left with one warning line, never an error."""
-    from spmd.log import warn
 
     while _HELD:
         for left in _HELD.pop().release():

@@ -42,12 +42,17 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
 
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say, warn
 from spmd.sections import DivergenceConfig, choices
+
+if TYPE_CHECKING:
+    from spmd.training.loop import Run
 
 DIVERGED_EXIT = 3  # exit status of a run that --on-divergence stop ended (2 is a usage error)
 POLICIES = choices(DivergenceConfig, "on_divergence")
@@ -187,7 +192,6 @@ class Guard:
         return median if loss > self.cfg.spike_threshold * median else None
 
     def _params_finite(self, params: Any) -> bool:
-        import jax
 
         from spmd.engine import precision
 
@@ -198,7 +202,7 @@ class Guard:
             self._all_finite = jax.jit(precision.all_finite, out_shardings=replicated)
         return bool(self._all_finite(params))
 
-    def respond(self, run: Any, anomaly: Anomaly) -> Response:
+    def respond(self, run: Run, anomaly: Anomaly) -> Response:
         """Report the anomaly (console and the JSONL "anomaly" record) and act on it by
         --on-divergence. `run` is the loop's spmd.training.loop.Run."""
         policy = self.cfg.on_divergence
@@ -214,7 +218,7 @@ class Guard:
             return self._roll_back(run, anomaly, set_aside)
         return self._stop(run, anomaly, why_not, set_aside)
 
-    def _set_aside_diverged(self, run: Any, anomaly: Anomaly) -> str | None:
+    def _set_aside_diverged(self, run: Run, anomaly: Anomaly) -> str | None:
         """Move a checkpoint of the step before `anomaly` (whose params diverged) aside; the
         path it went to, or None."""
         if newest_checkpoint(run) != anomaly.step - 1:
@@ -229,7 +233,7 @@ class Guard:
         return str(target)
 
     def _report(
-        self, run: Any, anomaly: Anomaly, action: str, data_step: int, quiet: bool = False, **more
+        self, run: Run, anomaly: Anomaly, action: str, data_step: int, quiet: bool = False, **more
     ) -> None:
         run.log.write(
             "anomaly",
@@ -244,7 +248,7 @@ class Guard:
         if not quiet:
             say(f"divergence at step {anomaly.step}: {anomaly.reason} (--on-divergence {action})")
 
-    def _why_no_rollback(self, run: Any) -> str | None:
+    def _why_no_rollback(self, run: Run) -> str | None:
         if self.rollbacks >= self.cfg.max_rollbacks:
             return f"{self.rollbacks} rollbacks already (--max-rollbacks {self.cfg.max_rollbacks})"
         if newest_checkpoint(run) is None:
@@ -252,7 +256,7 @@ class Guard:
         return None
 
     def _stop(
-        self, run: Any, anomaly: Anomaly, why_not: str | None, set_aside: str | None
+        self, run: Run, anomaly: Anomaly, why_not: str | None, set_aside: str | None
     ) -> Response:
         """Save nothing more; one line naming the step and the checkpoint to resume from."""
         newest = newest_checkpoint(run)
@@ -287,7 +291,7 @@ class Guard:
         _leave_together(anomaly.step)
         return Response("stop")
 
-    def _roll_back(self, run: Any, anomaly: Anomaly, set_aside: str | None) -> Response:
+    def _roll_back(self, run: Run, anomaly: Anomaly, set_aside: str | None) -> Response:
         """Restore the newest checkpoint, skip the windows of the steps it undoes, scale the LR."""
         from spmd import lora_base
         from spmd.engine import fp8_state
@@ -309,6 +313,7 @@ class Guard:
         self.history = self._history(restored.data)
         factor = self.lr_factor * self.cfg.rollback_lr_factor
         if factor != self.lr_factor:
+            assert run.recompile is not None  # spmd.train gives every run one
             run.compiled = run.recompile(factor)  # the LR schedule is compiled into the step
             self.lr_factor = factor
         self._report(
@@ -335,7 +340,6 @@ class Guard:
 def _leave_together(step: int) -> None:
     """Wait until every process has decided to stop: a process that exits first (non-zero
     exits skip JAX's shutdown barrier) would cut off the others' last lines, process 0's own."""
-    import jax
 
     if jax.process_count() > 1:
         from orbax.checkpoint import multihost
@@ -343,7 +347,7 @@ def _leave_together(step: int) -> None:
         multihost.sync_global_processes(f"spmd_diverged_stop_{step}")
 
 
-def newest_checkpoint(run: Any) -> int | None:
+def newest_checkpoint(run: Run) -> int | None:
     """The newest complete checkpoint's step once every save in flight is written, or None."""
     if run.manager is None:
         return None

@@ -10,21 +10,25 @@ agreed on cuts an eval short.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
 
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.log import say
 
+if TYPE_CHECKING:
+    from spmd.training.loop import Run
 
-def make_evaluator(run: Any) -> Callable[[Any, int], float | None]:
+
+def make_evaluator(run: Run) -> Callable[[Any, int], float | None]:
     """evaluate(params, step): the mean loss over --eval-batches held-out batches, logged and
     printed, and that of each named eval set (their record's `losses`; `loss` is the held-out
     split's, else the first set's). The eval step is compiled on first use: runs without an
     eval split skip it. `run` is the loop's spmd.training.loop.Run (which imports this module:
     the loop makes the evaluator)."""
-    import jax
-    import numpy as np
 
     program = run.program
     compiled_eval: list[Any] = []

@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
 from spmd.sections import Config
@@ -116,7 +118,6 @@ class Progress:
     def report(self, step: int, metrics: dict) -> dict[str, Any]:
         """Write the train record and progress line of a step from its metrics (fetched here
         if still on the device)."""
-        import jax
 
         observer = self.run.observer
         metrics = jax.device_get(metrics)
@@ -176,7 +177,6 @@ def settle(
     are the newest step's, about to be saved); write the train record of logged steps, of the
     newest when `report_last`, and of a step that diverged. The first divergence the policy acts
     on ends it with the guard's response."""
-    import jax
 
     guard = run.guard
     for step, metrics in due:

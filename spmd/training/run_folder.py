@@ -37,6 +37,7 @@ key-value store, which the others read (spmd.training.job uses the same store fo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -210,7 +211,6 @@ def report_command(cfg: Config) -> str:
 
 def _importable(module: str) -> bool:
     """Whether `module` can be imported, found without importing it."""
-    import importlib.util
 
     try:
         return importlib.util.find_spec(module) is not None
