@@ -221,7 +221,7 @@ def load_hf(checkpoint: hf_io.HFCheckpoint, abstract_params: dict[str, Any]) -> 
     return hf_io.load_params(checkpoint, abstract_params)
 
 
-def hf_of(cfg: Any) -> HFMapping:
+def hf_of(cfg: ModelConfig) -> HFMapping:
     """The Hugging Face mapping of model `cfg`'s family; UsageError for a family with none."""
     fam = of(cfg)
     if fam.hf is None:

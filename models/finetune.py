@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models import lora, peft
-from models.contract import Family
+from models.contract import Family, ModelConfig
 from models.family import hf_of, of
 
 LoraSpec = lora.Spec
@@ -39,14 +39,14 @@ def lora_spec(
 
 
 def save_peft(
-    adapters: dict[str, Any], spec: lora.Spec, cfg: Any, directory: str, base: str
+    adapters: dict[str, Any], spec: lora.Spec, cfg: ModelConfig, directory: str, base: str
 ) -> list[Path]:
     """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
     for base `base`; UsageError for a family with no Hugging Face Linear names."""
     return peft.save(adapters, spec, hf_of(cfg).tensors, directory, base)
 
 
-def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
+def peft_targets(adapter: peft.Adapter, cfg: ModelConfig) -> str:
     """The --lora-targets value (a comma list) of peft `adapter`'s target_modules on a model
     `cfg`: the same table --to-peft writes them from, read the other way."""
     fam = of(cfg)
@@ -54,7 +54,7 @@ def peft_targets(adapter: peft.Adapter, cfg: Any) -> str:
     return ",".join(names)
 
 
-def load_peft(directory: str, spec: lora.Spec, cfg: Any, like: dict[str, Any]) -> dict:
+def load_peft(directory: str, spec: lora.Spec, cfg: ModelConfig, like: dict[str, Any]) -> dict:
     """The adapters (fp32 host arrays shaped as `like`'s) of peft folder `directory` for a
     model `cfg` and adapters `spec`."""
     return peft.load(directory, spec, hf_of(cfg).tensors, like)

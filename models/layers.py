@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from models import adapter, fp8
 from models.matmul import matmul
 from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import fp8_site, gather, tp_sum
+
+if TYPE_CHECKING:  # models.contract imports the families, which import this module
+    from models.contract import ModelConfig
 
 __all__ = ["REMAT_POLICIES", "REMATS", "Remat"]  # re-exported: the families' remat field
 
@@ -47,7 +50,7 @@ def creator(model: Callable[[Any, nnx.Rngs, Any], Model]) -> Callable[..., Model
     dtype)`: (cfg, seed, dtype=fp32) -> the model freshly initialised from `seed`, with
     abstract shardings (eager and unsharded; spmd.engine.step creates it sharded)."""
 
-    def create(cfg: Any, seed: int, dtype: Any = jnp.float32) -> Model:
+    def create(cfg: ModelConfig, seed: int, dtype: Any = jnp.float32) -> Model:
         with nnx.use_eager_sharding(False):
             return model(cfg, nnx.Rngs(seed), dtype)
 
