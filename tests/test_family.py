@@ -1,5 +1,6 @@
 """models.family: the registry, configs by type and from saved sections, and the counts each
-family reports against its config's own."""
+family reports against its config's own (tests/test_conformance.py checks every registered
+family on its Hugging Face fixtures: the contract, logits, training, LoRA)."""
 
 import jax
 import pytest
@@ -133,47 +134,6 @@ def test_the_variants_settings_are_checked(change, flag):
         llama.check(dataclasses.replace(preset("tiny", llama.LlamaConfig), **change))
 
 
-# A Hugging Face fixture of each registered family (tests/fixtures/make_hf_*.py): a family
-# registered without one fails test_every_family_keeps_the_contract below.
-FIXTURES = {
-    "llama": "hf_llama_untied",
-    "moe": "hf_mixtral",
-    "gemma2": "hf_gemma2",
-    "gemma3": "hf_gemma3",
-    "qwen3_moe": "hf_qwen3_moe",
-    "olmo2": "hf_olmo2",
-    "phi3": "hf_phi3",
-}
-
-
-@pytest.mark.parametrize("name", sorted(family.FAMILIES))
-def test_every_family_keeps_the_contract(name):
-    """Each registered family, on its Hugging Face fixture: the registry picks it from
-    config.json, its config names it and saves and restores as a checkpoint's [model] section,
-    `create` builds a CausalLM (the three pipeline pieces) whose blocks decode with a cache,
-    and n_params() and the estimators' shape count exactly the params it builds."""
-    import dataclasses
-    import math
-    from pathlib import Path
-
-    from flax import nnx
-
-    from spmd.estimate import shape
-
-    fam = family.get(name)
-    folder = Path(__file__).resolve().parent / "fixtures" / FIXTURES[name]
-    checkpoint = family.open_hf(str(folder))  # headers only
-    cfg = checkpoint.config
-    assert checkpoint.family == name and family.of(cfg) is fam and cfg.family == name
-    assert family.config_from_dict(dataclasses.asdict(cfg)) == cfg
-    model = nnx.eval_shape(lambda: fam.create(cfg, 0))
-    assert isinstance(model, family.CausalLM) and hasattr(model.blocks, "decode")
-    built = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    count = sum(math.prod(x.shape) for x in jax.tree.leaves(built))
-    assert count == fam.n_params(cfg) == shape.shape_params(fam.shape(cfg))
-    fam.check(cfg)
-
-
 def test_architectures_belong_to_one_family_each():
     owners: dict[str, str] = {}
     for fam in family.FAMILIES.values():
@@ -188,43 +148,3 @@ def test_architectures_pick_the_family():
     assert family.for_hf({"model_type": "qwen2"}, "x").name == "llama"
     with pytest.raises(UsageError, match="GPT2LMHeadModel is not supported; spmd converts"):
         family.for_hf({"architectures": ["GPT2LMHeadModel"]}, "x")
-
-
-@pytest.mark.parametrize("name", sorted(family.FAMILIES))
-def test_every_family_trains_lora_adapters_and_logs_its_metrics(name):
-    """LoRA on each registered family (its fixture's config, random weights, one device),
-    through the run's own model (spmd.builder.run_model, as spmd.train and spmd.bench take
-    it): two steps train the adapters and leave the base as it was, and the family's logged
-    metrics (an MoE's router statistics) run on the LoRA model."""
-    from pathlib import Path
-
-    import numpy as np
-
-    from spmd import builder
-    from spmd.config import flat
-    from spmd.observe.observer import model_metrics
-    from tests import trainer
-
-    folder = Path(__file__).resolve().parent / "fixtures" / FIXTURES[name]
-    cfg = family.open_hf(str(folder)).config
-    run = flat(cfg, lora_rank=2, steps=2, batch=2, seq_len=16, lr=1e-2, warmup=0)
-    program = builder.program(run, trainer.layout("dp=1").mesh)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    state = program.init()
-    before = jax.device_get(state.params)
-    state, first = program.step(state, batch)  # the state is donated
-    state, second = program.step(state, batch)
-    assert np.isfinite(first["loss"]) and second["loss"] < first["loss"]
-    after = jax.device_get(state.params)
-    frozen, trained = (
-        [np.array_equal(o, n) for o, n in zip(*map(jax.tree.leaves, parts), strict=True)]
-        for parts in ((before["frozen"], after["frozen"]), (before["lora"], after["lora"]))
-    )
-    assert all(frozen) and not all(trained)  # the base as it was, the adapters moved
-    metrics = builder.run_model(run).metrics
-    assert (metrics is not None) == bool(family.get(name).shape(cfg).n_experts)
-    if metrics is not None:  # the MoE families: the router's statistics of the adapted model
-        figures = jax.device_get(model_metrics(program, metrics)(state.params, batch))
-        assert set(figures) >= {"aux_loss", "expert_load_max_over_mean"}
-        assert all(np.isfinite(v) for v in figures.values())

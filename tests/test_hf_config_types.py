@@ -1,7 +1,7 @@
 """transformers' config classes check each field's type on load (transformers 5 refuses
 `"query_pre_attn_scalar": 24.0` where Gemma's config declares an int), so every value of an
 exported config.json must have the JSON type transformers itself writes there. The fixtures'
-config.json files were written by transformers' config classes (tests/fixtures/make_hf_*.py):
+config.json files were written by transformers' config classes (tests/fixtures/make_hf.py):
 each registered family's `--to-hf` config (the dict models/family.save_hf writes as
 config.json for spmd.convert) is held to its fixtures', key by key, nested tables
 included. Read with json only: no transformers here."""

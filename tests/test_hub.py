@@ -15,7 +15,7 @@ from spmd import convert, generate, train, weights
 from spmd.errors import UsageError
 from spmd.io import hub
 from tests import cli, trainer
-from tests.test_hf import logits_of
+from tests.hf_fixtures import logits_of
 
 TIED = Path(__file__).resolve().parent / "fixtures" / "hf_llama_tied"
 REPO = "tiny-org/tiny-llama"
