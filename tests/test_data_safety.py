@@ -132,7 +132,7 @@ def test_a_bucket_folder_is_not_locked_and_the_run_says_so(tmp_path, monkeypatch
     from spmd.training import claims
 
     told: list[str] = []
-    monkeypatch.setattr("spmd.log.warn", told.append)
+    monkeypatch.setattr(claims, "warn", told.append)
     monkeypatch.setattr(claims, "check_unlocked", lambda cfg, folder: None)  # no bucket here
     cfg = flat(checkpoint_dir="gs://bucket/ck")
     locks = claims.claim(cfg, str(tmp_path / "R"))
