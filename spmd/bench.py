@@ -32,8 +32,6 @@ import optax
 from flax import nnx
 
 from models import family
-from spmd import builder, checks, config, run_setup
-from spmd.config import Config
 from spmd.engine import frozen, optim
 from spmd.engine.precision import cast
 from spmd.engine.step import Program
@@ -43,6 +41,8 @@ from spmd.io import data, hub, tokens
 from spmd.log import say
 from spmd.parallel import traced_layout
 from spmd.parallel.mesh import format_mesh, setup_mesh
+from spmd.run import builder, checks, config, run_setup
+from spmd.run.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ def prepare(
 
 def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program, its
-    compiled train step): the training run's compiled step (spmd.builder, as `spmd.train`
+    compiled train step): the training run's compiled step (spmd.run.builder, as `spmd.train`
     builds it) fed by its data pipeline, and the bare jit step on a fixed device-resident
     batch, each with its own initial state."""
 

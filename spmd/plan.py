@@ -30,15 +30,16 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from models import family
-from spmd import builder, config, lora_base, plan_flags, run_setup
-from spmd.checks import check_choices
-from spmd.config import Config
+from spmd import lora_base
 from spmd.errors import UsageError
 from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
-from spmd.section_views import model_section
+from spmd.run import builder, config, plan_flags, run_setup
+from spmd.run.checks import check_choices
+from spmd.run.config import Config
+from spmd.run.section_views import model_section
 from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_values(cfg: Config, plan: Any) -> None:
     """UsageError for a planner value outside its range (NaN and infinities included), and
-    for any training flag spmd.train would refuse (spmd.checks.check_choices: a training
+    for any training flag spmd.train would refuse (spmd.run.checks.check_choices: a training
     command line is planned as it is, so it is checked as it is; --batch 0 is the planner's
     "about --tokens-per-step")."""
 
@@ -240,7 +241,7 @@ def _named_axes(mesh: str, given: frozenset[str]) -> dict[str, int] | None:
 
 def engine_program(s: cost.Setup, model_cfg: ModelConfig, devices: list, cfg: Config | None = None):
     """(Program, Mesh) of layout `s` on `devices` as `python -m spmd.train` would build it
-    (spmd.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
+    (spmd.run.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
     the defaults). The engine has no stage 0: plain DDP is the fsdp devices folded into
     `data`."""
 

@@ -203,7 +203,8 @@ def test_every_flag_of_every_command_has_a_help_text(command, capsys):
 
 
 def test_choice_flags_list_their_choices_in_help(capsys):
-    from spmd import config, run_setup, train
+    from spmd import train
+    from spmd.run import config, run_setup
     from spmd.sections import literal_choices
 
     with pytest.raises(SystemExit):

@@ -10,9 +10,10 @@ import typing
 import pytest
 
 from models import family, llama
-from spmd import config, run_setup, sections
+from spmd import sections
 from spmd.errors import UsageError
-from spmd.section_views import field_help, model_section
+from spmd.run import config, run_setup
+from spmd.run.section_views import field_help, model_section
 
 # The commands' own defaults of fields spmd.sections defines: the one list of them. Every
 # other field a command takes has its section's default.
@@ -125,7 +126,7 @@ def test_every_command_parses_the_sections_defaults(monkeypatch, command):
     module = importlib.import_module(f"spmd.{command}")
     declared = getattr(module, "DEFAULTS", None)
     if command == "plan":
-        from spmd import plan_flags
+        from spmd.run import plan_flags
 
         declared = plan_flags.DEFAULTS
     assert (declared or {}) == own

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from models.llama import LlamaConfig
-from spmd import config, run_setup, train
+from spmd import train
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
-from spmd.run_setup import expand_layout, sections
+from spmd.run import config, run_setup
+from spmd.run.run_setup import expand_layout, sections
 from spmd.sections import Config, RunConfig, choices
 
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd import run_setup
-from spmd.config import resolve
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import dry_run_table, hlo, theory
 from spmd.model_shape import ModelShape
 from spmd.parallel import mesh
+from spmd.run import run_setup
+from spmd.run.config import resolve
 from spmd.train import main as train_main
 from tests import trainer
 

@@ -5,9 +5,9 @@ import jax
 import pytest
 
 from models import family, llama, moe
-from spmd import config
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
+from spmd.run import config
 
 
 def preset(name: str, cls: type = moe.MoEConfig):
@@ -193,16 +193,16 @@ def test_architectures_pick_the_family():
 @pytest.mark.parametrize("name", sorted(family.FAMILIES))
 def test_every_family_trains_lora_adapters_and_logs_its_metrics(name):
     """LoRA on each registered family (its fixture's config, random weights, one device),
-    through the run's own model (spmd.builder.run_model, as spmd.train and spmd.bench take
+    through the run's own model (spmd.run.builder.run_model, as spmd.train and spmd.bench take
     it): two steps train the adapters and leave the base as it was, and the family's logged
     metrics (an MoE's router statistics) run on the LoRA model."""
     from pathlib import Path
 
     import numpy as np
 
-    from spmd import builder
-    from spmd.config import flat
     from spmd.observe.observer import model_metrics
+    from spmd.run import builder
+    from spmd.run.config import flat
     from tests import trainer
 
     folder = Path(__file__).resolve().parent / "fixtures" / FIXTURES[name]

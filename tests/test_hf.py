@@ -16,10 +16,11 @@ import pytest
 from flax import nnx
 
 from models import family, hf_config
-from spmd import convert, train, weights
+from spmd import convert, train
 from spmd.errors import UsageError
 from spmd.io import data, eos, params_io, safetensors_io, tokens
 from spmd.parallel import traced_layout
+from spmd.run import weights
 from tests import cli, trainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -19,11 +19,12 @@ import pytest
 
 from models import attention, family, hf_config, llama
 from models.rope import Rope
-from spmd import convert, generate, train, weights
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import convert, generate, train
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
+from spmd.run import weights
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import trainer
 from tests.test_hf import hf_tensors, logits_of
 

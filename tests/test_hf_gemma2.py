@@ -19,15 +19,16 @@ import pytest
 from flax import nnx
 
 from models import attention, family, gemma2
-from spmd import convert, generate, plan, weights
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import convert, generate, plan
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel import hooks
+from spmd.run import weights
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import trainer
 from tests.test_hf import convert_round_trip, logits_of
 from tests.test_hf_families import edited, loaded, reference

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from models import family, hf_mixtral, moe
-from spmd import config, convert, generate, train, weights
+from spmd import convert, generate, train
 from spmd.errors import UsageError
 from spmd.io import data, tokens
+from spmd.run import config, weights
 from tests import cli, trainer
 from tests.test_hf import hf_tensors, logits_of
 

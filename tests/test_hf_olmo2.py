@@ -20,9 +20,7 @@ from flax import nnx
 
 from models import family, llama, olmo2
 from models.layers import HeadsRMSNorm
-from spmd import config, convert, generate, plan, train, weights
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import convert, generate, plan, train
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
@@ -30,6 +28,9 @@ from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.io import data, tokens
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
+from spmd.run import config, weights
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import cli, trainer
 from tests.test_hf import convert_round_trip, logits_of
 

@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 
 from models import family, hf_phi3, hf_tensors, phi3
-from spmd import config, convert, generate, plan, train, weights
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import convert, generate, plan, train
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import parse_mesh
+from spmd.run import config, weights
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import trainer
 from tests.test_hf import convert_round_trip, logits_of
 from tests.test_hf import hf_tensors as read_hf

@@ -1,6 +1,6 @@
-"""`--init-from-peft DIR` (models/peft.py, spmd.run_setup, spmd.weights): an adapter that peft
-itself wrote (tests/fixtures/peft_llama, by make_peft_adapter.py onto the untied Llama fixture)
-becomes the run's [lora] section and its starting adapters. spmd's LoRA model then gives
+"""`--init-from-peft DIR` (models/peft.py, spmd.run.run_setup, spmd.run.weights): an adapter
+that peft itself wrote (tests/fixtures/peft_llama, by make_peft_adapter.py onto the untied Llama
+fixture) becomes the run's [lora] section and its starting adapters. spmd's LoRA model then gives
 peft's logits, a step trains it into an adapter-only checkpoint, and `--to-peft` writes it back
 under peft's names. Read with numpy only: no torch or peft here."""
 
@@ -13,12 +13,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spmd import builder, convert, lora_base, run_setup, train, weights
-from spmd.config import flat
+from spmd import convert, lora_base, train
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.io import safetensors_io
+from spmd.run import builder, run_setup, weights
+from spmd.run.config import flat
 from tests import trainer
 
 ROOT = Path(__file__).resolve().parents[1]

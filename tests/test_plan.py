@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from models import llama, moe
-from spmd import config, plan, plan_flags, run_setup
+from spmd import plan
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     comms,
@@ -35,6 +35,7 @@ from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
 from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
+from spmd.run import config, plan_flags, run_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 

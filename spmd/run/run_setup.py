@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from models import family, finetune
-from spmd import builder, config
-from spmd.checks import batch_arithmetic, format_batch_arithmetic
-from spmd.config import Config
 from spmd.engine import fp8_setup, precision
 from spmd.errors import UsageError
 from spmd.io import hub
 from spmd.log import say
 from spmd.parallel.mesh import format_mesh
-from spmd.section_views import model_section
+from spmd.run import builder, config
+from spmd.run.checks import batch_arithmetic, format_batch_arithmetic
+from spmd.run.config import Config
+from spmd.run.section_views import model_section
 from spmd.sections import LoraConfig, RunConfig, flag_name
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def expand_layout(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_run(argv: list[str] | None, prog: str, **kwargs: Any) -> dict[str, Any]:
-    """The run's config tree of a command line (spmd.config.resolve's result: the sections,
+    """The run's config tree of a command line (spmd.run.config.resolve's result: the sections,
     "given", and what `kwargs` ask for); with --init-from-hf the Hugging Face folder's
     config.json is the architecture, and the router knobs given win over it; with
     --init-from-peft the adapter's config names the base and fills the [lora] section."""
@@ -58,7 +58,7 @@ def resolve_run(argv: list[str] | None, prog: str, **kwargs: Any) -> dict[str, A
 
 
 def with_sources(resolved: dict[str, Any], weights: bool = True) -> dict[str, Any]:
-    """`resolved` (spmd.config.resolve's result) with the model of --init-from-hf (or of
+    """`resolved` (spmd.run.config.resolve's result) with the model of --init-from-hf (or of
     --init-from-peft's base) and the [lora] section of --init-from-peft. `weights` False
     (spmd.plan) reads the base's config.json alone, downloading nothing else of a Hub id, and
     leaves the flags' values as given (a Hub id stays an id)."""
