@@ -45,7 +45,7 @@ from spmd.log import (
 from spmd.observe.metrics import MetricsLog
 from spmd.parallel.hooks import notes
 from spmd.parallel.mesh import format_mesh, setup_mesh
-from spmd.run import builder, config, run_setup
+from spmd.run import builder, config, resolve, run_setup
 from spmd.run.checks import (
     batch_arithmetic,
     check_choices,
@@ -303,7 +303,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     """The config tree of the command line (and `print_config`, whether --print-config was
     given; "given", the fields the user gave); with --init-from-hf the Hugging Face folder's
     config.json is the architecture."""
-    return run_setup.resolve_run(argv, "python -m spmd.train", printable=True)
+    return resolve.run_config(argv, "python -m spmd.train", printable=True)
 
 
 def compile_step(cfg: Config, program: AnyProgram) -> tuple:

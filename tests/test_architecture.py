@@ -31,8 +31,8 @@ COMMANDS = {
     ).split()
 }
 # The commands themselves: what `spmd COMMAND` runs (spmd.commands's table, read from its source)
-# and the dispatcher. What two commands share lives below them (spmd.run.run_setup, spmd.run.checks,
-# spmd.run.builder, spmd.run.config, ...), so that no command imports another.
+# and the dispatcher. What two commands share lives below them (in spmd.run), so that no command
+# imports another.
 COMMAND_MODULES = {
     node.value
     for node in ast.walk(ast.parse((ROOT / "spmd" / "commands.py").read_text()))

@@ -18,8 +18,8 @@ from spmd.errors import UsageError
 from spmd.estimate import dry_run_table, hlo, theory
 from spmd.model_shape import ModelShape
 from spmd.parallel import mesh
-from spmd.run import run_setup
 from spmd.run.config import resolve
+from spmd.run.resolve import sections as run_sections
 from spmd.train import main as train_main
 from tests import trainer
 
@@ -141,9 +141,7 @@ def test_dry_run_report_sets_measured_beside_expected():
 
 
 def test_collectives_flag_and_bad_executor():
-    sections = resolve(
-        ["--collectives", "explicit", "--model", "tiny"], run_setup.sections(), "test"
-    )
+    sections = resolve(["--collectives", "explicit", "--model", "tiny"], run_sections(), "test")
     assert sections["parallel"].collectives == "explicit"
     with pytest.raises(UsageError, match="--collectives 'manual'"):
         _program("dp=8", 3, "manual")

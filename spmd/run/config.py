@@ -362,7 +362,7 @@ def resolve(
         source = f"model config (preset {preset_name!r})"
         # the family the values name decides the config's type; with --init-from-hf (or
         # --init-from-peft, whose adapter names its base) the folder's config.json is the
-        # architecture (spmd.run.run_setup reads it) and the section only carries the flags given
+        # architecture (spmd.run.resolve reads it) and the section only carries the flags given
         # (an MoE's router knobs), whatever the preset's family
         run = given.get("run", {})
         from_hf = run.get("init_from_hf") or run.get("init_from_peft")
