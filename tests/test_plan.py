@@ -488,9 +488,7 @@ def test_the_train_command_runs_the_recommended_layout():
     out = planned(*GPT3_175B, "--devices", "1024", "--hbm", "80", "--recommend")
     command = out["recommendation"]["train_command"].split()
     assert command[:3] == ["python", "-m", "spmd.train"]
-    sections = config.resolve(
-        command[3:], resolve.sections(), "t", expand=resolve.expand_layout
-    )
+    sections = config.resolve(command[3:], resolve.sections(), "t", expand=resolve.expand_layout)
     run = config.flat_values(config.as_dict(sections))
     run = type("Flags", (), run)  # the flat flags, read as attributes
     model = sections["model"]
