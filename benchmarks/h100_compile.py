@@ -133,12 +133,12 @@ def fp8_matmuls() -> None:
 
 def train_step(argv: list[str]) -> None:
     """spmd's train step as spmd.train builds it (its flags), on one H100."""
-    from spmd import builder, run_setup
-    from spmd.config import Config
     from spmd.parallel import xla_flags
     from spmd.parallel.mesh import MESH_AXES
+    from spmd.run import builder, resolve
+    from spmd.run.config import Config
 
-    cfg = Config.of(run_setup.resolve_run(argv, "h100_compile.py train", printable=True))
+    cfg = Config.of(resolve.run_config(argv, "h100_compile.py train", printable=True))
     parallel = cfg.parallel
     wanted = xla_flags.wanted("gpu", parallel.xla_preset, parallel.bucket_mb, parallel.collectives)
     # XLA reads the flags when the first backend starts: h100_mesh below, nothing before it

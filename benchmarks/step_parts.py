@@ -28,7 +28,7 @@ def spmd_parts(cfg: Any, program: Any) -> dict[str, Callable[[int], None]]:
     import optax
 
     from models import family
-    from spmd import builder
+    from spmd.run import builder
 
     loss_fn = family.of(cfg.model).loss
     params, opt_state, _ = program.init()

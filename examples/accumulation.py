@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from models import llama
-    from spmd import config
     from spmd.estimate import hlo
+    from spmd.run import config
 
     cfg = llama.LlamaConfig(**config.preset("tiny"))
     mesh = spmd.make_mesh("dp=2")

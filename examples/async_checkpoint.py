@@ -39,8 +39,8 @@ def main() -> None:
     import numpy as np
 
     from models import family
-    from spmd import builder, config
     from spmd.io import checkpoint, data
+    from spmd.run import builder, config
 
     preset = config.preset(args.model)
     model_cfg = config.build(family.check_fields(preset, args.model), preset, args.model)

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from models import llama
-    from spmd import config
+    from spmd.run import config
 
     text = np.frombuffer(inspect.getsource(json.decoder).encode(), np.uint8).astype(np.int32)
     rng = np.random.default_rng(0)

@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from models import llama
-    from spmd import config
-    from spmd.builder import optimizer
-    from spmd.config import flat
     from spmd.engine import diloco
     from spmd.estimate import dcn_traffic, hlo
     from spmd.io import data, tokens
+    from spmd.run import config
+    from spmd.run.builder import optimizer
+    from spmd.run.config import flat
 
     batch, seq_len = 16, 32
     cfg = llama.LlamaConfig(**config.preset("tiny"))

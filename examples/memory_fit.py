@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     from models import llama
-    from spmd import config
     from spmd.engine.state_layout import state_bytes_per_device
     from spmd.estimate import hlo
+    from spmd.run import config
 
     cfg = llama.LlamaConfig(**config.preset(args.model))
     n_params, mib = cfg.n_params(), 2**20

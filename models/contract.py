@@ -20,7 +20,7 @@ out_sharding=("embed", "mlp"))`, models/layers.param): the engine reads them fro
 A family's `(model, batch)` functions (`loss`, `step_metrics`) take the module its `create`
 returns, never a LoRA model: under LoRA the builder runs them on the adapted model
 (models/lora.py: `adapted_loss`, `adapted_metrics`), so a family may use any method of its own
-model, not only the CausalLM pieces. Callers take them from the run's `spmd.builder.ModelSpec`
+model, not only the CausalLM pieces. Callers take them from the run's `spmd.run.builder.ModelSpec`
 (`run_model(cfg)`), which holds them made for the model it builds.
 """
 

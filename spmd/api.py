@@ -8,7 +8,7 @@
     for host_batch in batches:
         state, metrics = program.step(state, spmd.put_batch(host_batch, program))
 
-`build` goes through spmd.builder, the road `spmd.train` and every other command take.
+`build` goes through spmd.run.builder, the road `spmd.train` and every other command take.
 Shardings come from the logical axis names the model gives its params (`nnx.Param(...,
 out_sharding=("embed", "mlp"))`) and the rules of `sharding_rules`; a model that names none
 still runs data-parallel, with fsdp splitting each param's largest divisible dimension.
@@ -26,7 +26,6 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spmd import builder
 from spmd.engine import fp8_state, precision
 from spmd.engine.diloco import AnyProgram, DilocoProgram, Sync
 from spmd.engine.options import StepOptions
@@ -37,6 +36,7 @@ from spmd.log import say
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel import rules
 from spmd.parallel.layout import Layout
+from spmd.run import builder
 from spmd.sections import ParallelConfig
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def build(
 ) -> AnyProgram:
     """Sharded, jitted steps for `make_model(seed)` trained on `loss_fn(model, batch)` (a
     scalar: the mean loss per example or token of the batch it is given) with `optimizer`.
-    Built by spmd.builder, the road every command takes, with the same checks.
+    Built by spmd.run.builder, the road every command takes, with the same checks.
 
     - zero_stage 1 / 2 / 3: what the mesh's fsdp axis splits (optimizer state; + gradients;
       + params). The data and fsdp axes split every batch leaf's dimension 0.

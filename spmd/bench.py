@@ -32,17 +32,17 @@ import optax
 from flax import nnx
 
 from models import family
-from spmd import builder, checks, config, run_setup
-from spmd.config import Config
 from spmd.engine import frozen, optim
 from spmd.engine.precision import cast
 from spmd.engine.step import Program
 from spmd.errors import UsageError, run_command
 from spmd.estimate import hlo
-from spmd.io import data, hub, tokens
+from spmd.io import data, tokens
 from spmd.log import say
 from spmd.parallel import traced_layout
 from spmd.parallel.mesh import format_mesh, setup_mesh
+from spmd.run import builder, checks, config, resolve, run_setup
+from spmd.run.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,13 @@ def write_json(path: str, result: dict) -> None:
             json.dump(result, f, indent=1)
 
 
+def resolve_sections(argv: list[str] | None, prog: str = "python -m spmd.bench") -> dict[str, Any]:
+    """The config tree of a bench command line (spmd.run.resolve.run_config's, as spmd.train's
+    with the [bench] section): Hub ids resolved (a --tokenizer's: its tokenizer.json), the model
+    of --init-from-hf, the base and [lora] section of --init-from-peft."""
+    return resolve.run_config(argv, prog, {**resolve.sections(), "bench": BenchConfig})
+
+
 def prepare(
     argv: list[str] | None, prog: str = "python -m spmd.bench", may_restart: bool | None = None
 ) -> tuple:
@@ -152,10 +159,7 @@ def prepare(
     train step) of a bench command line: the XLA flags applied, the mesh made, both steps
     compiled. `may_restart`: as spmd.parallel.xla_flags.apply's (a script that is itself a
     benchmark passes True)."""
-    sections = config.resolve(
-        argv, {**run_setup.sections(), "bench": BenchConfig}, prog, expand=run_setup.expand_layout
-    )
-    sections = hub.resolve_names(sections)  # a Hub id in --tokenizer: its tokenizer.json
+    sections = resolve_sections(argv, prog)
     cfg, rounds = config.Config.of(sections), sections["bench"].rounds
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
@@ -178,7 +182,7 @@ def prepare(
 
 def compiled_pair(cfg: Config, mesh: Any) -> tuple[dict, dict, Any, Any]:
     """({"spmd": run n steps, "bare": run n steps}, {name: compile seconds}, the Program, its
-    compiled train step): the training run's compiled step (spmd.builder, as `spmd.train`
+    compiled train step): the training run's compiled step (spmd.run.builder, as `spmd.train`
     builds it) fed by its data pipeline, and the bare jit step on a fixed device-resident
     batch, each with its own initial state."""
 

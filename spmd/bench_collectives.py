@@ -57,8 +57,8 @@ DEFAULTS = {"model": "tiny", "steps": 30, "batch": 16, "seq_len": 128, "devices"
 
 def parse_args(argv: list[str] | None) -> Any:
     """The resolved flags of every section, flat (`args.batch`, `args.layouts`)."""
-    from spmd import config
-    from spmd.section_views import view
+    from spmd.run import config
+    from spmd.run.section_views import view
 
     sections = {
         "bench": CollectivesBenchConfig,
@@ -123,7 +123,7 @@ def check_args(args: Any) -> None:
     """UsageError for counts below 1 and a model preset or --remat the family refuses, before
     any device work (--devices 0 would simulate no device at all)."""
     from models import family
-    from spmd import config
+    from spmd.run import config
 
     for name in ("steps", "batch", "seq_len", "devices"):
         if getattr(args, name) < 1:
@@ -199,16 +199,16 @@ def bench_layout(
     device per step, "reductions" gradient reductions (all-reduces / reduce-scatters run once
     per step on more than a scalar), "gathers" all-gathers per step. `variants`: {name:
     spmd.sections.ParallelConfig fields}; default: the two executors. Each variant's Program is
-    spmd.builder's, as `spmd.train` builds it."""
+    spmd.run.builder's, as `spmd.train` builds it."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from models import family
-    from spmd import builder, config
     from spmd.engine.step import EXECUTORS, Program
     from spmd.estimate import hlo
     from spmd.parallel.mesh import build_mesh, format_mesh
+    from spmd.run import builder, config
 
     values = config.preset(args.model)
     model = config.build(family.check_fields(values, args.model), values, args.model)

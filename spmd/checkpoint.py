@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from spmd import config, paths
+from spmd import paths
 from spmd.errors import UsageError, run_command
 from spmd.io import hub
+from spmd.run import config
 
 ACTIONS = ("verify",)
 

@@ -3,7 +3,7 @@
     spmd train --mesh dp=2,tp=4        is   python -m spmd.train --mesh dp=2,tp=4
     spmd plan --params 7e9 --gpu h100  is   python -m spmd.plan --params 7e9 --gpu h100
 
-Each command parses its own flags (spmd.config.resolve); `spmd COMMAND --help` lists them.
+Each command parses its own flags (spmd.run.config.resolve); `spmd COMMAND --help` lists them.
 The commands are spmd.commands.COMMANDS.
 """
 

@@ -17,7 +17,7 @@ import shtab
 from spmd.commands import COMMANDS, usage
 from spmd.errors import run_command
 from spmd.estimate import search
-from spmd.parser import Parser, built_parser
+from spmd.run.parser import Parser, built_parser
 
 # flags (by field) that name a folder; the other path flags name files (or either)
 FOLDER_FLAGS = {

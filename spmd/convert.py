@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from spmd import config, output_paths, paths
+from spmd import paths
 from spmd.errors import UsageError, run_command
 from spmd.io import eos, hub, run_paths
+from spmd.run import config, output_paths
 from spmd.sections import MeshConfig
 from spmd.training import occupied
 
@@ -108,8 +109,8 @@ def run(argv: list[str] | None) -> int:
                 output_paths.check_folder(flag, target)  # a folder can be made and written
                 occupied.check_free(flag, target)  # not a live run's, nor inside a run's folders
     from models import family, finetune
-    from spmd import weights
     from spmd.io import checkpoint, params_io
+    from spmd.run import weights
 
     started = time.perf_counter()
     if to_spmd:

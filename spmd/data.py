@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from spmd import config
 from spmd.errors import UsageError, run_command
-from spmd.section_views import view
+from spmd.run import config
+from spmd.run.section_views import view
 from spmd.sections import DataConfig, RunConfig
 
 ACTIONS = ("preview", "stats")

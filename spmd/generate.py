@@ -10,7 +10,7 @@ param shardings of `--mesh`. Text is byte-level unless a tokenizer is given or t
 was trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging Face folder).
 
 All prompts (`--prompt`, or one per line of `--prompts-file`, each `--num-samples` times) form
-one batch (spmd/decoding.py: right-padded, each row at its own positions). Each row stops at
+one batch (spmd/run/decoding.py: right-padded, each row at its own positions). Each row stops at
 the model's end-of-sequence ids (spmd/io/eos.py) unless `--ignore-eos`. `--chat` renders each
 prompt as a user message with the tokenizer's chat template. A single prompt's text is printed
 as it is sampled (`--stream`); a batch's at the end. stdout holds the text only; the closing
@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spmd import config, decoding
-from spmd.decoding import Sampling, generate
 from spmd.errors import UsageError, run_command
 from spmd.io import chat, eos, hub, run_paths
 from spmd.io.tokens import _load_tokenizer
+from spmd.run import config, decoding
+from spmd.run.decoding import Sampling, generate
 from spmd.sections import MeshConfig
 
 
@@ -283,8 +283,8 @@ def run(argv: list[str] | None) -> int:
     check_choices(cfg, where)
     texts = read_prompts(cfg)
     cfg = hub.resolve_section(cfg)  # Hub ids in --from-hf, --tokenizer: local folders
-    from spmd import weights
     from spmd.io import params_io
+    from spmd.run import weights
 
     if cfg.checkpoint:  # the folder and step exist (reading their config needs the mesh)
         params_io.pick_step(cfg.checkpoint, cfg.step)

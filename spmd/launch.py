@@ -62,8 +62,8 @@ class LaunchConfig:
 
 def parse_args(argv: list[str] | None) -> tuple[LaunchConfig, list[str]]:
     """(the launch config, the command each process runs)."""
-    from spmd import config
     from spmd.errors import UsageError
+    from spmd.run import config
 
     command = config.Positional("command", argparse.REMAINDER, "the command to run, after --")
     resolved = config.resolve(

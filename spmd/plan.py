@@ -30,15 +30,16 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from models import family
-from spmd import builder, config, lora_base, plan_flags, run_setup
-from spmd.checks import check_choices
-from spmd.config import Config
+from spmd import lora_base
 from spmd.errors import UsageError
 from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
 from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
-from spmd.section_views import model_section
+from spmd.run import builder, config, plan_flags, resolve
+from spmd.run.checks import check_choices
+from spmd.run.config import Config
+from spmd.run.section_views import model_section
 from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_values(cfg: Config, plan: Any) -> None:
     """UsageError for a planner value outside its range (NaN and infinities included), and
-    for any training flag spmd.train would refuse (spmd.checks.check_choices: a training
+    for any training flag spmd.train would refuse (spmd.run.checks.check_choices: a training
     command line is planned as it is, so it is checked as it is; --batch 0 is the planner's
     "about --tokens-per-step")."""
 
@@ -91,24 +92,33 @@ def check_values(cfg: Config, plan: Any) -> None:
     check_choices(dataclasses.replace(cfg, run=run, parallel=parallel))
 
 
-def run(argv: list[str]) -> int:
-    if {"-h", "--help"} & set(argv):
-        plan_flags.help_parser(__doc__.split("\n\n")[1]).print_help()
-        return 0
-    sections = config.resolve(
-        argv,
-        plan_flags.sections(),
-        "python -m spmd.plan",
-        expand=run_setup.expand_layout,
-        defaults=plan_flags.DEFAULTS,
-    )
+def check_one_model(sections: dict[str, Any]) -> None:
+    """UsageError for --params beside --init-from-hf or --init-from-peft (before either is read)."""
     if sections["plan"].params and (sections["run"].init_from_hf or sections["run"].init_from_peft):
         raise UsageError(
             f"--params {sections['plan'].params:g} plans a published shape of that size, and "
             f"--init-from-hf (or --init-from-peft) names the model itself; give one of them"
         )
-    # the model of --init-from-hf (--init-from-peft's base): its config.json alone, no weights
-    sections = run_setup.with_sources(sections, weights=False)
+
+
+def resolve_sections(argv: list[str]) -> dict[str, Any]:
+    """The planner's config tree of a command line (spmd.run.resolve.run_config's): the model of
+    --init-from-hf (--init-from-peft's base) from its config.json alone, no weights."""
+    return resolve.run_config(
+        argv,
+        "python -m spmd.plan",
+        plan_flags.sections(),
+        weights=False,
+        check=check_one_model,
+        defaults=plan_flags.DEFAULTS,
+    )
+
+
+def run(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        plan_flags.help_parser(__doc__.split("\n\n")[1]).print_help()
+        return 0
+    sections = resolve_sections(argv)
     cfg, model_cfg, plan = Config.of(sections), sections["model"], sections["plan"]
     given = sections["given"]  # the flags and file keys given (--layout's mesh and zero too)
     if "mesh" not in given and cfg.parallel.zero == 0:  # plain DDP: every device on dp
@@ -240,7 +250,7 @@ def _named_axes(mesh: str, given: frozenset[str]) -> dict[str, int] | None:
 
 def engine_program(s: cost.Setup, model_cfg: ModelConfig, devices: list, cfg: Config | None = None):
     """(Program, Mesh) of layout `s` on `devices` as `python -m spmd.train` would build it
-    (spmd.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
+    (spmd.run.builder, the one builder), for the model `model_cfg` under run config `cfg` (default:
     the defaults). The engine has no stage 0: plain DDP is the fsdp devices folded into
     `data`."""
 
@@ -372,7 +382,7 @@ def _hf_model(given: frozenset[str], model_cfg: ModelConfig, cfg: Config) -> tup
             source += ["--init-from-hf", cfg.run.init_from_hf]
     else:
         source = ["--init-from-hf", cfg.run.init_from_hf]
-    knobs = [name for name in run_setup.ROUTER_KNOBS if name in given]
+    knobs = [name for name in resolve.ROUTER_KNOBS if name in given]
     described = (
         f"{' '.join(source)} ({fam.name} family: embed {shape.embed_dim}, "
         f"{model_cfg.n_layers} layers, vocab {shape.vocab_size})"

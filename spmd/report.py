@@ -18,9 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from spmd import config, paths
-from spmd.config import flat_values
+from spmd import paths
 from spmd.errors import UsageError, run_command
+from spmd.run import config
+from spmd.run.config import flat_values
 from spmd.training.run_folder import METRICS_FILE, REPORT_FILE, join
 
 PANELS = (  # (record kind, field, axis label, scale applied to the values)

@@ -4,7 +4,7 @@ single source of truth for every command and the library.
 The bottom of spmd's package order (it imports nothing of spmd): each core package takes the
 section it needs (spmd.engine.optim an OptimizerConfig, spmd.training.divergence a
 DivergenceConfig, ...); the loop that runs a program takes `Config`, all sections together.
-spmd.config resolves them from presets, files and flags. The model section is the model
+spmd.run.config resolves them from presets, files and flags. The model section is the model
 family's own config (models/). Field names are unique across sections, so
 every field is a flat flag: `seq_len` is `--seq-len`. The comment beside or above a field is
 its --help text. A field with a fixed set of values is typed `Literal[...]`: that list is the

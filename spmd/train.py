@@ -27,16 +27,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from models import family
-from spmd import builder, config, run_setup
-from spmd.checks import (
-    batch_arithmetic,
-    check_choices,
-    check_dcn_sync_mesh,
-    check_paths,
-    checkpoint_resumes,
-    step_memory_error,
-)
-from spmd.config import Config
 from spmd.engine import offload
 from spmd.engine.diloco import Compiled, DilocoProgram
 from spmd.engine.state_layout import state_bytes_per_device
@@ -55,6 +45,16 @@ from spmd.log import (
 from spmd.observe.metrics import MetricsLog
 from spmd.parallel.hooks import notes
 from spmd.parallel.mesh import format_mesh, setup_mesh
+from spmd.run import builder, config, resolve, run_setup
+from spmd.run.checks import (
+    batch_arithmetic,
+    check_choices,
+    check_dcn_sync_mesh,
+    check_paths,
+    checkpoint_resumes,
+    step_memory_error,
+)
+from spmd.run.config import Config
 from spmd.training import claims, run_folder
 from spmd.training.resume import open_checkpoints
 
@@ -303,7 +303,7 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     """The config tree of the command line (and `print_config`, whether --print-config was
     given; "given", the fields the user gave); with --init-from-hf the Hugging Face folder's
     config.json is the architecture."""
-    return run_setup.resolve_run(argv, "python -m spmd.train", printable=True)
+    return resolve.run_config(argv, "python -m spmd.train", printable=True)
 
 
 def compile_step(cfg: Config, program: AnyProgram) -> tuple:
@@ -400,7 +400,7 @@ def initial_state(run: Run, restored: Any) -> tuple[dict[str, Any], int] | None:
             return None
         return program.from_checkpoint(restored.state)._asdict(), restored.step + 1
     if cfg.run.init_from_hf:
-        from spmd.weights import init_from_hf
+        from spmd.run.weights import init_from_hf
 
         adapters = builder.lora_spec(cfg.model, cfg.lora)  # --init-from-peft's adapters
         params, opt_state, loss_scale = init_from_hf(

@@ -16,13 +16,14 @@ import numpy as np
 from flax import nnx
 
 from models import family
-from spmd import convert, weights
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import convert
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.io import safetensors_io
 from spmd.parallel import traced_layout
+from spmd.run import weights
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import trainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

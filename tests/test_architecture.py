@@ -14,21 +14,25 @@ CORE_PACKAGES = (
     "spmd.observe",
     "spmd.training",
 )
-# Top-level modules of spmd/ that run as `python -m spmd.X` or `spmd X` (cli), and what only
-# they share: `weights` (loads a model from a checkpoint or a Hugging Face folder, so it may
-# import models/), the one `builder`, the resolver `config` (the command line's config), the
-# run-level `checks`, the library front `api` and generate's `decoding` loop (it runs the
-# models' cached decoder). No core package imports any of them.
+# The middle floor: what the commands share between the command line and the core packages
+# (spmd/run/: the parser and resolver of flags and files, the sections made for flags, the run's
+# setup, the one builder, the run-level checks, `weights`, which loads a model from a checkpoint or
+# a Hugging Face folder and so may import models.family, and generate's `decoding` loop). The
+# commands import it; it imports no command, and no core package imports it.
+MIDDLE = "spmd.run"
+# Top-level modules of spmd/ that run as `python -m spmd.X` or `spmd X` (cli), and the library
+# front `api` (a user's program, beside the commands: it ends in the one builder). They sit
+# above the middle floor: no core package and nothing in spmd.run imports any of them.
 COMMANDS = {
     f"spmd.{m}"
     for m in (
         "__main__ cli train plan convert generate checkpoint bench bench_collectives launch report "
-        "plan_flags weights builder config checks api decoding run_setup section_views"
+        "data completion api"
     ).split()
 }
 # The commands themselves: what `spmd COMMAND` runs (spmd.commands's table, read from its source)
-# and the dispatcher. What two commands share lives below them (spmd.run_setup, spmd.checks,
-# spmd.builder, spmd.config, ...), so that no command imports another.
+# and the dispatcher. What two commands share lives below them (in spmd.run), so that no command
+# imports another.
 COMMAND_MODULES = {
     node.value
     for node in ast.walk(ast.parse((ROOT / "spmd" / "commands.py").read_text()))
@@ -135,8 +139,21 @@ def test_spmd_imports_no_model_family_module():
 def test_core_packages_import_no_model_and_no_command():
     for name, deps in GRAPH.items():
         if name.startswith(CORE_PACKAGES):
-            bad = {d for d in deps if d.startswith(("models", "meshes")) or d in COMMANDS}
+            bad = {
+                d
+                for d in deps
+                if d.startswith(("models", "meshes", MIDDLE + ".")) or d in COMMANDS or d == MIDDLE
+            }
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_middle_floor_imports_no_command():
+    assert {"spmd.run.builder", "spmd.run.config", "spmd.run.run_setup"} <= set(GRAPH)
+    assert MIDDLE in PACKAGE_GRAPH["spmd.train"]  # the arrows below mean something
+    for name, deps in GRAPH.items():
+        if name == MIDDLE or name.startswith(MIDDLE + "."):
+            bad = deps & (COMMANDS | COMMAND_MODULES)
+            assert not bad, f"{name} imports the commands {sorted(bad)}"
 
 
 def package_of(module: str) -> str:
@@ -159,9 +176,12 @@ FORBIDDEN = {
     "spmd.io": {"spmd.engine", "spmd.estimate", "spmd.observe", "spmd.training"},
     "spmd.estimate": {"spmd.io", "spmd.observe", "spmd.training"},
     "spmd.observe": {"spmd.io", "spmd.training"},
+    MIDDLE: COMMANDS | COMMAND_MODULES,  # the middle floor: below the commands
     "spmd.log": set(GRAPH) - {"spmd.log"},
     "spmd.sections": set(GRAPH) - {"spmd.sections"},  # the bottom: every package reads it
 }
+for _package in CORE_PACKAGES:  # ... and above every core package
+    FORBIDDEN.setdefault(_package, set()).add(MIDDLE)
 
 
 def test_packages_import_one_way():

@@ -50,7 +50,7 @@ def _fingerprint(out: str) -> str:
 
 @pytest.mark.parametrize("layout", SAME_STEP_LAYOUTS)
 def test_bench_times_the_step_that_train_compiles(layout, capsys):
-    """spmd.bench and spmd.train --dry-run build their program through spmd.builder from the
+    """spmd.bench and spmd.train --dry-run build their program through spmd.run.builder from the
     same flags: the compiled steps are the same module (source locations aside)."""
     args = [*SAME_STEP_LAYOUTS[layout], "--batch", "4", "--seq-len", "32"]
     args += ["--steps", "2"]  # the LR schedule is part of the step

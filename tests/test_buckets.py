@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd.builder import optimizer
-from spmd.config import flat
 from spmd.engine.step import build_program
 from spmd.errors import UsageError
 from spmd.estimate import hlo
 from spmd.parallel import xla_flags
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import cli, trainer
 from tests.conftest import FAST_COMPILE_FLAGS
 

@@ -203,13 +203,14 @@ def test_every_flag_of_every_command_has_a_help_text(command, capsys):
 
 
 def test_choice_flags_list_their_choices_in_help(capsys):
-    from spmd import config, run_setup, train
+    from spmd import train
+    from spmd.run import config, resolve
     from spmd.sections import literal_choices
 
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    hints = [typing.get_type_hints(cls) for cls in run_setup.sections().values()]
+    hints = [typing.get_type_hints(cls) for cls in resolve.sections().values()]
     listed = {f: literal_choices(k) for h in hints for f, k in h.items() if literal_choices(k)}
     assert {"precision", "lr_schedule", "resume", "remat", "on_divergence"} <= set(listed)
     for field, choices in listed.items():

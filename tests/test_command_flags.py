@@ -10,9 +10,10 @@ import typing
 import pytest
 
 from models import family, llama
-from spmd import config, run_setup, sections
+from spmd import sections
 from spmd.errors import UsageError
-from spmd.section_views import field_help, model_section
+from spmd.run import config, resolve
+from spmd.run.section_views import field_help, model_section
 
 # The commands' own defaults of fields spmd.sections defines: the one list of them. Every
 # other field a command takes has its section's default.
@@ -55,18 +56,18 @@ def test_a_family_registered_later_gets_its_flags(toy_family, capsys, tmp_path):
     assert field_help(section)["toy_window"].startswith("the toy family's own knob")
     assert "toy_policy" in sections.literal_choices(typing.get_type_hints(section)["remat"])
     with pytest.raises(SystemExit):
-        config.resolve(["--help"], run_setup.sections(), "t")
+        config.resolve(["--help"], resolve.sections(), "t")
     text = " ".join(capsys.readouterr().out.split())
     assert "--toy-window INT the toy family's own knob" in text
     assert "--family " + "|".join(family.FAMILIES) in text and "|toy" in text
 
     resolved = config.resolve(
-        ["--model", "tiny", "--family", "toy", "--toy-window", "8"], run_setup.sections(), "t"
+        ["--model", "tiny", "--family", "toy", "--toy-window", "8"], resolve.sections(), "t"
     )
     assert type(resolved["model"]) is ToyConfig and resolved["model"].toy_window == 8
     assert resolved["model"].n_layers == config.preset("tiny")["n_layers"]  # under the toy family
     with pytest.raises(UsageError, match="toy_window is a field of the toy family.*--family toy"):
-        config.resolve(["--model", "tiny", "--toy-window", "8"], run_setup.sections(), "t")
+        config.resolve(["--model", "tiny", "--toy-window", "8"], resolve.sections(), "t")
 
 
 def test_the_model_flags_are_every_family_field_with_its_help():
@@ -125,7 +126,7 @@ def test_every_command_parses_the_sections_defaults(monkeypatch, command):
     module = importlib.import_module(f"spmd.{command}")
     declared = getattr(module, "DEFAULTS", None)
     if command == "plan":
-        from spmd import plan_flags
+        from spmd.run import plan_flags
 
         declared = plan_flags.DEFAULTS
     assert (declared or {}) == own
@@ -135,11 +136,11 @@ def test_resolve_says_which_fields_were_given(tmp_path):
     file = tmp_path / "run.toml"
     file.write_text("[optimizer]\nlr = 0.01\n[model]\nn_layers = 3\n")
     argv = ["--config", str(file), "--model", "tiny", "--layout", "zero2", "--remat", "full"]
-    resolved = config.resolve(argv, run_setup.sections(), "t", expand=run_setup.expand_layout)
+    resolved = config.resolve(argv, resolve.sections(), "t", expand=resolve.expand_layout)
     # flags, file keys, and what --layout implies; not the preset's fields, nor defaults
     assert resolved["given"] == {"lr", "n_layers", "model", "layout", "remat", "mesh", "zero"}
     assert resolved["model"].embed_dim == 64 and resolved["parallel"].zero == 2
     with_default = config.resolve(
-        ["--model", "tiny"], run_setup.sections(), "t", defaults={"lr": 1.0}
+        ["--model", "tiny"], resolve.sections(), "t", defaults={"lr": 1.0}
     )
     assert with_default["optimizer"].lr == 1.0 and with_default["given"] == {"model"}

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from models.llama import LlamaConfig
-from spmd import config, run_setup, train
+from spmd import bench, plan, train
 from spmd.errors import UsageError
 from spmd.io import data
 from spmd.parallel.mesh import format_mesh, parse_mesh, resolve_mesh
-from spmd.run_setup import expand_layout, sections
+from spmd.run import config, run_setup
+from spmd.run.resolve import expand_layout, sections
 from spmd.sections import Config, RunConfig, choices
 
 
@@ -36,6 +37,29 @@ def test_mesh_aliases_and_the_rest():
 def test_bad_mesh_strings(spec):
     with pytest.raises(UsageError):
         resolve_mesh(parse_mesh(spec), 8)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        ["--init-from-hf", "tests/fixtures/hf_gemma2"],
+        ["--init-from-peft", "tests/fixtures/peft_llama", "--lora-dropout", "0.1"],
+    ],
+)
+def test_train_bench_and_plan_resolve_the_run_in_one_place(source, monkeypatch):
+    """spmd.run.resolve.run_config turns the flags and the folders a run names into its model
+    and [lora] section, the same for the three commands that run or plan a training run (bench
+    timed the --model preset's model before, whatever --init-from-hf or --init-from-peft said)."""
+    monkeypatch.chdir(ROOT)  # peft wrote base_model_name_or_path relative to the repository
+    trained = train.resolve_sections(source)
+    assert trained["model"].family in ("gemma2", "llama") and trained["run"].init_from_hf
+    for other in (bench.resolve_sections(source), plan.resolve_sections(source)):
+        assert other["model"] == trained["model"]
+        assert other["lora"] == trained["lora"]
+        assert other["run"].init_from_hf == trained["run"].init_from_hf
 
 
 def resolve(*argv, **kwargs):

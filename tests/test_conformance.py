@@ -20,13 +20,14 @@ import pytest
 from flax import nnx
 
 from models import family
-from spmd import builder, generate, plan, train, weights
-from spmd.config import flat
+from spmd import generate, plan, train
 from spmd.estimate import cost, memory, shape, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.io import data, tokens
 from spmd.observe.observer import model_metrics
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
+from spmd.run import builder, weights
+from spmd.run.config import flat
 from tests import cli, trainer
 from tests.hf_fixtures import (
     BATCH,
@@ -355,7 +356,7 @@ def test_a_dry_run_from_the_folder_compiles(row, tmp_path, capsys):
 @pytest.mark.parametrize("name", sorted(family.FAMILIES))
 def test_every_family_trains_lora_adapters_and_logs_its_metrics(name):
     """LoRA on each registered family (its first fixture's config, random weights, one
-    device), through the run's own model (spmd.builder.run_model, as spmd.train and spmd.bench
+    device), through the run's own model (spmd.run.builder.run_model, as spmd.train and spmd.bench
     take it): two steps train the adapters and leave the base as it was, and the family's
     logged metrics (an MoE's router statistics) run on the LoRA model."""
     cfg = family.open_hf(str(FIXTURES / CONTRACT[name].name)).config

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd.checks import check_sequence_split
 from spmd.errors import UsageError
 from spmd.estimate import cost, hlo, memory, theory
 from spmd.io import data
@@ -31,6 +30,7 @@ from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES
 from spmd.parallel.pipeline import Pipeline
 from spmd.parallel.ring_attention import balanced_order
+from spmd.run.checks import check_sequence_split
 from tests import trainer
 
 BATCH, SEQ = trainer.BATCH, trainer.SEQ_LEN

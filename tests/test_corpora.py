@@ -223,8 +223,8 @@ CHATML = (  # a small ChatML-style template, written the way Hugging Face templa
 def test_chat_messages_rendered_by_the_template_count_assistant_turns_only(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from spmd.config import flat
     from spmd.io import run_data
+    from spmd.run.config import flat
 
     chats = [
         [

@@ -208,7 +208,8 @@ def test_a_hub_dataset_id_as_data_says_what_data_reads(tmp_path, monkeypatch, ca
 
 
 def test_the_report_hint_shows_only_where_matplotlib_is_missing(tmp_path, monkeypatch):
-    from spmd import config, train
+    from spmd import train
+    from spmd.run import config
     from spmd.training.run_folder import report_command
 
     run = tmp_path / "run"
@@ -222,7 +223,8 @@ def test_the_report_hint_shows_only_where_matplotlib_is_missing(tmp_path, monkey
 
 
 def test_the_readme_tour_shows_lora_with_flags_the_commands_have():
-    from spmd import commands, parser
+    from spmd import commands
+    from spmd.run import parser
 
     lines = [
         line.split("  #")[0].split()

@@ -128,7 +128,7 @@ def test_a_run_refused_after_taking_its_locks_releases_them(tmp_path, capsys):
 def test_a_bucket_folder_is_not_locked_and_the_run_says_so(tmp_path, monkeypatch):
     """A gs:// checkpoint folder beside a local run folder: the local one is locked, the bucket
     is not (no exclusive create to lock it with), and one warning line says so."""
-    from spmd.config import flat
+    from spmd.run.config import flat
     from spmd.training import claims
 
     told: list[str] = []

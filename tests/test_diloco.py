@@ -37,7 +37,7 @@ def programs():
     replicas' updates is updating with their averaged gradient."""
     mesh = trainer.layout(MESH).mesh
     tx = optax.sgd(0.2, momentum=0.9)
-    # the library's road (spmd.builder, as the commands), with and without DiLoCo
+    # the library's road (spmd.run.builder, as the commands), with and without DiLoCo
     sync = spmd.build(make_model, llama.lm_loss, tx, mesh)
     program = spmd.build(make_model, llama.lm_loss, tx, mesh, diloco=diloco.Sync(1, 1.0, 0.0))
     return sync, program
@@ -194,8 +194,8 @@ def cost_bytes(precision: str) -> int:
 
 
 def test_unknown_sync_mode_and_stray_diloco_axis_are_refused():
-    from spmd.checks import check_dcn_sync
-    from spmd.config import flat
+    from spmd.run.checks import check_dcn_sync
+    from spmd.run.config import flat
 
     with pytest.raises(UsageError, match="--dcn-sync 'often' is not one of every-step, diloco"):
         check_dcn_sync(flat(None, dcn_sync="often"))

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from models import llama
-from spmd import run_setup
-from spmd.config import resolve
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
 from spmd.estimate import dry_run_table, hlo, theory
 from spmd.model_shape import ModelShape
 from spmd.parallel import mesh
+from spmd.run.config import resolve
+from spmd.run.resolve import sections as run_sections
 from spmd.train import main as train_main
 from tests import trainer
 
@@ -141,9 +141,7 @@ def test_dry_run_report_sets_measured_beside_expected():
 
 
 def test_collectives_flag_and_bad_executor():
-    sections = resolve(
-        ["--collectives", "explicit", "--model", "tiny"], run_setup.sections(), "test"
-    )
+    sections = resolve(["--collectives", "explicit", "--model", "tiny"], run_sections(), "test")
     assert sections["parallel"].collectives == "explicit"
     with pytest.raises(UsageError, match="--collectives 'manual'"):
         _program("dp=8", 3, "manual")

@@ -6,9 +6,9 @@ import jax
 import pytest
 
 from models import family, llama, moe
-from spmd import config
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
+from spmd.run import config
 
 
 def preset(name: str, cls: type = moe.MoEConfig):

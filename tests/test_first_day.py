@@ -20,10 +20,11 @@ import jax
 import pytest
 
 import spmd
-from spmd import cli, config, convert, generate, parser, plan, report, train
-from spmd.checks import check_choices
+from spmd import cli, convert, generate, plan, report, train
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
+from spmd.run import config, parser
+from spmd.run.checks import check_choices
 from spmd.training import run_folder
 from tests.cli import ROOT, records
 

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from models import fp8
-from spmd import builder
-from spmd.config import flat
 from spmd.engine import fp8_setup, fp8_state, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import ONCE_ON_CPU
@@ -25,6 +23,8 @@ from spmd.io import checkpoint, checkpoint_restore, state_check
 from spmd.model_shape import ModelShape
 from spmd.parallel import fp8_context
 from spmd.parallel.fp8_context import Fp8Settings, Site
+from spmd.run import builder
+from spmd.run.config import flat
 from tests import trainer
 
 STEPS = 3

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from spmd import convert, decoding, generate, weights
-from spmd.decoding import Sampling
+from spmd import convert, generate
 from spmd.errors import UsageError
 from spmd.io import chat, checkpoint, eos, params_io
+from spmd.run import decoding, weights
+from spmd.run.decoding import Sampling
 from tests import cli, trainer
 
 UNTIED = Path(__file__).resolve().parent / "fixtures" / "hf_llama_untied"

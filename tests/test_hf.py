@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from models import family, hf_config
-from spmd import convert, train, weights
+from spmd import convert, train
 from spmd.errors import UsageError
 from spmd.io import eos, params_io, safetensors_io
+from spmd.run import weights
 from tests import cli, trainer
 from tests.hf_fixtures import (
     FIXTURES,

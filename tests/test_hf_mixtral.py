@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from models import family, hf_mixtral, moe
-from spmd import config, train, weights
+from spmd import train
 from spmd.errors import UsageError
+from spmd.run import config, weights
 from tests import trainer
 from tests.hf_fixtures import FIXTURES, assert_params_equal, save_random_params
 

@@ -14,8 +14,8 @@ from flax import nnx
 
 from models import family, olmo2
 from models.layers import HeadsRMSNorm
-from spmd import config
 from spmd.errors import UsageError
+from spmd.run import config
 from tests.hf_fixtures import ONE, loaded
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from models import family, hf_phi3, hf_tensors, phi3
-from spmd import config, generate, weights
+from spmd import generate
 from spmd.errors import UsageError
+from spmd.run import config, weights
 from tests import trainer
 from tests.hf_fixtures import (
     FIXTURES,

@@ -11,9 +11,10 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 
-from spmd import convert, generate, train, weights
+from spmd import convert, generate, train
 from spmd.errors import UsageError
 from spmd.io import hub
+from spmd.run import weights
 from tests import cli, trainer
 from tests.hf_fixtures import logits_of
 

@@ -15,14 +15,14 @@ import pytest
 
 from models import family, finetune, llama
 from models import peft as models_peft
-from spmd import builder, weights
-from spmd.config import flat
 from spmd.engine import frozen, precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 from spmd.parallel.pipeline import Pipeline
+from spmd.run import builder, weights
+from spmd.run.config import flat
 from spmd.sections import LoraConfig
 from tests import cli, trainer
 

@@ -17,8 +17,6 @@ import pytest
 from flax import nnx
 
 from models import family, finetune, llama, moe
-from spmd import builder
-from spmd.config import build, flat, preset
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
@@ -26,6 +24,8 @@ from spmd.parallel import traced_layout
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
 from spmd.parallel.pipeline import Pipeline
+from spmd.run import builder
+from spmd.run.config import build, flat, preset
 from spmd.sections import LoraConfig
 from tests import trainer
 

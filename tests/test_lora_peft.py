@@ -1,6 +1,6 @@
-"""`--init-from-peft DIR` (models/peft.py, spmd.run_setup, spmd.weights): an adapter that peft
-itself wrote (tests/fixtures/peft_llama, by make_peft_adapter.py onto the untied Llama fixture)
-becomes the run's [lora] section and its starting adapters. spmd's LoRA model then gives
+"""`--init-from-peft DIR` (models/peft.py, spmd.run.resolve, spmd.run.weights): an adapter
+that peft itself wrote (tests/fixtures/peft_llama, by make_peft_adapter.py onto the untied Llama
+fixture) becomes the run's [lora] section and its starting adapters. spmd's LoRA model then gives
 peft's logits, a step trains it into an adapter-only checkpoint, and `--to-peft` writes it back
 under peft's names. Read with numpy only: no torch or peft here."""
 
@@ -13,12 +13,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spmd import builder, convert, lora_base, run_setup, train, weights
-from spmd.config import flat
+from spmd import convert, lora_base, train
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.io import safetensors_io
+from spmd.run import builder, resolve, weights
+from spmd.run.config import flat
 from tests import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def tensors(folder: Path) -> dict[str, np.ndarray]:
 
 def test_the_adapter_config_names_the_base_and_fills_the_lora_flags(monkeypatch):
     monkeypatch.chdir(ROOT)  # peft wrote base_model_name_or_path relative to the repository
-    resolved = run_setup.resolve_run(["--init-from-peft", str(PEFT)], "t")
+    resolved = resolve.run_config(["--init-from-peft", str(PEFT)], "t")
     assert resolved["run"].init_from_hf == "tests/fixtures/hf_llama_untied"
     lora = resolved["lora"]
     # target_modules o, gate, down, q, v (peft's order) in the family's order; k, up left out
@@ -42,17 +43,17 @@ def test_the_adapter_config_names_the_base_and_fills_the_lora_flags(monkeypatch)
     assert lora.lora_targets == "q,v,o,gate,down"
     # flags that agree (alpha 0 is 2 x rank; targets in any order), and another base named
     agreeing = ["--lora-rank", "4", "--lora-alpha", "0", "--lora-targets", "down,gate,o,v,q"]
-    again = run_setup.resolve_run(
+    again = resolve.run_config(
         ["--init-from-peft", str(PEFT), "--init-from-hf", str(UNTIED), *agreeing], "t"
     )
     assert again["lora"] == lora and again["run"].init_from_hf == str(UNTIED)
     # dropout is a training choice, not the adapter's weights: the flag given wins
-    dropped = run_setup.resolve_run(["--init-from-peft", str(PEFT), "--lora-dropout", "0.1"], "t")
+    dropped = resolve.run_config(["--init-from-peft", str(PEFT), "--lora-dropout", "0.1"], "t")
     assert dropped["lora"].lora_dropout == 0.1 and dropped["lora"].lora_rank == 4
 
 
 def test_the_lora_model_gives_peft_logits():
-    resolved = run_setup.resolve_run(
+    resolved = resolve.run_config(
         ["--init-from-peft", str(PEFT), "--init-from-hf", str(UNTIED)], "t"
     )
     cfg, spec = resolved["model"], builder.lora_spec(resolved["model"], resolved["lora"])

@@ -12,11 +12,12 @@ import jax
 import pytest
 
 from models import llama
-from spmd import config, lora_base, plan
+from spmd import lora_base, plan
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import comms, cost, hlo, measure, memory, timing
 from spmd.estimate.flops import hlo_dot_flops
 from spmd.parallel.mesh import parse_mesh
+from spmd.run import config
 from spmd.sections import Config, LoraConfig
 from tests.cli import train_in_process
 

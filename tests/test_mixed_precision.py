@@ -104,10 +104,10 @@ def test_16bit_layouts_equal_one_device(one_device, mesh, zero, policy, executor
 
 def test_bf16_pipeline_equals_one_device(one_device):
     from models import llama
-    from spmd import config
-    from spmd.builder import optimizer
     from spmd.engine.step import build_program
     from spmd.parallel.pipeline import Pipeline
+    from spmd.run import config
+    from spmd.run.builder import optimizer
     from tests import trainer
     from tests.tiny_run import tiny_train_config
 

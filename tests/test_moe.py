@@ -18,15 +18,16 @@ import pytest
 from flax import nnx
 
 from models import llama, moe
-from spmd import config, train
-from spmd.builder import optimizer
-from spmd.config import flat
+from spmd import train
 from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import build_program
 from spmd.estimate import flops, hlo, theory
 from spmd.io import data
 from spmd.observe.observer import model_metrics
 from spmd.parallel.pipeline import Pipeline
+from spmd.run import config
+from spmd.run.builder import optimizer
+from spmd.run.config import flat
 from tests import trainer
 
 STEPS, BATCH, SEQ_LEN = trainer.STEPS, trainer.BATCH, trainer.SEQ_LEN

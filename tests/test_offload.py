@@ -15,12 +15,13 @@ import pytest
 
 import spmd
 from models import llama
-from spmd import builder, config, train
-from spmd.config import flat
+from spmd import train
 from spmd.engine import offload
 from spmd.engine.step import TrainState
 from spmd.errors import UsageError
 from spmd.parallel.mesh import build_mesh, parse_mesh
+from spmd.run import builder, config
+from spmd.run.config import flat
 from tests.tiny_run import BATCH, SEQ_LEN, batch_at, text_windows
 
 STEPS = 10

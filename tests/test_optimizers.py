@@ -16,12 +16,13 @@ import optax
 import pytest
 
 from models import family
-from spmd import builder, plan
-from spmd.config import flat
+from spmd import plan
 from spmd.engine import objectives, optimizers, precision
 from spmd.engine.optim import Optimizer
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
+from spmd.run import builder
+from spmd.run.config import flat
 from spmd.sections import OptimizerConfig
 from tests import trainer
 from tests.cli import train_in_process
@@ -36,7 +37,7 @@ LION = Optimizer(
 
 def allocated_bytes_per_param(name: str, policy: str) -> float:
     """Bytes per param of the optimizer state (master copy included) of the tiny model's
-    Program built by spmd.builder for optimizer `name`, from its abstract state (no
+    Program built by spmd.run.builder for optimizer `name`, from its abstract state (no
     allocation); optax's scalar step counts left out."""
     cfg = flat(trainer.tiny_config(), optimizer=name, precision=policy, batch=8, seq_len=32)
     program = builder.program(cfg, trainer.layout("dp=1").mesh)

@@ -66,7 +66,7 @@ def test_chunked_attention_equals_the_whole_square_with_documents(length, window
 def test_the_moe_model_keeps_documents_apart_too():
     # Dropless routing is per token, so each document's logits are its own here as well.
     from models import moe
-    from spmd import config
+    from spmd.run import config
 
     cfg = config.build(moe.MoEConfig, config.preset("moe-tiny"), "moe-tiny")
     model = moe.create(cfg, seed=0)
@@ -179,9 +179,9 @@ def test_pipelines_carry_segments_and_loss_weights_with_their_micro_batches():
 def test_document_mask_choices_are_checked():
     import pytest
 
-    from spmd.config import flat
     from spmd.errors import UsageError
     from spmd.io import run_data
+    from spmd.run.config import flat
 
     with pytest.raises(UsageError, match="--document-mask 'yes' is not one of auto, on, off"):
         run_data.check_choices(flat(None, document_mask="yes").data)

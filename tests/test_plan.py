@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from models import llama, moe
-from spmd import config, plan, plan_flags, run_setup
+from spmd import plan
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     comms,
@@ -35,6 +35,7 @@ from spmd.estimate.flops import decoder_flops_per_token, hlo_dot_flops
 from spmd.model_shape import ModelShape
 from spmd.parallel import schedules
 from spmd.parallel.mesh import MESH_AXES, parse_mesh
+from spmd.run import config, plan_flags, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -487,9 +488,7 @@ def test_the_train_command_runs_the_recommended_layout():
     out = planned(*GPT3_175B, "--devices", "1024", "--hbm", "80", "--recommend")
     command = out["recommendation"]["train_command"].split()
     assert command[:3] == ["python", "-m", "spmd.train"]
-    sections = config.resolve(
-        command[3:], run_setup.sections(), "t", expand=run_setup.expand_layout
-    )
+    sections = config.resolve(command[3:], resolve.sections(), "t", expand=resolve.expand_layout)
     run = config.flat_values(config.as_dict(sections))
     run = type("Flags", (), run)  # the flat flags, read as attributes
     model = sections["model"]

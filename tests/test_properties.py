@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spmd import checks, config, train
+from spmd import train
 from spmd.errors import UsageError
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, format_mesh, parse_mesh
+from spmd.run import checks, config
 
 SETTINGS = settings(
     max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from spmd.checks import check_sequence_split
 from spmd.errors import UsageError
 from spmd.estimate import cost, hlo, memory, theory
 from spmd.parallel.mesh import MESH_AXES
+from spmd.run.checks import check_sequence_split
 from tests import trainer
 
 MESH = "tp=4"

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from spmd import checks, train
-from spmd.config import flat
+from spmd import train
+from spmd.run import checks
+from spmd.run.config import flat
 
 # The runs differ only in --remat, so the temp memory difference is the policy's.
 SAME = ["--model", "tiny", "--mesh", "dp=-1", "--batch", "16", "--seq-len", "64"]

@@ -10,14 +10,14 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd import config
-from spmd.builder import optimizer
-from spmd.config import Config, flat
 from spmd.engine import precision
 from spmd.engine.step import Program, build_program
 from spmd.io import data
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
+from spmd.run import config
+from spmd.run.builder import optimizer
+from spmd.run.config import Config, flat
 
 BATCH, SEQ_LEN = 16, 32
 # The executors a parity test runs: XLA's partitioner (jit) and hand-written collectives

@@ -10,8 +10,6 @@ import jax
 import numpy as np
 
 from models import llama
-from spmd import builder
-from spmd.config import build, flat, preset
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
@@ -19,6 +17,8 @@ from spmd.io import data
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import build_mesh, parse_mesh
 from spmd.parallel.pipeline import Pipeline
+from spmd.run import builder
+from spmd.run.config import build, flat, preset
 
 STEPS = 20
 BATCH = 16
@@ -48,7 +48,7 @@ def layout(mesh: str, zero: int = 3, devices: int | None = None) -> Layout:
 
 
 def model_spec(**model_overrides: object) -> builder.ModelSpec:
-    """The tiny Llama (fields of `model_overrides` changed) as spmd.builder builds a family's
+    """The tiny Llama (fields of `model_overrides` changed) as spmd.run.builder builds a family's
     model: its create in fp32, its loss and its layout checks."""
     cfg = dataclasses.replace(tiny_config(), **model_overrides)
     return builder.model_spec(cfg, precision.POLICIES["fp32"])
@@ -62,7 +62,7 @@ def program(
     prefetch: bool = True,
     **model_overrides: object,
 ) -> Program:
-    """The tiny model's program on `lay`, built by spmd.builder's road for BATCH x SEQ_LEN
+    """The tiny model's program on `lay`, built by spmd.run.builder's road for BATCH x SEQ_LEN
     batches; `pipeline` pipelines it; `prefetch` as StepOptions' (explicit ZeRO-3)."""
     train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     options = StepOptions(accum=accum, executor=executor, pipeline=pipeline, prefetch=prefetch)

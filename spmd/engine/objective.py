@@ -3,7 +3,7 @@ read of a model family (`FamilyLosses`), and the default one, next-token predict
 
 An objective turns a family's pieces into the loss a run minimises: `(model, batch) -> mean
 loss` (fp32 scalar) for the step, and the last pipeline stage's `(logits, targets[, weights])
--> mean loss` when pp > 1. The builder (spmd/builder.py) reads it from the registry
+-> mean loss` when pp > 1. The builder (spmd/run/builder.py) reads it from the registry
 (spmd.engine.objectives) by the run's --objective and wraps it for LoRA as it wraps the
 family's own loss. The family arrives as an argument, so this module imports no model, and no
 jax either: every command's [run] section names an objective, and the resolver checks it here.

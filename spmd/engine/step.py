@@ -189,7 +189,7 @@ def build_program(
     in host memory between steps (spmd.engine.offload).
 
     This is the engine's part of the one road: the commands and `spmd.build` reach it through
-    spmd.builder, which checks the batch and the layout first.
+    spmd.run.builder, which checks the batch and the layout first.
 
     Raises UsageError up front if a mesh axis does not divide a dimension it must split."""
     options = dataclasses.replace(options, **overrides) if overrides else options

@@ -1,6 +1,6 @@
 """Check the analytic plan against the compiled step (`python -m spmd.plan --measure`).
 
-Compiles the real train step (built by spmd.builder, AOT: nothing runs) for a planned layout on
+Compiles the real train step (built by spmd.run.builder, AOT: nothing runs) for a planned layout on
 simulated CPU devices and puts the figures of spmd.estimate.memory and .cost beside the
 compiled ones: bytes of params and of master + optimizer state per device (from the shardings
 the step takes its state in, spmd.engine.state_layout.state_bytes_per_device), the compiled
@@ -94,7 +94,7 @@ def check_engine_can_build(s: cost.Setup) -> None:
 
 
 def measure(s: cost.Setup, program: AnyProgram, mesh: Any, executor: str = "auto") -> dict:
-    """Compile `program`'s train step (built for layout `s` on `mesh`, by spmd.builder) and
+    """Compile `program`'s train step (built for layout `s` on `mesh`, by spmd.run.builder) and
     compare it with the analytic figures of `s`.
 
     `s.n_params` must be the built model's parameter count (compare like with like);

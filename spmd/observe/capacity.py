@@ -1,5 +1,5 @@
 """How many bytes one device can hold: what a compiled step or a key/value cache is compared
-with before anything is allocated (spmd.checks.check_step_fits, spmd.generate).
+with before anything is allocated (spmd.run.checks.check_step_fits, spmd.generate).
 
 On a GPU (or TPU) it is the allocator's limit, `memory_stats()["bytes_limit"]`, of the
 smallest local device. XLA:CPU keeps no such limit: its devices, simulated or not, share the

@@ -50,7 +50,7 @@ def open_checkpoints(
     cfg: Config, program: AnyProgram, fingerprint: str, resumes: bool
 ) -> tuple[Any, Any]:
     """(the checkpoint manager, the restored checkpoint or None): when the run `resumes`
-    (spmd.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
+    (spmd.run.checks.checkpoint_resumes), the newest readable checkpoint, read onto this run's mesh,
     after checking it continues this run."""
     from spmd import lora_base
     from spmd.engine import fp8_state

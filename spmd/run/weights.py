@@ -1,7 +1,7 @@
 """Where the params of `spmd.generate` and `spmd.convert` come from: an spmd checkpoint folder
 or a Hugging Face folder, loaded straight onto the shardings of a mesh.
 
-Both build the same Program as training (spmd.builder) for the model the source
+Both build the same Program as training (spmd.run.builder) for the model the source
 describes, so params land in exactly the layout a training run of that mesh would use.
 """
 
@@ -14,13 +14,14 @@ import jax
 from flax import nnx
 
 from models import family, finetune
-from spmd import builder, lora_base
+from spmd import lora_base
 from spmd.engine import frozen
 from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.io import params_io
 from spmd.parallel.layout import Layout
 from spmd.parallel.mesh import setup_mesh
+from spmd.run import builder
 from spmd.sections import LoraConfig
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def setup_layout(mesh: str, devices: int, zero: int) -> Layout:
 def model_program(cfg: ModelConfig, layout: Layout) -> Program:
     """The Program of model `cfg` (its family's) on `layout`, for its
     param shardings and forward pass (no training: the optimizer is the identity, which has no
-    state); spmd.builder's, as training builds it."""
+    state); spmd.run.builder's, as training builds it."""
     return builder.model_program(cfg, layout)
 
 

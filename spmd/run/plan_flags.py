@@ -8,10 +8,10 @@ import dataclasses
 import typing
 from typing import Any
 
-from spmd import config
 from spmd.engine.optimizers import OPTIMIZERS
 from spmd.estimate import search
-from spmd.section_views import model_section
+from spmd.run import config
+from spmd.run.section_views import model_section
 from spmd.sections import SECTIONS as RUN_SECTIONS
 
 
@@ -41,7 +41,7 @@ class PlanConfig:
 # spmd.train's flags that the planner defaults otherwise when they are not given: a
 # pretraining-sized step (the run's precision and sequence length; said in the plan's report).
 PLANNING_DEFAULTS: dict[str, Any] = {"precision": "bf16", "seq_len": 4096}
-# All of spmd.plan's own defaults of spmd.train's fields (spmd.config.resolve's `defaults`):
+# All of spmd.plan's own defaults of spmd.train's fields (spmd.run.config.resolve's `defaults`):
 # batch 0 is "about --tokens-per-step tokens"; the mesh puts every device on fsdp (on dp with
 # --zero 0, which spmd.plan applies when --mesh is not given).
 DEFAULTS: dict[str, Any] = {**PLANNING_DEFAULTS, "batch": 0, "mesh": "fsdp=-1"}

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from spmd.errors import UsageError
-from spmd.parser import Parser
-from spmd.section_views import field_help
+from spmd.run.parser import Parser
+from spmd.run.section_views import field_help
 from spmd.sections import (  # noqa: F401 (Config, flag_name, flat_values: read from here too)
     BARE_FLAG_VALUES,
     FORMER_VALUES,
@@ -362,7 +362,7 @@ def resolve(
         source = f"model config (preset {preset_name!r})"
         # the family the values name decides the config's type; with --init-from-hf (or
         # --init-from-peft, whose adapter names its base) the folder's config.json is the
-        # architecture (spmd.run_setup reads it) and the section only carries the flags given
+        # architecture (spmd.run.resolve reads it) and the section only carries the flags given
         # (an MoE's router knobs), whatever the preset's family
         run = given.get("run", {})
         from_hf = run.get("init_from_hf") or run.get("init_from_peft")

@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 
 from spmd import paths
-from spmd.config import Config
 from spmd.errors import UsageError
+from spmd.run.config import Config
 
 
 def check_paths(cfg: Config) -> None:

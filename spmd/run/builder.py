@@ -2,7 +2,7 @@
 
 Every command goes through `program(cfg, mesh)`: `spmd.train`, `spmd.bench` (and its
 collectives tables), `spmd.plan --measure`, `spmd.generate`, `spmd.convert` and
-`spmd.weights`. They differ only in what they do with the Program, so a benchmark times the
+`spmd.run.weights`. They differ only in what they do with the Program, so a benchmark times the
 step training runs and a dry run reports it. `program` ends in `build`, which `spmd.api.build`
 (a library user's own model and loss) calls too: the same checks, offload and DiLoCo.
 
@@ -26,8 +26,6 @@ import optax
 from flax import nnx
 
 from models import family, finetune
-from spmd.checks import check_sequence_split
-from spmd.config import Config
 from spmd.engine import diloco, objectives, precision
 from spmd.engine.diloco import AnyProgram
 from spmd.engine.optimizers import make_optimizer
@@ -35,6 +33,8 @@ from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
 from spmd.errors import UsageError
 from spmd.parallel.layout import Layout
+from spmd.run.checks import check_sequence_split
+from spmd.run.config import Config
 from spmd.sections import LoraConfig, RunConfig
 
 if TYPE_CHECKING:

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from models import family, finetune
-from spmd import config
-from spmd.config import Config
 from spmd.errors import UsageError
 from spmd.estimate import long_sequence
 from spmd.estimate.units import binary
 from spmd.log import say
 from spmd.observe import profile
-from spmd.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
+from spmd.run import config
+from spmd.run.config import Config
+from spmd.run.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
 
 if TYPE_CHECKING:
     from spmd.sections import RunConfig
