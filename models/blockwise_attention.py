@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spmd.parallel.hooks import vary_like
+
 # Query and key block sizes (positions), each clipped to the length: one block's fp32 scores
 # are batch x heads x 1 MiB, and 512 keeps XLA's dots large enough to run near their peak.
 BLOCK_Q, BLOCK_K = 512, 512
@@ -124,6 +126,9 @@ def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
     fp32 per query row)."""
     b, kv_heads, g, t, _ = q.shape
     dv, nk = v.shape[-1], t // bk
+    # inside the explicit executor's shard_map, loop carries started from constants must vary
+    # over the mesh axes the inputs do
+    inputs = [x for x in (q, k, v, segments) if x is not None]
 
     def query_block(i):
         qi = _block(q, i, bq, axis=3)
@@ -153,6 +158,7 @@ def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
             jnp.zeros((b, kv_heads, g, bq), jnp.float32),
             jnp.zeros((b, kv_heads, g, bq, dv), jnp.float32),
         )
+        start = tuple(vary_like(x, *inputs) for x in start)
         first, end = _key_range(i, window, bq, bk, nk)
         top, total, acc = lax.fori_loop(first, end, step, start)
         empty = total == 0  # a row that sees no key (never under a causal mask): output 0
@@ -177,6 +183,7 @@ def _backward_rule(scale, softcap, bq, bk, kept, d_out):
     b, kv_heads, g, t, d = q.shape
     nq = t // bq
     d_out = d_out.astype(q.dtype)
+    inputs = [x for x in (q, k, v, segments, d_out) if x is not None]
     # D_i = sum_d dO * O: the softmax's correction per row, [nq, b, kv_heads, g, bq]
     rowdot = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)
     rowdot = jnp.moveaxis(rowdot.reshape(b, kv_heads, g, nq, bq), 3, 0)
@@ -209,7 +216,7 @@ def _backward_rule(scale, softcap, bq, bk, kept, d_out):
                 return dqi, dk, dv
 
             def skipped(parts):
-                return (jnp.zeros((b, kv_heads, g, bq, d), jnp.float32), *parts)
+                return (vary_like(jnp.zeros((b, kv_heads, g, bq, d), jnp.float32), *inputs), *parts)
 
             dqi, dk, dv = lax.cond(seen.any(), grads, skipped, (dk, dv))
             # dq stays outside the cond, so that a skipped block copies no whole-length buffer
@@ -217,14 +224,14 @@ def _backward_rule(scale, softcap, bq, bk, kept, d_out):
             return dq, dk, dv
 
         zeros = (
-            jnp.zeros((b, kv_heads, bk, d), jnp.float32),
-            jnp.zeros((b, kv_heads, bk, v.shape[-1]), jnp.float32),
+            vary_like(jnp.zeros((b, kv_heads, bk, d), jnp.float32), *inputs),
+            vary_like(jnp.zeros((b, kv_heads, bk, v.shape[-1]), jnp.float32), *inputs),
         )
         first, end = _query_range(j, window, bq, bk, nq)
         dq, dk, dv = lax.fori_loop(first, end, step, (dq, *zeros))
         return dq, (dk, dv)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = vary_like(jnp.zeros(q.shape, jnp.float32), *inputs)
     dq, (dks, dvs) = lax.scan(key_block, dq, jnp.arange(t // bk))
     dk = jnp.moveaxis(dks, 0, 2).reshape(k.shape)
     dv = jnp.moveaxis(dvs, 0, 2).reshape(v.shape)

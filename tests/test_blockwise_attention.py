@@ -60,3 +60,27 @@ def test_the_model_entry_takes_the_blockwise_kernel_past_one_key_block():
         segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
         jax.eval_shape(lambda q, s: attention.causal_attention(q, q, q, s), q, segments)
         assert hooks.notes()["attention"] == f"{kernel} (document mask)"
+
+
+def test_blockwise_runs_inside_the_explicit_executors_shard_map():
+    """Split over a batch axis inside shard_map (the explicit executor's setting), the kernel
+    gives the whole batch's outputs and gradients: its loop carries vary as its inputs do."""
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 40, h, 8)), jnp.float32) for h in (4, 2, 2))
+    segments = jnp.asarray(np.sort(rng.integers(0, 3, (2, 40)), axis=1))
+
+    def grads(q, k, v, segments):
+        def loss(q, k, v):
+            return jnp.sum(blockwise_attention(q, k, v, segments, 7, None, 0.0, 8, 8))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    split = jax.sharding.PartitionSpec("data")
+    placed = jax.device_put((q, k, v, segments), jax.sharding.NamedSharding(mesh, split))
+    sharded = jax.jit(
+        jax.shard_map(grads, mesh=mesh, in_specs=(split,) * 4, out_specs=(split,) * 3)
+    )(*placed)
+    whole = jax.jit(grads)(q, k, v, segments)
+    for got, want in zip(sharded, whole, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
