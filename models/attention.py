@@ -15,8 +15,9 @@ take it as an int (the same window in every layer) or as a traced int32 scalar (
 window picked inside the layer scan: Gemma's local and global layers; 0 there: no window).
 Their other general options: `scale`, the factor of q k^T (None: head_dim ** -0.5; Gemma:
 query_pre_attn_scalar ** -0.5), and `softcap`, logit soft-capping cap * tanh(logits / cap)
-of the scaled logits before the mask (0: none; Gemma 2). Only the XLA path computes a traced
-window or soft-capping; `causal_attention` says so in its note.
+of the scaled logits before the mask (0: none; Gemma 2). cuDNN's kernel computes neither a
+traced window nor soft-capping: those run the blockwise or XLA kernel, `causal_attention`
+says which in its note.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.blockwise_attention import BLOCK_K, blockwise_attention
 from models.layers import (
     RESIDUAL,
     WHOLE,
@@ -176,18 +178,23 @@ def causal_attention(
     On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
     implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
     multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
-    else XLA's: `grouped_causal_attention`, whose backward pass recomputes the probabilities
-    (`recomputed_attention`), as cuDNN's does. The choice is recorded with `note("attention",
-    ...)` for the run's report."""
+    else (document masks, soft-capping, a per-layer window, other platforms and dtypes) the
+    blockwise kernel (models.blockwise_attention: online softmax over key blocks, wholly
+    masked blocks skipped, a custom backward pass that recomputes), whose memory is linear in
+    length, when the length spans more than one key block (BLOCK_K positions); within one
+    block, XLA's `chunked_causal_attention` (5/8 of the scores by its query chunks, faster on
+    a CPU, docs/speed.md), whose backward pass also recomputes. The choice is recorded with
+    `note("attention", ...)` for the run's report: "cudnn", "blockwise (document mask)",
+    "xla (soft-capping)", ..."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
     static = isinstance(window, int)
     band = (window - 1, 0) if isinstance(window, int) and window else None
     if softcap:  # cuDNN's kernel has no soft-capping
-        note("attention", "xla (soft-capping)")
+        reason = "soft-capping"
     elif not static:  # nor a window known only inside the layer scan
-        note("attention", "xla (per-layer window)")
-    elif segments is not None:  # document masks go through XLA's attention (a general mask)
-        note("attention", "xla (document mask)")
+        reason = "per-layer window"
+    elif segments is not None:  # nor document masks in this layout
+        reason = "document mask"
     elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             out = jax.nn.dot_product_attention(
@@ -202,9 +209,13 @@ def causal_attention(
             note("attention", "cudnn")
             return out
         except (ValueError, NotImplementedError, RuntimeError) as why:
-            note("attention", f"xla (cudnn declined: {why})")
+            reason = f"cudnn declined: {why}"
     else:
-        note("attention", "xla")
+        reason = ""
+    if q.shape[1] > BLOCK_K:  # more than one key block: the blockwise kernel, linear memory
+        note("attention", f"blockwise ({reason})" if reason else "blockwise")
+        return blockwise_attention(q, k, v, segments, window, scale, softcap)
+    note("attention", f"xla ({reason})" if reason else "xla")
     return chunked_causal_attention(q, k, v, segments, window, scale, softcap)
 
 
@@ -344,4 +355,5 @@ def grouped_causal_attention(
     logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkms,bksd->bkmd", probs, values)
-    return out.reshape(b, kv_heads, groups, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    dv = v.shape[-1]  # may differ from q's and k's (MLA)
+    return out.reshape(b, kv_heads, groups, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)
