@@ -372,9 +372,11 @@ def test_the_table_is_large_and_covers_every_command():
 def test_a_step_too_large_for_a_device_exits_2_after_compiling_and_a_dry_run_warns(
     tmp_path, monkeypatch, capsys
 ):
-    """--seq-len 16384 on tiny (batch 32, no remat) needs about 790 GiB of temp per device:
-    the compiled step is refused before anything is allocated for it, naming the flags that
-    shrink it; a dry run prints its report and the same sentence as a warning, exit 0."""
+    """--seq-len 16384 on tiny made 192 layers deep (batch 32, no remat) needs about 610 GiB
+    of temp per device (the layers' kept activations: attention itself is linear in length
+    since the blockwise kernel, and 4 layers would fit a 24 GiB host): the compiled step is
+    refused before anything is allocated for it, naming the flags that shrink it; a dry run
+    prints its report and the same sentence as a warning, exit 0."""
     from spmd import train as train_command
     from spmd.observe.capacity import host_memory
 
@@ -383,7 +385,8 @@ def test_a_step_too_large_for_a_device_exits_2_after_compiling_and_a_dry_run_war
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20_000)
-    argv = ["--model", "tiny", "--seq-len", "16384", "--mesh", "dp=1", "--data", str(corpus)]
+    argv = ["--model", "tiny", "--seq-len", "16384", "--n-layers", "192", "--mesh", "dp=1"]
+    argv += ["--data", str(corpus)]
     capsys.readouterr()
     assert train_command.main([*argv, "--steps", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
