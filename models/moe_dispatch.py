@@ -17,9 +17,12 @@ The grouped matmul, chosen while tracing and recorded with `note("moe_dispatch",
     cpu        XLA:CPU lowers ragged_dot densely (every row through every expert: E x the
                FLOPs), so here each sequence's expert groups are padded to a multiple of
                BLOCK_ROWS and a scan over the blocks multiplies each block by its own expert's
-               weights. Padding: at most min(E, pairs) x (BLOCK_ROWS - 1) rows per sequence
-               (the scan's trip count is fixed at trace time by that bound), so the experts
-               cost at most (pairs + E x (BLOCK_ROWS - 1)) / pairs x the routed rows' FLOPs.
+               weights (BLOCK_ROWS: spmd.model_shape.MOE_BLOCK_ROWS). Padding: at most
+               min(E, pairs) x (BLOCK_ROWS - 1) rows per sequence; the scan's trip count is
+               fixed at trace time by that bound (spmd.model_shape.moe_grouped_rows), so the
+               experts cost at most (pairs + E x (BLOCK_ROWS - 1)) / pairs x the routed rows'
+               FLOPs. The backward pass gathers each block's weights again (a checkpointed
+               scan body) instead of keeping n_blocks copies of them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import swiglu
+from spmd.model_shape import MOE_BLOCK_ROWS as BLOCK_ROWS
+from spmd.model_shape import moe_grouped_rows
 from spmd.parallel.hooks import note, tp_enter, tp_reduce
-
-BLOCK_ROWS = 16  # rows per block of the CPU grouped matmul (each group padded to a multiple)
 
 
 def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
@@ -106,10 +109,8 @@ def _blocked(
     b, t, d = x.shape
     n = w_gate.shape[0]
     pairs = experts.shape[1]
-    # each group pads by at most BLOCK_ROWS - 1 rows and the padded total is a whole number of
-    # blocks, so this many blocks always hold every group
-    n_blocks = (pairs + min(n, pairs) * (BLOCK_ROWS - 1)) // BLOCK_ROWS
-    slots = n_blocks * BLOCK_ROWS
+    slots = moe_grouped_rows(pairs, n)  # always holds every group, each padded
+    n_blocks = slots // BLOCK_ROWS
     key = jnp.where(kept, experts, n)  # dropped pairs sort last, into no group
     order = jnp.argsort(key, axis=-1, stable=True)
     ranked = jnp.take_along_axis(key, order, axis=-1)
@@ -148,6 +149,9 @@ def _blocked(
         up = jnp.einsum("bsd,bdm->bsm", rows, w_up[expert].astype(dt))
         return None, jnp.einsum("bsm,bmd->bsd", swiglu(gate, up), w_down[expert].astype(dt))
 
+    # the backward pass gathers each block's weights again rather than keeping them: kept, they
+    # would be n_blocks x an expert's three matrices (E x 128 rows' worth of weight copies)
+    block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)
     _, out = jax.lax.scan(block, None, (blocks, block_expert.T))
     out = tp_reduce(out.swapaxes(0, 1).reshape(b, slots, d), "mlp")  # row-parallel sum
     out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # slot `slots`: 0
