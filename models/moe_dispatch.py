@@ -62,6 +62,8 @@ def grouped_swiglu(
 ) -> jax.Array:
     """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
     [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]."""
+    # (a param may hold a numpy array outside jit, which a traced index cannot index)
+    w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
     if jax.default_backend() in ("gpu", "tpu"):
         note("moe_dispatch", f"sorted, jax.lax.ragged_dot ({jax.default_backend()})")
         return _ragged(x, experts, kept, w_gate, w_up, w_down)
