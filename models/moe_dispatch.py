@@ -13,7 +13,8 @@ start of its expert's run: the same pairs drop as in the reference.
 The grouped matmul, chosen while tracing and recorded with `note("moe_dispatch", ...)`:
 
     gpu, tpu   jax.lax.ragged_dot over the pairs of the whole batch sorted by expert (the
-               platform's grouped kernel); not run in this repository's tests (CPU only)
+               platform's grouped kernel); not run on a GPU or TPU yet (the CPU tests run
+               `ragged_swiglu` densely and check it equals the CPU kernel)
     cpu        XLA:CPU lowers ragged_dot densely (every row through every expert: E x the
                FLOPs), so here each sequence's expert groups are padded to a multiple of
                BLOCK_ROWS and a scan over the blocks multiplies each block by its own expert's
@@ -66,12 +67,12 @@ def grouped_swiglu(
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
     if jax.default_backend() in ("gpu", "tpu"):
         note("moe_dispatch", f"sorted, jax.lax.ragged_dot ({jax.default_backend()})")
-        return _ragged(x, experts, kept, w_gate, w_up, w_down)
+        return ragged_swiglu(x, experts, kept, w_gate, w_up, w_down)
     note("moe_dispatch", f"sorted, blocked grouped matmul (cpu, {BLOCK_ROWS}-row blocks)")
-    return _blocked(x, experts, kept, w_gate, w_up, w_down)
+    return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
 
 
-def _ragged(
+def ragged_swiglu(
     x: jax.Array,
     experts: jax.Array,
     kept: jax.Array,
@@ -98,7 +99,7 @@ def _ragged(
     return out[back].reshape(b, pairs, d)
 
 
-def _blocked(
+def blocked_swiglu(
     x: jax.Array,
     experts: jax.Array,
     kept: jax.Array,

@@ -127,3 +127,30 @@ def test_cpu_kernel_computes_the_routed_rows_not_every_expert():
     sorted_flops = dots("sort_dispatch") - router
     assert routed <= sorted_flops <= routed * (pairs + padding) / pairs
     assert dots("reference") - router > 3.5 * routed  # E / k = 4 x the routed rows, and more
+
+
+def test_the_gpu_kernel_path_equals_the_cpu_one():
+    """The GPU / TPU branch (jax.lax.ragged_dot over the batch's pairs sorted by expert) runs
+    here too (densely, as XLA:CPU lowers it): the same outputs and gradients as the blocked CPU
+    kernel, with pairs dropped."""
+    cfg = tiny(1.25)
+    experts, x = first_experts(cfg), inputs(cfg)
+    _, _, _, top = experts.choose(x)
+    pairs = top.reshape(BATCH, -1)
+    kept = moe_dispatch.kept_pairs(pairs, cfg.n_experts, cfg.capacity(LENGTH), LENGTH)
+    assert not bool(kept.all())
+    weights = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+
+    probe = jax.random.normal(jax.random.key(3), (*pairs.shape, cfg.embed_dim))
+
+    def loss(kernel, x, weights):
+        return jnp.sum(kernel(x, pairs, kept, *weights) * probe)
+
+    results = [
+        jax.value_and_grad(loss, argnums=(1, 2))(kernel, x, weights)
+        for kernel in (moe_dispatch.blocked_swiglu, moe_dispatch.ragged_swiglu)
+    ]
+    (want, want_grads), (got, got_grads) = results
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
