@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import llama
+from models import llama, moe_dispatch
 from models.attention import Attention
 from models.layers import REMAT_POLICIES, RMSNorm, creator, expert_dense, swiglu
 from models.layers import param as _param
@@ -43,9 +43,13 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     batch_mean,
     constrain,
+    experts_split,
+    fp8_site,
     from_experts,
     gather,
+    note,
     scan_layers,
+    sequence_parallel,
     to_experts,
     token_positions,
     tp_enter,
@@ -163,17 +167,40 @@ class Experts(nnx.Module):
             self.shared = llama.MLP(dataclasses.replace(cfg, mlp_dim=m), rngs)
         self.cfg = cfg
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
-        """(dispatch [b, t, E, C] 0/1, combine weights [b, t, E, C], router logits, stats)."""
+    def choose(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(logits [b, t, E] fp32, probabilities [b, t, E], the top k's weights [b, t, k] and
+        experts [b, t, k], largest first)."""
         cfg = self.cfg
-        n, k, cap = cfg.n_experts, cfg.experts_per_token, cfg.capacity(x.shape[1])
         logits = jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
         logits = constrain(logits, ("batch", "length", None))
         probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, top_experts = top_k(probs, k)
+        top_probs, top_experts = top_k(probs, cfg.experts_per_token)
         weights = top_probs
         if cfg.norm_topk_prob:
             weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
+        return logits, probs, weights, top_experts
+
+    def stats(
+        self, logits: jax.Array, probs: jax.Array, top_experts: jax.Array, kept: jax.Array
+    ) -> dict:
+        """The router statistics of one layer (module docstring); `kept` [b, t x k] or any
+        shape with one entry per (token, choice) pair: 1 where the pair was not dropped."""
+        n = self.cfg.n_experts
+        per_token = jax.nn.one_hot(top_experts, n, dtype=jnp.float32).sum(axis=2)  # [b, t, E]
+        share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
+        return {
+            "aux_loss": n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1)))),
+            "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "dropped": jax.lax.stop_gradient(batch_mean(1.0 - kept.astype(jnp.float32).mean())),
+            "load": jax.lax.stop_gradient(share),
+        }
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+        """The one-hot reference routing: (dispatch [b, t, E, C] 0/1, combine weights [b, t,
+        E, C], router logits, stats)."""
+        cfg = self.cfg
+        n, k, cap = cfg.n_experts, cfg.experts_per_token, cfg.capacity(x.shape[1])
+        logits, probs, weights, top_experts = self.choose(x)
         choice = jax.nn.one_hot(top_experts, n, dtype=jnp.float32)  # [b, t, k, E]
         b, t = x.shape[:2]
         flat = choice.reshape(b, t * k, n)  # token-major: token 0's choices, then token 1's
@@ -184,17 +211,13 @@ class Experts(nnx.Module):
         dispatch = constrain(kept.sum(axis=2), ("batch", "length", None, None))
         combine = jnp.einsum("btk,btknc->btnc", weights, kept)
         combine = constrain(combine, ("batch", "length", None, None))
-        per_token = choice.sum(axis=2)  # [b, t, E]: 1 where the token chose the expert
-        share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
-        stats = {
-            "aux_loss": n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1)))),
-            "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "dropped": jax.lax.stop_gradient(batch_mean(1.0 - kept.sum((2, 3, 4)).mean() / k)),
-            "load": jax.lax.stop_gradient(share),
-        }
+        stats = self.stats(logits, probs, top_experts, kept.sum((3, 4)))
         return dispatch, combine, logits, stats
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    def reference(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """GShard's one-hot einsum dispatch into a buffer [expert, batch, capacity, embed]: what
+        runs where the experts are split over devices (its all-to-alls), and the tests' oracle
+        for the sorted dispatch."""
         dtype = x.dtype
         dispatch, combine, _, stats = self.route(x)
         buffer = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x)
@@ -209,6 +232,38 @@ class Experts(nnx.Module):
         if self.cfg.shared_expert:
             y = y + self.shared(x)
         return y, stats
+
+    def sort_dispatch(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """The sort-based dispatch (models/moe_dispatch.py): only the routed rows run."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        logits, probs, weights, top_experts = self.choose(x)
+        experts = top_experts.reshape(b, -1)  # [b, t x k], token-major
+        kept = moe_dispatch.kept_pairs(experts, cfg.n_experts, cfg.capacity(t), t)
+        out = moe_dispatch.grouped_swiglu(
+            x, experts, kept, gather(self.w_gate), gather(self.w_up), gather(self.w_down)
+        )
+        mix = (weights.reshape(b, -1) * kept).astype(x.dtype)  # a dropped pair adds nothing
+        y = jnp.einsum("bp,bpe->bpe", mix, out).reshape(b, t, -1, x.shape[-1]).sum(axis=2)
+        y = constrain(y, ("batch", "length", "embed"))
+        if cfg.shared_expert:
+            y = y + self.shared(x)
+        return y, self.stats(logits, probs, top_experts, kept)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """The sorted dispatch; the reference one where the layout splits the experts over
+        devices (its all-to-alls carry the tokens), splits the length for the experts' tensor
+        parallelism (sequence parallelism) or runs the experts in fp8."""
+        e, m = self.cfg.embed_dim, self.cfg.expert_dim
+        if experts_split():
+            note("moe_dispatch", "one-hot einsum (experts split over devices: all-to-all)")
+        elif sequence_parallel("mlp"):
+            note("moe_dispatch", "one-hot einsum (sequence parallelism)")
+        elif fp8_site(e, m) is not None:
+            note("moe_dispatch", "one-hot einsum (fp8 experts)")
+        else:
+            return self.sort_dispatch(x)
+        return self.reference(x)
 
 
 class Block(nnx.Module):

@@ -141,3 +141,17 @@ def causal_score_share(seq_len: int) -> float:
     (n + 1) / 2n for n query chunks (1 unchunked)."""
     n = query_chunks(seq_len)
     return (n + 1) / (2 * n)
+
+
+# The sort-based MoE dispatch's CPU grouped matmul (models/moe_dispatch.py) pads each expert's
+# group of a sequence's routed rows to a multiple of MOE_BLOCK_ROWS and runs a scan over the
+# blocks, each with its expert's weights: smaller blocks pad less but loop more.
+MOE_BLOCK_ROWS = 16
+
+
+def moe_grouped_rows(pairs: int, n_experts: int) -> int:
+    """Rows the CPU grouped matmul runs for one sequence's `pairs` routed (token, choice)
+    pairs over `n_experts` groups: fixed at trace time by the padding bound (each non-empty
+    group pads by at most MOE_BLOCK_ROWS - 1 rows; the total is a whole number of blocks)."""
+    padded = pairs + min(n_experts, pairs) * (MOE_BLOCK_ROWS - 1)
+    return padded // MOE_BLOCK_ROWS * MOE_BLOCK_ROWS

@@ -34,6 +34,8 @@ STEPS, BATCH, SEQ_LEN = trainer.STEPS, trainer.BATCH, trainer.SEQ_LEN
 # (mesh, executor, pipeline schedule or None). fsdp=4 splits the experts over the fsdp devices
 # (expert parallelism sharing the data-parallel devices); pipelines carry no router losses, so
 # their runs and reference train with the aux and z coefficients at 0.
+# One device, and the layouts that do not split the experts, run the sorted dispatch; those
+# that split them, the one-hot dispatch with its all-to-alls (models/moe.py).
 # The test keeps to one executor per layout (compiles dominate its time); README lists the
 # figures of every layout under both executors.
 LAYOUTS = [
@@ -41,6 +43,8 @@ LAYOUTS = [
     ("dp=2,ep=2,tp=2", "explicit", None),
     ("fsdp=4", "explicit", None),
     ("ep=2,pp=2", "auto", "gpipe"),
+    # experts whole on every device: the sorted dispatch, its experts' hidden dim split by tp
+    ("dp=2,tp=2", "explicit", None),
 ]
 NO_ROUTER_LOSS = {"aux_loss_coef": 0.0, "z_loss_coef": 0.0}
 

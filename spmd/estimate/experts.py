@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from spmd.model_shape import ModelShape
+from spmd.model_shape import ModelShape, moe_grouped_rows
 
 
 def capacity(model: ModelShape, seq_len: int) -> int:
@@ -33,19 +33,47 @@ def active_params(model: ModelShape, n_params: int) -> int:
     return n_params - (model.n_params() - model.n_active_params())
 
 
-def padding_flops_per_token(model: ModelShape, seq_len: int) -> tuple[float, float]:
+def sorted_dispatch(
+    mesh: dict[str, int], sequence_parallel: bool = False, precision: str = "fp32"
+) -> bool:
+    """Whether models/moe.py runs the sort-based dispatch on this layout: unless the experts
+    are split over devices (ep or fsdp > 1 in the mesh the state is sharded on), the length is
+    split for the experts' tensor parallelism (sequence parallelism) or the experts run in
+    fp8; there it runs the one-hot einsum dispatch and its all-to-alls."""
+    split = mesh.get("expert", 1) * mesh.get("fsdp", 1) > 1
+    return not (split or (sequence_parallel and mesh.get("tensor", 1) > 1) or precision == "fp8")
+
+
+def dispatch_slots(model: ModelShape, seq_len: int, sorted_rows: bool) -> float:
+    """Expert rows run per token: the sorted dispatch's routed rows with the CPU grouped
+    matmul's block padding (spmd.model_shape.moe_grouped_rows; GPU / TPU's ragged_dot runs
+    k, so this overcounts there by at most that padding), or the one-hot dispatch's every
+    capacity slot of every expert (E x capacity / seq_len)."""
+    if sorted_rows:
+        return moe_grouped_rows(seq_len * model.experts_per_token, model.n_experts) / seq_len
+    return model.n_experts * capacity(model, seq_len) / seq_len
+
+
+def padding_flops_per_token(
+    model: ModelShape, seq_len: int, sorted_rows: bool = False
+) -> tuple[float, float]:
     """(forward, backward) FLOPs per token and layer that an MoE layer executes beyond its
-    active params (models/moe.py's fixed-shape routing): each expert runs all `capacity`
-    slots of every sequence, used or not (E x capacity / seq_len slots per token instead of k:
-    in dropless mode E / k times the active experts' work; backward twice the forward), and
-    the one-hot dispatch and combine einsums, 2 x E x capacity x embed each forward; backward,
-    the dispatch's gradient flows to the tokens only (its one-hots carry none), the combine's
-    to both operands (its weights are the router's). (0, 0) without experts."""
+    active params. Sorted dispatch (`sorted_rows`): the CPU grouped matmul's padding rows
+    (`dispatch_slots`), backward twice the forward. One-hot dispatch: each expert runs all
+    `capacity` slots of every sequence, used or not (E x capacity / seq_len slots per token
+    instead of k: in dropless mode E / k times the active experts' work; backward twice the
+    forward), and the one-hot dispatch and combine einsums, 2 x E x capacity x embed each
+    forward; backward, the dispatch's gradient flows to the tokens only (its one-hots carry
+    none), the combine's to both operands (its weights are the router's). (0, 0) without
+    experts."""
     n = model.n_experts
     if not n:
         return 0.0, 0.0
     width, e = model.expert_dim, model.embed_dim
-    slots = n * capacity(model, seq_len) / seq_len
+    slots = dispatch_slots(model, seq_len, sorted_rows)
+    if sorted_rows:
+        padding = 6 * e * width * (slots - model.experts_per_token)
+        return padding, 2 * padding
     experts = 6 * e * width * (slots - model.experts_per_token)
     einsum = 2 * n * capacity(model, seq_len) * e
     return experts + 2 * einsum, 2 * experts + 3 * einsum

@@ -86,9 +86,11 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
       full: T*e/r (the block input only);
       offload: as full on the device (dots_saveable's set waits in host memory).
     LoRA adds rank x targets per token to none and dots_saveable (each adapter's x A).
-    An MoE block replaces 3m (2m) by its buffers: per token E x capacity / t slots of the
-    dispatched input and expert output (2e), gate, up, product (3m, m the expert width /
-    tensor) and the dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
+    An MoE block replaces 3m (2m) by its buffers: per token its expert rows
+    (spmd.estimate.experts.dispatch_slots: the sorted dispatch's routed rows and their block
+    padding, or the one-hot dispatch's E x capacity / t slots) of the dispatched input and
+    expert output (2e), gate, up, product (3m, m the expert width / tensor) and, one-hot, the
+    dispatch and combine one-hots (2); 1e + 2m with dots_saveable. An
     estimate: --measure compares the compiled temp memory, not each term."""
     shape, tensor, cp = s.shape, s.mesh["tensor"], s.context
     b, t, e, d = s.micro_batch, s.seq_len, shape.embed_dim, shape.head_dim
@@ -97,9 +99,11 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     mlp_none, mlp_dots = 3 * m, 2 * m
     if shape.n_experts:  # per token: the expert buffers' slots, not k
         width = shape.expert_dim / tensor
-        slots = shape.n_experts * experts.capacity(shape, t) / t
+        sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
+        slots = experts.dispatch_slots(shape, t, sorted_rows)
+        one_hots = 0 if sorted_rows else 2
         shared = width if shape.shared_expert else 0  # its gate, up, product as a Llama's
-        mlp_none = slots * (2 * e + 3 * width + 2) + 3 * shared
+        mlp_none = slots * (2 * e + 3 * width + one_hots) + 3 * shared
         mlp_dots = slots * (e + 2 * width) + 2 * shared
     attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
     # LoRA beside the matmul: each target's x A [tokens, r] too (whole over tensor); its x is

@@ -17,6 +17,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
                               (spmd.parallel.layer_scan)
     to_experts / from_experts an MoE layer's token dispatch and combine: all_to_all over the
                               mesh axes that split `expert` (explicit); a resharding (auto)
+    experts_split()           whether the layout splits the MoE experts over devices
+    sequence_parallel(name)   whether tp_enter / tp_reduce over `name` gather / scatter length
     batch_mean(x)             mean over the data-parallel shards of a per-shard mean
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
@@ -81,6 +83,12 @@ def _sequence_axes(name: str) -> tuple[str, ...]:
     length = traced.split_axes("length")
     residual = tuple(a for a in traced.split_axes("residual_length") if a not in length)
     return tuple(a for a in traced.split_axes(name) if a in residual)
+
+
+def sequence_parallel(name: str) -> bool:
+    """Whether `tp_enter` / `tp_reduce` over `name` all_gather / psum_scatter the length
+    (sequence parallelism) rather than being an identity / psum."""
+    return bool(_sequence_axes(name))
 
 
 def tp_enter(x: jax.Array, name: str) -> jax.Array:
@@ -158,6 +166,18 @@ def from_experts(y: jax.Array) -> jax.Array:
         return constrain(y, (None, "batch", None, None))
     axes = traced.split_axes("expert")
     return lax.all_to_all(y, axes, 1, 0, tiled=True) if axes else y
+
+
+def experts_split() -> bool:
+    """Whether the layout being traced splits the MoE experts (logical `expert`) over devices
+    (ep or fsdp > 1), so that tokens travel to them by `to_experts` / `from_experts`; False
+    outside a layout (one device)."""
+    if (layout := traced.explicit()) is not None:
+        return bool(traced.mesh_axes(layout, layout.compute_rules, "expert"))
+    if (auto := traced.activations()) is None:
+        return False
+    mesh, table, _ = auto
+    return any(mesh.shape[a] > 1 for a in table.get("expert", ()))
 
 
 def batch_mean(x: jax.Array) -> jax.Array:

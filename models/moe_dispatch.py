@@ -1,0 +1,161 @@
+"""Sort-based MoE dispatch: each (token, choice) pair's row goes to its expert through one
+grouped buffer, the experts run as a grouped matmul over per-expert group sizes, and the
+weighted outputs are added back to their tokens. Only routed rows are computed (plus the
+bounded padding of the CPU kernel below), where the one-hot einsum dispatch of
+`models.moe.Experts.reference` computes E x capacity slots per sequence.
+
+Groups are sequences, as in the reference: within a sequence an expert takes at most
+`capacity` pairs in token order (token 0's choices, then token 1's, ...), and the pairs past it
+are dropped (they add nothing). A stable sort of each sequence's pairs by expert keeps them in
+that order, so a pair's place in its expert's queue is its rank in the sorted order less the
+start of its expert's run: the same pairs drop as in the reference.
+
+The grouped matmul, chosen while tracing and recorded with `note("moe_dispatch", ...)`:
+
+    gpu, tpu   jax.lax.ragged_dot over the pairs of the whole batch sorted by expert (the
+               platform's grouped kernel); not run on a GPU or TPU yet (the CPU tests run
+               `ragged_swiglu` densely and check it equals the CPU kernel)
+    cpu        XLA:CPU lowers ragged_dot densely (every row through every expert: E x the
+               FLOPs), so here each sequence's expert groups are padded to a multiple of
+               BLOCK_ROWS and a scan over the blocks multiplies each block by its own expert's
+               weights (BLOCK_ROWS: spmd.model_shape.MOE_BLOCK_ROWS). Padding: at most
+               min(E, pairs) x (BLOCK_ROWS - 1) rows per sequence; the scan's trip count is
+               fixed at trace time by that bound (spmd.model_shape.moe_grouped_rows), so the
+               experts cost at most (pairs + E x (BLOCK_ROWS - 1)) / pairs x the routed rows'
+               FLOPs. The backward pass gathers each block's weights again (a checkpointed
+               scan body) instead of keeping n_blocks copies of them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.layers import swiglu
+from spmd.model_shape import MOE_BLOCK_ROWS as BLOCK_ROWS
+from spmd.model_shape import moe_grouped_rows
+from spmd.parallel.hooks import note, tp_enter, tp_reduce
+
+
+def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
+    """experts [b, pairs] int (token-major: token 0's choices, then token 1's; `length` tokens)
+    -> [b, pairs] bool: whether the pair is within its expert's capacity in its sequence, in
+    token order."""
+    b, pairs = experts.shape
+    if capacity >= length:  # a token picks an expert at most once: nothing can drop
+        return jnp.ones((b, pairs), bool)
+    order = jnp.argsort(experts, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(experts, order, axis=-1)
+    counts = jax.vmap(lambda e: jnp.bincount(e, length=n_experts))(experts)
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    position = jnp.arange(pairs) - jnp.take_along_axis(starts, ranked, axis=-1)
+    rows = jnp.arange(b)[:, None]
+    return jnp.zeros((b, pairs), bool).at[rows, order].set(position < capacity)
+
+
+def grouped_swiglu(
+    x: jax.Array,
+    experts: jax.Array,
+    kept: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
+    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]."""
+    # (a param may hold a numpy array outside jit, which a traced index cannot index)
+    w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    if jax.default_backend() in ("gpu", "tpu"):
+        note("moe_dispatch", f"sorted, jax.lax.ragged_dot ({jax.default_backend()})")
+        return ragged_swiglu(x, experts, kept, w_gate, w_up, w_down)
+    note("moe_dispatch", f"sorted, blocked grouped matmul (cpu, {BLOCK_ROWS}-row blocks)")
+    return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
+
+
+def ragged_swiglu(
+    x: jax.Array,
+    experts: jax.Array,
+    kept: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """The grouped kernel of GPU / TPU: the batch's pairs sorted by expert (dropped pairs
+    last, outside every group), one ragged_dot per weight."""
+    b, t, d = x.shape
+    n = w_gate.shape[0]
+    pairs = experts.shape[1]
+    key = jnp.where(kept, experts, n).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
+    tokens = (order // pairs) * t + (order % pairs) // (pairs // t)
+    rows = tp_enter(x.reshape(b * t, d)[tokens], "mlp")
+    dt = x.dtype
+    gate = jax.lax.ragged_dot(rows, w_gate.astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, w_up.astype(dt), sizes)
+    out = tp_reduce(jax.lax.ragged_dot(swiglu(gate, up), w_down.astype(dt), sizes), "mlp")
+    out = jnp.where((key[order] < n)[:, None], out, 0)  # rows past the groups: dropped pairs
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    return out[back].reshape(b, pairs, d)
+
+
+def blocked_swiglu(
+    x: jax.Array,
+    experts: jax.Array,
+    kept: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """The CPU kernel: per sequence, each pair gets a slot in a buffer where every expert's
+    group starts on a block boundary; a scan over blocks runs each with its expert's weights."""
+    b, t, d = x.shape
+    n = w_gate.shape[0]
+    pairs = experts.shape[1]
+    slots = moe_grouped_rows(pairs, n)  # always holds every group, each padded
+    n_blocks = slots // BLOCK_ROWS
+    key = jnp.where(kept, experts, n)  # dropped pairs sort last, into no group
+    order = jnp.argsort(key, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(key, order, axis=-1)
+    sizes = jax.vmap(lambda e: jnp.bincount(e, length=n + 1))(key)[:, :n]
+    padded = -(-sizes // BLOCK_ROWS) * BLOCK_ROWS
+    ends = jnp.cumsum(padded, axis=-1)
+    starts = jnp.concatenate([jnp.zeros((b, 1), ends.dtype), ends], axis=-1)  # [b, E + 1]
+    group_starts = jnp.concatenate([jnp.zeros((b, 1), sizes.dtype), jnp.cumsum(sizes, -1)], -1)
+    # a pair's slot: its group's padded start + its rank within the group; dropped: `slots`
+    rank = jnp.arange(pairs) - jnp.take_along_axis(group_starts, ranked, axis=-1)
+    slot_sorted = jnp.where(ranked < n, jnp.take_along_axis(starts, ranked, -1) + rank, slots)
+    seqs = jnp.arange(b)[:, None]
+    slot = jnp.zeros((b, pairs), jnp.int32).at[seqs, order].set(slot_sorted.astype(jnp.int32))
+    # which token fills each slot (t: a zero row, for padding)
+    token = (
+        jnp.full((b, slots), t, jnp.int32)
+        .at[seqs, slot]
+        .set(
+            jnp.broadcast_to(jnp.arange(pairs, dtype=jnp.int32) // (pairs // t), (b, pairs)),
+            mode="drop",
+        )
+    )
+    padded_x = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
+    grouped = jnp.take_along_axis(padded_x, token[..., None], axis=1)  # [b, slots, d]
+    grouped = tp_enter(grouped, "mlp")  # column-parallel gate and up inside each expert
+    # each block's expert: the group whose padded run holds the block's first slot
+    first = jnp.arange(n_blocks) * BLOCK_ROWS
+    block_expert = jax.vmap(lambda e: jnp.searchsorted(e, first, side="right"))(ends)
+    block_expert = jnp.minimum(block_expert, n - 1)  # blocks past the groups: all padding
+    blocks = grouped.reshape(b, n_blocks, BLOCK_ROWS, d).swapaxes(0, 1)
+    dt = x.dtype
+
+    def block(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        rows, expert = xs  # [b, BLOCK_ROWS, d], [b]
+        gate = jnp.einsum("bsd,bdm->bsm", rows, w_gate[expert].astype(dt))
+        up = jnp.einsum("bsd,bdm->bsm", rows, w_up[expert].astype(dt))
+        return None, jnp.einsum("bsm,bmd->bsd", swiglu(gate, up), w_down[expert].astype(dt))
+
+    # the backward pass gathers each block's weights again rather than keeping them: kept, they
+    # would be n_blocks x an expert's three matrices (E x 128 rows' worth of weight copies)
+    block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)
+    _, out = jax.lax.scan(block, None, (blocks, block_expert.T))
+    out = tp_reduce(out.swapaxes(0, 1).reshape(b, slots, d), "mlp")  # row-parallel sum
+    out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # slot `slots`: 0
+    return jnp.take_along_axis(out, slot[..., None], axis=1)  # [b, pairs, d]
