@@ -259,8 +259,12 @@ def test_the_start_up_line_counts_the_block_matmuls_fp8_runs(min_dim: int, said:
     settings = Fp8Settings(min_dim=min_dim)
     policy = precision.get("fp8", "", settings)
     spec = builder.model_spec(trainer.tiny_config(), policy)
-    line = precision.describe(policy, fp8_setup.block_matmuls(spec.make, spec.loss, settings))
+    matmuls = fp8_setup.block_matmuls(spec.make, spec.loss, settings)
+    line = precision.describe(policy, matmuls)
     assert said in line and "with k and n >=" not in line, line
+    # the device line speaks of fp8's rate only where some matmul runs in fp8
+    device = fp8_setup.device_line(trainer.layout("dp=1").mesh, settings, matmuls)
+    assert (device is None) == (min_dim == 512), device
 
     def loss():
         tokens = jnp.zeros((1, 8), jnp.int32)

@@ -133,8 +133,16 @@ def in_fp8(losses: Any, policy: precision.Policy) -> Any:
     )
 
 
-def device_line(mesh: jax.sharding.Mesh, settings: fp8_context.Fp8Settings) -> str:
-    """The run's line on where its fp8 dots run and how its MFU is counted."""
+def device_line(
+    mesh: jax.sharding.Mesh,
+    settings: fp8_context.Fp8Settings,
+    matmuls: list[tuple[int, int]],
+) -> str | None:
+    """The run's line on where its fp8 dots run and how its MFU is counted; None where none of
+    the block's `matmuls` (their (k, n), `block_matmuls`) reaches fp8: the precision line then
+    says that nothing runs in fp8, and a line on fp8's rate would contradict it."""
+    if not any(fp8_context.reaches(settings, k, n) for k, n in matmuls):
+        return None
     device = mesh.devices.flat[0]
     mfu = (
         "MFU is reported against the bf16 peak (bf16-equivalent, as torchtitan and Megatron "

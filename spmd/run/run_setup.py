@@ -40,7 +40,9 @@ def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
         spec = builder.model_spec(cfg.model, policy, builder.lora_spec(cfg.model, cfg.lora))
         matmuls = fp8_setup.block_matmuls(spec.make, spec.loss, policy.fp8)
         say(precision.describe(policy, matmuls))
-        say(fp8_setup.device_line(mesh, policy.fp8))
+        device = fp8_setup.device_line(mesh, policy.fp8, matmuls)
+        if device is not None:
+            say(device)
     report = builder.pipeline_report(cfg, layout)
     if report is not None:
         say(
