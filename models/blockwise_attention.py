@@ -141,7 +141,7 @@ def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
                 s = jnp.where(seen, _logits(qi, _block(k, j, bk, 2), scale, softcap), -jnp.inf)
                 new_top = jnp.maximum(top, s.max(-1))
                 safe = jnp.where(jnp.isneginf(new_top), 0.0, new_top)
-                p = jnp.where(seen, jnp.exp(s - safe[..., None]), 0.0)
+                p = jnp.exp(s - safe[..., None])  # s is -inf where unseen, safe finite: 0
                 decay = jnp.exp(top - safe)
                 part = jnp.einsum(
                     "bkgqs,bksd->bkgqd",
@@ -198,8 +198,7 @@ def _backward_rule(scale, softcap, bq, bk, kept, d_out):
             def grads(parts):
                 dk, dv = parts
                 qi, doi = _block(q, i, bq, 3), _block(d_out, i, bq, 3)
-                raw = _logits(qi, kj, scale, 0.0)
-                s = softcap * jnp.tanh(raw / softcap) if softcap else raw
+                s = _logits(qi, kj, scale, softcap)
                 p = jnp.where(seen, jnp.exp(s - lse[i][..., None]), 0.0)
                 dv = dv + jnp.einsum(
                     "bkgqs,bkgqd->bksd", p.astype(q.dtype), doi, preferred_element_type=jnp.float32

@@ -138,7 +138,8 @@ class Family:
     lora_targets: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(
         default_factory=lambda: lora.DENSE
     )
-    # the targets --lora-targets "" picks (empty: every one of lora_targets)
+    # the targets --lora-targets "" picks (empty: every one of lora_targets; peft's default for
+    # Llama-shaped models is q_proj and v_proj, but the usual recipes, QLoRA's, adapt them all)
     lora_default: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

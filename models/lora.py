@@ -51,9 +51,6 @@ MLP: dict[str, tuple[tuple[str, ...], ...]] = {
     "down": ((STACKED, "mlp", "w_down"),),
 }
 DENSE = ATTENTION | MLP
-# peft's default for Llama-shaped models is q_proj and v_proj; the usual fine-tuning recipes
-# (QLoRA) adapt every projection, which is what spmd does unless told
-DEFAULT = tuple(DENSE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from models import family
 from spmd import lora_base
 from spmd.errors import UsageError
 from spmd.estimate import cost, lr_rule, measure, plot, recommend, search, summary
-from spmd.estimate.shape import FIELDS, PARAMS_RANGE, release_for
+from spmd.estimate.shape import PARAMS_RANGE, release_for
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import AXIS_ALIASES, MESH_AXES, parse_mesh, resolve_mesh
 from spmd.run import builder, config, plan_flags, resolve
@@ -272,9 +272,13 @@ def engine_program(s: cost.Setup, model_cfg: ModelConfig, devices: list, cfg: Co
     precision = dataclasses.replace(cfg.precision, precision=s.precision)
     optimizer = dataclasses.replace(cfg.optimizer, optimizer=s.optimizer)
     engine_cfg = dataclasses.replace(
-        cfg, model=model_cfg, run=run_cfg, parallel=parallel, precision=precision
+        cfg,
+        model=model_cfg,
+        run=run_cfg,
+        parallel=parallel,
+        precision=precision,
+        optimizer=optimizer,
     )
-    engine_cfg = dataclasses.replace(engine_cfg, optimizer=optimizer)
     mesh = mesh_lib.build_mesh(sizes, devices)
     return builder.program(engine_cfg, mesh), mesh
 
@@ -366,8 +370,7 @@ def model_shape(given: frozenset[str], model_cfg: ModelConfig, cfg: Config, plan
         f"params: embed {shape.embed_dim}, {shape.n_layers} layers, {shape.n_heads} heads, "
         f"{shape.n_kv_heads} kv heads, mlp {shape.mlp_dim}, vocab {shape.vocab_size}){scaled}"
     )
-    fields = [*FIELDS, "qk_norm"] if shape.qk_norm else list(FIELDS)
-    return shape, plan.params, described, _shape_flags(shape, fields)
+    return shape, plan.params, described, _shape_flags(shape, list(release.fields()))
 
 
 def _hf_model(given: frozenset[str], model_cfg: ModelConfig, cfg: Config) -> tuple:

@@ -172,8 +172,8 @@ def experts_split() -> bool:
     """Whether the layout being traced splits the MoE experts (logical `expert`) over devices
     (ep or fsdp > 1), so that tokens travel to them by `to_experts` / `from_experts`; False
     outside a layout (one device)."""
-    if (layout := traced.explicit()) is not None:
-        return bool(traced.mesh_axes(layout, layout.compute_rules, "expert"))
+    if traced.explicit() is not None:
+        return bool(traced.split_axes("expert"))
     if (auto := traced.activations()) is None:
         return False
     mesh, table, _ = auto

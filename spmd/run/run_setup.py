@@ -37,7 +37,7 @@ def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
     if policy.fp8 is None:
         say(precision.describe(policy))
     else:
-        spec = builder.model_spec(cfg.model, policy, builder.lora_spec(cfg.model, cfg.lora))
+        spec = builder.run_model(cfg)  # the model the run trains, its objective's loss included
         matmuls = fp8_setup.block_matmuls(spec.make, spec.loss, policy.fp8)
         say(precision.describe(policy, matmuls))
         device = fp8_setup.device_line(mesh, policy.fp8, matmuls)
