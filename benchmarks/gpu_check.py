@@ -96,6 +96,49 @@ def read_generate(work: Path, output: str) -> dict:
     return {"tokens_per_s": float(rate[-1])}
 
 
+# Two layers more than none of the Qwen3-30B-A3B shape (d 2048, 128 experts of 768, top-8, 32 q /
+# 4 kv heads of 128, vocab 151,936): four layers, one 4k sequence a row, bf16 (issue 57 item 6)
+QWEN3_MOE_4L = [
+    *("--family", "qwen3_moe", "--embed-dim", "2048", "--n-experts", "128"),
+    *("--expert-mlp-dim", "768", "--experts-per-token", "8", "--n-heads", "32"),
+    *("--n-kv-heads", "4", "--head-dim", "128", "--vocab-size", "151936", "--n-layers", "4"),
+    *("--precision", "bf16", "--batch", "4", "--seq-len", "4096", "--remat", "full"),
+]
+# Gemma 2 2B's shape: soft-capped scores and logits, every other layer a 4,096-position window
+GEMMA2_2B = [
+    *("--family", "gemma2", "--embed-dim", "2304", "--n-layers", "26", "--n-heads", "8"),
+    *("--n-kv-heads", "4", "--head-dim", "256", "--mlp-dim", "9216", "--vocab-size", "256000"),
+    *("--precision", "bf16", "--batch", "2", "--seq-len", "8192", "--remat", "full"),
+]
+
+
+def documents_corpus(work: Path) -> Path:
+    """A JSONL record corpus of this repository's docs, one paragraph a record (so most windows
+    hold several documents and the run's document mask is on), repeated to about 4 MB."""
+    corpus = work / "documents.jsonl"
+    if not corpus.exists():
+        paragraphs = [
+            p.strip() for f in sorted((ROOT / "docs").rglob("*.md"))
+            for p in f.read_text().split("\n\n") if p.strip()
+        ]  # fmt: skip
+        lines = [json.dumps({"text": p}) for p in paragraphs]
+        copies = max(1, 4_000_000 // max(1, sum(map(len, lines))))
+        corpus.write_text("\n".join(lines * copies) + "\n")
+    return corpus
+
+
+def documents_bench(name: str, mask: str) -> Item:
+    """The 1b bench on the documents corpus with --document-mask `mask` (on / off)."""
+    item = bench_item(name, ["--remat", "none", "--document-mask", mask], 120)
+    flags = item.command
+
+    def command(work: Path) -> list[str]:
+        data = ["--data", str(documents_corpus(work)), "--data-cache", str(work / "doc_tokens")]
+        return [*flags(work), *data]
+
+    return dataclasses.replace(item, command=command)
+
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 TORCH = [os.environ.get("TORCH_PYTHON", sys.executable)]
 
@@ -124,6 +167,17 @@ def gpu_items() -> list[Item]:
                    env={"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}),
         bench_item("bench_long", ["--remat", "none", "--batch", "2", "--seq-len", "8192"]),
         bench_item("bench_batch16", ["--remat", "full", "--batch", "16"], 90),
+        # issue 58 item 5: packed documents (the kernel the run records), Gemma 2's soft-cap and
+        # per-layer windows; issue 57 item 6: fine-grained MoE (the grouped kernel recorded)
+        documents_bench("bench_documents", "on"),
+        documents_bench("bench_documents_off", "off"),
+        Item("bench_gemma2", lambda w: [
+            sys.executable, "-m", "spmd.bench", *GEMMA2_2B, "--steps", "6", "--rounds", "2",
+            "--json", str(w / "bench_gemma2.json")], 150, bench_item("bench_gemma2", []).read),
+        Item("bench_qwen3_moe", lambda w: [
+            sys.executable, "-m", "spmd.bench", *QWEN3_MOE_4L, "--steps", "6", "--rounds", "2",
+            "--json", str(w / "bench_qwen3_moe.json")], 150,
+            bench_item("bench_qwen3_moe", []).read),
         Item("torch_eager", lambda w: [*TORCH, str(BENCHMARKS / "torch_gpu.py")], 90,
              read_json_line, "torch"),
         Item("torch_compile", lambda w: [*TORCH, str(BENCHMARKS / "torch_gpu.py"), "--compile"],
@@ -219,8 +273,11 @@ def headline(name: str, r: dict[str, Any]) -> str:
     if "median_s" in r and isinstance(r["median_s"], dict):
         m = r["median_s"]
         mfu = r.get("mfu", {}).get("spmd")
-        return f"spmd {m['spmd'] * 1e3:.1f} ms, bare {m['bare'] * 1e3:.1f} ms" + (
-            f", MFU {mfu:.1%}" if mfu else ""
+        kernels = {k: v for k, v in r.get("model_choices", {}).items() if k != "fp8"}
+        return (
+            f"spmd {m['spmd'] * 1e3:.1f} ms, bare {m['bare'] * 1e3:.1f} ms"
+            + (f", MFU {mfu:.1%}" if mfu else "")
+            + (f", {kernels}" if kernels else "")
         )
     if "median_step_time_s" in r:
         return (

@@ -40,6 +40,7 @@ from spmd.estimate import hlo
 from spmd.io import data, tokens
 from spmd.log import say
 from spmd.parallel import traced_layout
+from spmd.parallel.hooks import notes
 from spmd.parallel.mesh import format_mesh, setup_mesh
 from spmd.run import builder, checks, config, resolve, run_setup
 from spmd.run.config import Config
@@ -115,7 +116,8 @@ def run(argv: list[str] | None) -> int:
         write_json(out, {"error": tail})
         return 1
     rows = report(cfg, program, times, compile_s, f"{rounds} rounds x {per_round} steps")
-    write_json(out, {**rows, "times_s": times, "compile_s": compile_s})
+    choices = dict(notes())  # the kernels traced: attention's, the MoE dispatch's
+    write_json(out, {**rows, "times_s": times, "compile_s": compile_s, "model_choices": choices})
     return 0
 
 
