@@ -68,19 +68,29 @@ def h100_mesh(axes: tuple[str, ...]):
 
 def trace_as_gpu() -> None:
     """Make the tracing side believe it runs on the H100: models/attention.py picks cuDNN's
-    flash attention where jax.default_backend() is "gpu", and jax's cuDNN attention checks the
-    local GPU's compute capability (there is none)."""
+    flash attention and models/moe_dispatch.py its GPU grouped matmul where
+    jax.default_backend() is "gpu", and jax's cuDNN attention checks the local GPU's compute
+    capability (there is none)."""
     import jax
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     import models.attention as attention
+    import models.grouped_matmul as grouped_matmul
+    import models.moe_dispatch as moe_dispatch
 
     class OnGpu(types.ModuleType):
         def __getattr__(self, name: str):
             return getattr(jax, name)
 
-    attention.jax = OnGpu("jax")
-    attention.jax.default_backend = lambda: "gpu"
+    h100 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
+    on_gpu = OnGpu("jax")
+    on_gpu.default_backend = lambda: "gpu"  # type: ignore[attr-defined]
+    on_gpu.devices = lambda *_: [h100]  # type: ignore[attr-defined]
+    # the modules that pick a kernel per platform, and the Mosaic kernel that sizes its grid
+    # by the device's cores
+    for chooser in (attention, moe_dispatch, grouped_matmul, transposed_ragged_dot_mgpu):
+        chooser.jax = on_gpu  # type: ignore[attr-defined]
     version = lambda text: tuple(int(x) for x in text.split("."))  # noqa: E731
     cudnn_attention.check_compute_capability = lambda c: CAPABILITY >= version(c)
     cudnn_attention.is_cuda_compute_capability_equal = lambda c: CAPABILITY == version(c)

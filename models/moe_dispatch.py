@@ -12,10 +12,13 @@ start of its expert's run: the same pairs drop as in the reference.
 
 The grouped matmul, chosen while tracing and recorded with `note("moe_dispatch", ...)`:
 
-    gpu, tpu   jax.lax.ragged_dot over the pairs of the whole batch sorted by expert (the
-               platform's grouped kernel); not run on a GPU or TPU yet (the CPU tests run
-               `ragged_swiglu` densely and check it equals the CPU kernel)
-    cpu        XLA:CPU lowers ragged_dot densely (every row through every expert: E x the
+    hopper     the pairs of the whole batch sorted by expert through jax's Pallas Mosaic GPU
+               grouped kernels (models.grouped_matmul, under a custom VJP), where the dims
+               fit their tiles and the dtype is 16-bit; seen in the H100 program, not yet run
+    tpu        the same through jax.lax.ragged_dot, TPU's grouped lowering (not run yet); the
+               CPU tests run `ragged_swiglu` (ragged_dot, densely) against the kernel below
+    cpu, gpu   XLA:CPU, and XLA:GPU where the Hopper kernels do not apply, lower ragged_dot
+               densely (every row through every expert: E x the
                FLOPs), so here each sequence's expert groups are padded to a multiple of
                BLOCK_ROWS and a scan over the blocks multiplies each block by its own expert's
                weights (BLOCK_ROWS: spmd.model_shape.MOE_BLOCK_ROWS). Padding: at most
@@ -31,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models import grouped_matmul
 from models.layers import swiglu
 from spmd.model_shape import MOE_BLOCK_ROWS as BLOCK_ROWS
 from spmd.model_shape import moe_grouped_rows
@@ -65,10 +69,16 @@ def grouped_swiglu(
     [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]."""
     # (a param may hold a numpy array outside jit, which a traced index cannot index)
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
-    if jax.default_backend() in ("gpu", "tpu"):
-        note("moe_dispatch", f"sorted, jax.lax.ragged_dot ({jax.default_backend()})")
+    backend = jax.default_backend()
+    d, m = w_gate.shape[1:]
+    kernel = grouped_matmul.kernel_name(d, m, x.dtype)
+    if kernel == grouped_matmul.kernel_name(m, d, x.dtype) and (
+        backend == "tpu" or kernel == "pallas mosaic gpu"
+    ):
+        note("moe_dispatch", f"sorted, {kernel} ({backend})")
         return ragged_swiglu(x, experts, kept, w_gate, w_up, w_down)
-    note("moe_dispatch", f"sorted, blocked grouped matmul (cpu, {BLOCK_ROWS}-row blocks)")
+    # XLA:CPU, and XLA:GPU short of the Hopper kernels, lower ragged_dot densely
+    note("moe_dispatch", f"sorted, blocked grouped matmul ({backend}, {BLOCK_ROWS}-row blocks)")
     return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
 
 
@@ -80,8 +90,8 @@ def ragged_swiglu(
     w_up: jax.Array,
     w_down: jax.Array,
 ) -> jax.Array:
-    """The grouped kernel of GPU / TPU: the batch's pairs sorted by expert (dropped pairs
-    last, outside every group), one ragged_dot per weight."""
+    """The grouped kernel of GPU / TPU (models.grouped_matmul): the batch's pairs sorted by
+    expert (dropped pairs last, outside every group), one grouped matmul per weight."""
     b, t, d = x.shape
     n = w_gate.shape[0]
     pairs = experts.shape[1]
@@ -91,9 +101,9 @@ def ragged_swiglu(
     tokens = (order // pairs) * t + (order % pairs) // (pairs // t)
     rows = tp_enter(x.reshape(b * t, d)[tokens], "mlp")
     dt = x.dtype
-    gate = jax.lax.ragged_dot(rows, w_gate.astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, w_up.astype(dt), sizes)
-    out = tp_reduce(jax.lax.ragged_dot(swiglu(gate, up), w_down.astype(dt), sizes), "mlp")
+    gate = grouped_matmul.matmul(rows, w_gate.astype(dt), sizes)
+    up = grouped_matmul.matmul(rows, w_up.astype(dt), sizes)
+    out = tp_reduce(grouped_matmul.matmul(swiglu(gate, up), w_down.astype(dt), sizes), "mlp")
     out = jnp.where((key[order] < n)[:, None], out, 0)  # rows past the groups: dropped pairs
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
     return out[back].reshape(b, pairs, d)

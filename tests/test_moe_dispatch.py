@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import moe, moe_dispatch
+from models import grouped_matmul, moe, moe_dispatch
 from spmd.estimate import flops
 from spmd.parallel import hooks
 from spmd.run import config
@@ -154,3 +154,39 @@ def test_the_gpu_kernel_path_equals_the_cpu_one():
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True):
         assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
+
+
+def test_the_grouped_custom_vjp_equals_autodiff_of_ragged_dot():
+    """models.grouped_matmul's custom VJP (the Hopper kernels' backward pass), run here with
+    jax.lax's reference kernels, against autodiff of ragged_dot: values and both gradients,
+    with rows past the groups (dropped pairs) coming out, and sending back, zero."""
+    rows_key, w_key, dy_key = jax.random.split(jax.random.key(3), 3)
+    rows = jax.random.normal(rows_key, (40, 8))
+    w = jax.random.normal(w_key, (3, 8, 5))
+    dy = jax.random.normal(dy_key, (40, 5))
+    sizes = jnp.array([7, 0, 25], jnp.int32)  # an empty group; rows 32..39 in none
+
+    def plain(rows, w):
+        out = jax.lax.ragged_dot(rows, w, sizes)
+        return jnp.where((jnp.arange(40) < 32)[:, None], out, 0)
+
+    def custom(rows, w):
+        return grouped_matmul.grouped(rows, w, sizes, grouped_matmul.REFERENCE)
+
+    want, want_vjp = jax.vjp(plain, rows, w)
+    got, got_vjp = jax.vjp(custom, rows, w)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(got[32:]).any()
+    for g, r in zip(got_vjp(dy), want_vjp(dy), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got_vjp(dy)[0][32:]).any()
+
+
+def test_the_hopper_kernels_fit_the_qwen3_moe_shape_and_refuse_fp32():
+    """The Mosaic kernels' tile rule: Qwen3-30B-A3B's experts (2048 -> 768 and back) fit in
+    bf16; fp32 (these tests' dtype) and moe-tiny's dims do not, so they take another path."""
+    assert grouped_matmul.hopper_fits(2048, 768, jnp.bfloat16)
+    assert grouped_matmul.hopper_fits(768, 2048, jnp.bfloat16)
+    assert not grouped_matmul.hopper_fits(2048, 768, jnp.float32)
+    assert not grouped_matmul.hopper_fits(32, 64, jnp.bfloat16)
+    assert grouped_matmul.kernel_name(2048, 768, jnp.bfloat16) == "jax.lax.ragged_dot"  # cpu
