@@ -197,3 +197,20 @@ def test_checkpoint_dir_none_keeps_the_folder_but_saves_no_checkpoints():
     assert placed.checkpoint.checkpoint_dir == "" and placed.observe.metrics == "r/metrics.jsonl"
     without = train.Config.of(train.resolve_sections([*given[:2], "--checkpoint-dir", "none"]))
     assert run_folder.with_paths(without, None).checkpoint.checkpoint_dir == ""
+
+
+def test_a_run_folder_resumes_from_another_folder_and_after_a_move(corpus, tmp_path, monkeypatch):
+    """The metrics record names the checkpoints as the run was given them (relative to the
+    folder it started in): resumed from another folder, or moved whole, the run folder is still
+    its own run's, and another run's --metrics into it is still refused."""
+    args = [*ARGS, *data_args(corpus), "--steps", "4", "--tracker", "none"]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert train.main([*args, "--run-dir", "runs/a", "--stop-after", "2"]) == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert train.main([*args, "--run-dir", "../runs/a", "--stop-after", "3"]) == 0
+    (tmp_path / "runs" / "a").rename(tmp_path / "moved")
+    assert train.main([*args, "--run-dir", "../moved"]) == 0
+    assert checkpoint.complete_steps(str(tmp_path / "moved" / "checkpoints"))[-1] == 4
+    other = [*args, "--checkpoint-dir", "other", "--metrics", "../moved/metrics.jsonl"]
+    assert train.main(other) == 2

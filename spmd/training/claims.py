@@ -26,6 +26,7 @@ two runs started together both take it: a lock that fails silently is worse than
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,13 @@ def metrics_owner(path: str) -> str | None:
     """The checkpoint folder that an existing spmd metrics JSONL's run named ("" for none);
     None when `path` does not exist or is empty. UsageError when it is not an spmd metrics
     JSONL."""
+    flat = metrics_config(path)
+    return None if flat is None else str(flat.get("checkpoint_dir") or "")
+
+
+def metrics_config(path: str) -> dict | None:
+    """The flat config of an existing spmd metrics JSONL's first record; None when `path` does
+    not exist or is empty. UsageError when it is not an spmd metrics JSONL."""
     if not paths.exists(path):
         return None
     try:
@@ -121,14 +129,27 @@ def metrics_owner(path: str) -> str | None:
         record = json.loads(first)
         if not isinstance(record, dict) or record.get("kind") != "config":
             raise ValueError("its first line is not an spmd config record")
-        flat = sections.flat_values(record.get("config") or {})
+        return sections.flat_values(record.get("config") or {})
     except (OSError, ValueError, AttributeError) as e:
         why = e if isinstance(e, ValueError) and "spmd" in str(e) else "not JSON lines"
         raise UsageError(
             f"--metrics {path} exists and is not an spmd metrics file ({why}); spmd would "
             f"overwrite it: give a new path"
         ) from None
-    return str(flat.get("checkpoint_dir") or "")
+
+
+def owner_here(path: str, owner: str, recorded_metrics: str) -> str:
+    """The recorded checkpoint folder `owner` placed as it lies from the metrics file `path`
+    now: the record wrote both paths as the run was given them (relative to the folder it
+    started in), so a run folder resumed from another folder, or moved whole, keeps its
+    checkpoints where its metrics say. `owner` as recorded where the two paths cannot be
+    related (a bucket, one absolute and one relative, no metrics path recorded)."""
+    if not recorded_metrics or any(paths.is_url(p) for p in (path, owner, recorded_metrics)):
+        return owner
+    if Path(owner).is_absolute() != Path(recorded_metrics).is_absolute():
+        return owner
+    apart = os.path.relpath(owner, os.path.dirname(recorded_metrics) or ".")
+    return str(Path(paths.local(path)).parent / apart)
 
 
 def check_metrics(cfg: Config) -> None:
@@ -136,9 +157,12 @@ def check_metrics(cfg: Config) -> None:
     path = cfg.observe.metrics
     if not path:
         return
-    owner = metrics_owner(path)
+    flat = metrics_config(path)
+    owner = None if flat is None else str(flat.get("checkpoint_dir") or "")
     mine = cfg.checkpoint.checkpoint_dir
-    if owner is None or not owner or not mine or same_folder(owner, mine):
+    if owner is None or not owner or not mine:
+        return
+    if same_folder(owner_here(path, owner, str(flat.get("metrics") or "")), mine):
         return
     raise UsageError(
         f"--metrics {path} holds the metrics of another run (its checkpoints in {owner}, this "
