@@ -19,6 +19,8 @@ still available):
     JAX_PLATFORMS=cpu /tmp/gpuvenv/bin/python benchmarks/h100_compile.py fp8
     JAX_PLATFORMS=cpu /tmp/gpuvenv/bin/python benchmarks/h100_compile.py train \\
         --config configs/1b.toml --precision bf16 --remat none --batch 8 --seq-len 2048
+    JAX_PLATFORMS=cpu /tmp/gpuvenv/bin/python benchmarks/h100_compile.py train \\
+        --config configs/1b.toml --precision bf16 --remat none --document-mask on
 
 XLA_FLAGS pass through (e.g. --xla_gpu_enable_triton_gemm=false: every dot a cuBLAS call);
 spmd.train's GPU flags (spmd.parallel.xla_flags, the throughput preset) are added as spmd.train
@@ -96,6 +98,15 @@ def trace_as_gpu() -> None:
     cudnn_attention.is_cuda_compute_capability_equal = lambda c: CAPABILITY == version(c)
 
 
+def square_buffers(compiled, length: int) -> int:
+    """Instructions of the optimized program whose result has two dims of `length` (an
+    attention's length x length scores or probabilities); 0 where attention stays fused."""
+    from spmd.estimate import hlo
+
+    pattern = re.compile(rf"\b{length},(\d+,)*{length}\b")
+    return sum(1 for _, _, shape, *_ in hlo.instructions(compiled) if pattern.search(shape))
+
+
 def summary(compiled) -> dict:
     """What the optimized GPU program holds: custom calls and Triton matmul fusions executed
     per step (loop trips counted), the dots by operand and result types (each once, fused or
@@ -154,7 +165,10 @@ def train_step(argv: list[str]) -> None:
     # XLA reads the flags when the first backend starts: h100_mesh below, nothing before it
     os.environ["XLA_FLAGS"] = xla_flags.merge(os.environ.get("XLA_FLAGS", ""), wanted)[0]
     trace_as_gpu()  # for this process: the script runs nothing on the CPU afterwards
-    program = builder.program(cfg, h100_mesh(MESH_AXES))
+    # `--document-mask on`: batches with document ids, as a record corpus gives them
+    fields = ("inputs", "targets", "segments") if cfg.data.document_mask == "on" else None
+    mesh = h100_mesh(MESH_AXES)
+    program = builder.program(cfg, mesh, fields) if fields else builder.program(cfg, mesh)
     start = time.perf_counter()
     compiled = program.lower_train_step(cfg.run.batch, cfg.run.seq_len).compile()
     from spmd.parallel.hooks import notes
@@ -163,6 +177,7 @@ def train_step(argv: list[str]) -> None:
     print(f"compiled in {time.perf_counter() - start:.1f} s; model choices: {notes()}")
     for key, value in summary(compiled).items():
         print(f"{key}: {value}")
+    print(f"length x length buffers: {square_buffers(compiled, cfg.run.seq_len)}")
 
 
 def main() -> None:

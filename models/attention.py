@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import pallas_attention
 from models.blockwise_attention import BLOCK_K, blockwise_attention
 from models.layers import (
     RESIDUAL,
@@ -178,14 +179,16 @@ def causal_attention(
     On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
     implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
     multiple of 8 up to 128, ...; JAX checks them while tracing and says no with an exception),
-    else (document masks, soft-capping, a per-layer window, other platforms and dtypes) the
-    blockwise kernel (models.blockwise_attention: online softmax over key blocks, wholly
-    masked blocks skipped, a custom backward pass that recomputes), whose memory is linear in
-    length, when the length spans more than one key block (BLOCK_K positions); within one
-    block, XLA's `chunked_causal_attention` (5/8 of the scores by its query chunks, faster on
-    a CPU, docs/speed.md), whose backward pass also recomputes. The choice is recorded with
-    `note("attention", ...)` for the run's report: "cudnn", "blockwise (document mask)",
-    "xla (soft-capping)", ..."""
+    with document masks (and no window or soft-cap) jax's Pallas Triton flash attention, which
+    takes document ids (models.pallas_attention); else (soft-capping, a per-layer window,
+    windows within documents, other platforms and dtypes) the blockwise kernel
+    (models.blockwise_attention: online softmax over key blocks, wholly masked blocks skipped,
+    a custom backward pass that recomputes), whose memory is linear in length, when the length
+    spans more than one key block (BLOCK_K positions); within one block, XLA's
+    `chunked_causal_attention` (5/8 of the scores by its query chunks, faster on a CPU,
+    docs/speed.md), whose backward pass also recomputes. The choice is recorded with
+    `note("attention", ...)` for the run's report: "cudnn", "blockwise (document mask)", "xla
+    (soft-capping)", ..."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
     static = isinstance(window, int)
     band = (window - 1, 0) if isinstance(window, int) and window else None
@@ -193,8 +196,12 @@ def causal_attention(
         reason = "soft-capping"
     elif not static:  # nor a window known only inside the layer scan
         reason = "per-layer window"
-    elif segments is not None:  # nor document masks in this layout
+    elif segments is not None:  # nor document masks: on a GPU, Pallas' kernel takes them
         reason = "document mask"
+        gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+        if gpu and not window and pallas_attention.takes(q, k, v):
+            note("attention", "pallas triton (document mask)")
+            return pallas_attention.document_attention(q, k, v, segments, scale)
     elif jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             out = jax.nn.dot_product_attention(
