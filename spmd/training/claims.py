@@ -158,9 +158,9 @@ def check_metrics(cfg: Config) -> None:
     if not path:
         return
     flat = metrics_config(path)
-    owner = None if flat is None else str(flat.get("checkpoint_dir") or "")
+    owner = "" if flat is None else str(flat.get("checkpoint_dir") or "")
     mine = cfg.checkpoint.checkpoint_dir
-    if owner is None or not owner or not mine:
+    if flat is None or not owner or not mine:
         return
     if same_folder(owner_here(path, owner, str(flat.get("metrics") or "")), mine):
         return
