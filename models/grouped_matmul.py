@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ REFERENCE = Kernels(
 def _mosaic_kernels() -> Kernels:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
-    tiles = dict(
+    tiles: dict[str, Any] = dict(
         block_m=TILE_M,
         block_n=TILE_N,
         block_k=TILE_K,

@@ -38,7 +38,7 @@ from models import grouped_matmul
 from models.layers import swiglu
 from spmd.model_shape import MOE_BLOCK_ROWS as BLOCK_ROWS
 from spmd.model_shape import moe_grouped_rows
-from spmd.parallel.hooks import note, tp_enter, tp_reduce
+from spmd.parallel.hooks import note, per_shard, tp_enter, tp_reduce
 
 
 def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
@@ -76,7 +76,15 @@ def grouped_swiglu(
         backend == "tpu" or kernel == "pallas mosaic gpu"
     ):
         note("moe_dispatch", f"sorted, {kernel} ({backend})")
-        return ragged_swiglu(x, experts, kept, w_gate, w_up, w_down)
+        # per device under the auto executor: XLA can partition neither the batch-wide sort
+        # nor a Pallas call, and would run the global batch on every device (under auto with
+        # tp the experts' weights arrive whole, each device running all of their hidden dim)
+        tokens, pairs, whole = ("batch", None, None), ("batch", None), (None, None, None)
+        return per_shard(
+            ragged_swiglu,
+            *(x, experts, kept, w_gate, w_up, w_down),
+            names=(tokens, pairs, pairs, whole, whole, whole),
+        )
     # XLA:CPU, and XLA:GPU short of the Hopper kernels, lower ragged_dot densely
     note("moe_dispatch", f"sorted, blocked grouped matmul ({backend}, {BLOCK_ROWS}-row blocks)")
     return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)

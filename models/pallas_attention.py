@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
+from spmd.parallel.hooks import per_shard
+
 # query / key block rows of the forward kernel and of both backward kernels: jax's defaults
 BLOCKS = triton_attention.BlockSizes.get_default()
 
@@ -40,7 +42,27 @@ def document_attention(
     """Causal attention within documents: q [batch, length, heads, head_dim], k and v [batch,
     length, kv_heads, head_dim], `segments` [batch, length] int document ids -> [batch,
     length, heads, head_dim] in q's dtype. `interpret`: run the kernel in Pallas' interpreter
-    (any platform; the tests' CPU)."""
+    (any platform; the tests' CPU). Under the auto executor it runs per shard of the batch
+    and heads (hooks.per_shard): XLA cannot partition the kernel itself."""
+    heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+    return per_shard(
+        lambda q, k, v, segments: _attention(q, k, v, segments, scale, interpret),
+        q,
+        k,
+        v,
+        segments,
+        names=(heads, kv_heads, kv_heads, ("batch", None)),
+    )
+
+
+def _attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array,
+    scale: float | None,
+    interpret: bool,
+) -> jax.Array:
     groups = q.shape[2] // k.shape[2]
     if groups > 1:  # query head i reads kv head i // groups, as grouped-query attention does
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import grouped_matmul, moe, moe_dispatch
+from spmd.api import make_mesh
 from spmd.estimate import flops
-from spmd.parallel import hooks
+from spmd.parallel import hooks, traced_layout
 from spmd.run import config
 
 BATCH, LENGTH = 4, 32
@@ -190,3 +192,30 @@ def test_the_hopper_kernels_fit_the_qwen3_moe_shape_and_refuse_fp32():
     assert not grouped_matmul.hopper_fits(2048, 768, jnp.float32)
     assert not grouped_matmul.hopper_fits(32, 64, jnp.bfloat16)
     assert grouped_matmul.kernel_name(2048, 768, jnp.bfloat16) == "jax.lax.ragged_dot"  # cpu
+
+
+def test_the_gpu_path_runs_per_device_under_the_auto_executor():
+    """Under the auto executor the GPU / TPU branch sorts each device's own pairs
+    (hooks.per_shard, as grouped_swiglu calls it): the batch-wide sort and a Pallas call are
+    nothing XLA can partition. dp=4: the same outputs as one device, and no all-gather of the
+    tokens (the compiled program has none at all: the weights are replicated here)."""
+    cfg = tiny(1.25)
+    experts, x = first_experts(cfg), inputs(cfg)
+    _, _, _, top = experts.choose(x)
+    pairs = top.reshape(BATCH, -1)
+    kept = moe_dispatch.kept_pairs(pairs, cfg.n_experts, cfg.capacity(LENGTH), LENGTH)
+    weights = (experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+    mesh = make_mesh("dp=4")
+    tokens, rows = (NamedSharding(mesh, PartitionSpec("data")) for _ in range(2))
+
+    def sharded(x, pairs, kept, *weights):
+        with traced_layout.activation_layout(mesh, 0):
+            names = (("batch", None, None), ("batch", None), ("batch", None), *[(None,) * 3] * 3)
+            return hooks.per_shard(
+                moe_dispatch.ragged_swiglu, x, pairs, kept, *weights, names=names
+            )
+
+    step = jax.jit(sharded, in_shardings=(tokens, rows, rows, None, None, None))
+    assert "all-gather" not in step.lower(x, pairs, kept, *weights).compile().as_text()
+    want = moe_dispatch.ragged_swiglu(x, pairs, kept, *weights)
+    np.testing.assert_allclose(step(x, pairs, kept, *weights), want, rtol=1e-5, atol=1e-6)

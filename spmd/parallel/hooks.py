@@ -60,8 +60,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.parallel import fp8_context, layer_scan, param_gather, ring_attention, rules
 from spmd.parallel import traced_layout as traced
 from spmd.parallel.fp8_context import Site as Fp8Site
+from spmd.parallel.kernel_shards import per_shard
 
-__all__ = ["Fp8Site"]  # re-exported: models/fp8.py's type of a site
+# re-exported: models/fp8.py's type of a site; the models' road to per_shard
+__all__ = ["Fp8Site", "per_shard"]
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
 
