@@ -36,6 +36,7 @@ from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     constrain,
+    document_positions,
     gather,
     scan_layers,
     token_positions,
@@ -256,7 +257,7 @@ class Llama(nnx.Module):
         if segments is None:
             positions = token_positions(x)  # global positions, also under SP and CP
         else:  # rotary positions restart at each document
-            positions = segment_positions(segments)
+            positions = document_positions(segments, segment_positions)
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
