@@ -288,7 +288,7 @@ def attention(
     spec = PartitionSpec(None, axis)
     specs = (spec, spec, spec) + ((spec,) if segments is not None else ())
     mapped = jax.shard_map(
-        lambda q, k, v, *segments: ring(q, k, v, *segments),
+        lambda q, k, v, *ids: ring(q, k, v, segments=ids[0] if ids else None),
         mesh=mesh,
         in_specs=specs,
         out_specs=spec,
