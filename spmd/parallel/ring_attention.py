@@ -14,6 +14,13 @@ earlier device (j < i) attends with both its chunks to the first visiting chunk;
 (j > i) with its second chunk to both; either way two c x c blocks of c = length / (2·cp)
 tokens, unmasked. Only step 0 (its own chunks) needs a causal mask.
 
+Packed documents and sliding windows only remove pairs from those blocks, so the same blocks
+are computed and masked: the keys' document ids (segments, int32) travel round the ring with
+the keys and values (4 bytes per token per step, against 2 x kv_heads x head_dim x the dtype's
+bytes of the keys and values), and a window masks by the global positions of both sides
+(`balanced_order`'s block of each device). A row that sees no key of a block, as a query
+whose document starts after that block does, gets (0, EMPTY) from it.
+
 Everything here runs inside a `shard_map` that is manual over the ring's axis; the arrays are
 each device's local blocks [batch, 2c, heads, head_dim].
 """
