@@ -152,8 +152,8 @@ def check(cfg: Gemma2Config) -> None:
 
 def check_layout(cfg: Gemma2Config, mesh: Any, executor: str) -> None:
     """UsageError for layouts the model cannot run: context parallelism (ring attention has
-    no per-layer window, soft-cap or query scale) and a pipeline whose stages do not each hold a whole
-    number of local / global periods (each stage counts its layers from 0)."""
+    no per-layer window, soft-cap or query scale) and a pipeline whose stages do not each hold
+    a whole number of local / global periods (each stage counts its layers from 0)."""
     if mesh.shape["context"] > 1:
         raise UsageError(
             f"cp={mesh.shape['context']} with a {cfg.family} model: ring attention computes "
