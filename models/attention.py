@@ -137,9 +137,9 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
         q, k, v = self.project(x, positions)
-        # ring attention when length is split over `context` (refused with document masks and
-        # with a sliding window: llama.check_layout)
-        out = attention(q, k, v, lambda q, k, v: causal_attention(q, k, v, segments, self.window))
+        # ring attention when length is split over `context`, within documents and the window
+        local = lambda q, k, v: causal_attention(q, k, v, segments, self.window)  # noqa: E731
+        out = attention(q, k, v, local, segments, self.window)
         out = dense(out, weight(self, "wo"), inputs=2)
         # row-parallel: sum the heads' partial outputs
         return constrain(tp_reduce(out, "heads"), RESIDUAL)

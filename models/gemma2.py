@@ -152,13 +152,13 @@ def check(cfg: Gemma2Config) -> None:
 
 def check_layout(cfg: Gemma2Config, mesh: Any, executor: str) -> None:
     """UsageError for layouts the model cannot run: context parallelism (ring attention has
-    no window, soft-cap or query scale) and a pipeline whose stages do not each hold a whole
-    number of local / global periods (each stage counts its layers from 0)."""
+    no per-layer window, soft-cap or query scale) and a pipeline whose stages do not each hold
+    a whole number of local / global periods (each stage counts its layers from 0)."""
     if mesh.shape["context"] > 1:
         raise UsageError(
             f"cp={mesh.shape['context']} with a {cfg.family} model: ring attention computes "
-            f"plain attention, without Gemma's sliding window (--sliding-window "
-            f"{cfg.sliding_window}), soft-capping or query_pre_attn_scalar scale; use cp=1"
+            f"neither Gemma's per-layer sliding window (--sliding-window {cfg.sliding_window} "
+            f"on its local layers), soft-capping nor query_pre_attn_scalar scale; use cp=1"
         )
     stages = mesh.shape["pipeline"]
     if stages > 1 and (cfg.n_layers % stages or (cfg.n_layers // stages) % cfg.period):

@@ -36,6 +36,7 @@ from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     constrain,
+    document_positions,
     gather,
     scan_layers,
     token_positions,
@@ -162,15 +163,11 @@ def check_rope(cfg: LlamaConfig) -> None:
 
 
 def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
-    """UsageError for what the model does not compose with: a sliding window with context
-    parallelism (ring attention passes whole chunks of keys around the ring and masks only
-    causally)."""
-    if cfg.sliding_window and mesh.shape["context"] > 1:
-        raise UsageError(
-            f"--sliding-window {cfg.sliding_window} with cp={mesh.shape['context']}: ring "
-            f"attention does not mask a sliding window; use cp=1 (sequence parallelism "
-            f"splits long activations too) or no sliding window"
-        )
+    """UsageError for what the model does not compose with: nothing any more. The families
+    built on it (Phi-3, OLMo 2, the MoE) call it before their own refusals. A sliding window
+    and document masks compose with context parallelism: the ring masks both
+    (spmd.parallel.ring_attention)."""
+    del cfg, mesh, executor
 
 
 class MLP(nnx.Module):
@@ -256,7 +253,7 @@ class Llama(nnx.Module):
         if segments is None:
             positions = token_positions(x)  # global positions, also under SP and CP
         else:  # rotary positions restart at each document
-            positions = segment_positions(segments)
+            positions = document_positions(segments, segment_positions)
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:

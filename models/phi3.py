@@ -14,7 +14,7 @@ differences are elsewhere:
   tensor table; models/hf_tensors.py's fused rules).
 - the sliding window: transformers 5 masks `sliding_window` (Phi-3-mini-4k: 2047) in every
   layer whenever config.json sets it, the band Mistral's is (models/attention.py), so it is
-  LlamaConfig.sliding_window. Context parallelism is refused with it (llama.check_layout).
+  LlamaConfig.sliding_window, which the ring masks under context parallelism too.
 - LongRoPE (Phi-3.5-mini, the 128k models; models/rope.py): per rotated pair a divisor of its
   frequency, `short_factor`s while a forward pass's positions stay within
   original_max_position_embeddings, `long_factor`s beyond, and cos and sin scaled by an
@@ -109,8 +109,8 @@ def check_longrope(cfg: Phi3Config) -> None:
 
 
 def check_layout(cfg: Phi3Config, mesh: Any, executor: str) -> None:
-    """UsageError for layouts the model does not compose with: the Llama's (a sliding window
-    with context parallelism), and LongRoPE with context parallelism (its set of factors
+    """UsageError for layouts the model does not compose with: the Llama's (llama.check_layout),
+    and LongRoPE with context parallelism (its set of factors
     depends on the longest position, which a device holding a part of them does not see)."""
     llama.check_layout(cfg, mesh, executor)
     if cfg.rope_scaling == "longrope" and mesh.shape["context"] > 1:

@@ -220,7 +220,5 @@ def test_bad_context_flags_name_the_value():
     check_sequence_split(64, {"context": 4, "tensor": 2}, True)
     with pytest.raises(UsageError, match="MoE model"):
         check_sequence_split(64, {"context": 2}, False, moe=True)
-    with pytest.raises(UsageError, match="ring attention does not mask documents"):
-        check_sequence_split(64, {"context": 2}, False, document_mask=True)
     with pytest.raises(UsageError, match="--accum 2 with cp > 1 needs --collectives explicit"):
         trainer.program(trainer.layout("dp=2,cp=2"), 2, "auto")

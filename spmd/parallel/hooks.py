@@ -23,6 +23,7 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
+    document_positions(s, f)  rotary positions restarting per document, also under CP
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
     training()                whether a train step is being traced (dropout applies; not eval)
@@ -48,12 +49,14 @@ model runs unchanged on one device.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -264,27 +267,57 @@ def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {key: split(value) for key, value in batch.items()}
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, local: Callable) -> jax.Array:
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    local: Callable,
+    segments: jax.Array | None = None,
+    window: int = 0,
+) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
     kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
-    attention over the context axis when it is split (context parallelism)."""
+    attention over the context axis when it is split (context parallelism), within the
+    documents of `segments` [batch, length] and a sliding `window` (static) as `local` does."""
     mesh, axis, ways, manual = _context()
     if axis is None:
         return local(q, k, v)
-    note("attention", f"ring over {axis}")
+    note("attention", f"ring over {axis}" + (" (document mask)" if segments is not None else ""))
+    ring = functools.partial(ring_attention.ring_attention, axis=axis, ways=ways, window=window)
     if manual:
-        return ring_attention.ring_attention(q, k, v, axis, ways)
+        return ring(q, k, v, segments=segments)
     # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
     spec = PartitionSpec(None, axis)
-    ring = jax.shard_map(
-        lambda q, k, v: ring_attention.ring_attention(q, k, v, axis, ways),
+    specs = (spec, spec, spec) + ((spec,) if segments is not None else ())
+    mapped = jax.shard_map(
+        lambda q, k, v, *ids: ring(q, k, v, segments=ids[0] if ids else None),
         mesh=mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=specs,
         out_specs=spec,
         axis_names={axis},
         check_vma=True,
     )
-    return ring(q, k, v)
+    return mapped(q, k, v, *(() if segments is None else (segments,)))
+
+
+def document_positions(segments: jax.Array, restart: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Rotary positions [batch, length] that restart at each document of `segments` (this
+    device's document ids, in the layout's sequence order), `restart` computing them from
+    whole sequences of ids in their natural order (models.attention.segment_positions).
+    Under context parallelism the ids are in the ring's load-balanced order (and, each device
+    holding its own chunks, gathered over `context` first: 4 bytes per token, once per step),
+    put back in order for `restart` and the positions put in the ring's order again."""
+    _, axis, ways, manual = _context()
+    if axis is None:
+        return restart(segments)
+    whole = lax.all_gather(segments, axis, axis=1, tiled=True) if manual else segments
+    order = ring_attention.balanced_order(whole.shape[1], ways)
+    natural = jnp.take(whole, jnp.asarray(np.argsort(order)), axis=1)
+    positions = jnp.take(restart(natural), jnp.asarray(order), axis=1)
+    if not manual:
+        return constrain(positions, ("batch", "length"))
+    local = segments.shape[1]
+    return lax.dynamic_slice_in_dim(positions, lax.axis_index(axis) * local, local, axis=1)
 
 
 def scan_layers(

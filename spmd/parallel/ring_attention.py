@@ -14,6 +14,14 @@ earlier device (j < i) attends with both its chunks to the first visiting chunk;
 (j > i) with its second chunk to both; either way two c x c blocks of c = length / (2·cp)
 tokens, unmasked. Only step 0 (its own chunks) needs a causal mask.
 
+Packed documents and sliding windows only remove pairs from those blocks, so the same blocks
+are computed and masked: the keys' document ids (segments, int32) travel round the ring with
+the keys and values (4 bytes per token per step, against 2 x kv_heads x head_dim x the dtype's
+bytes of the keys and values), and a window masks by the global positions of both sides
+(`balanced_order`'s block of each device). A row that sees no key of a block, as a query
+whose document starts after that block does, gets log-sum-exp EMPTY from it, so the block
+weighs nothing in the row's result.
+
 Everything here runs inside a `shard_map` that is manual over the ring's axis; the arrays are
 each device's local blocks [batch, 2c, heads, head_dim].
 """
@@ -42,24 +50,65 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
     )
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
-def _block(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.checkpoint, static_argnums=(4,))
+def _block(
+    q: jax.Array, k: jax.Array, v: jax.Array, where: tuple, causal: bool
+) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of queries q [b, t, h, d] over keys/values [b, s, kv_heads, d]
     (grouped-query): (output [b, t, h, d] fp32, log-sum-exp [b, t, h] fp32). `causal` masks
-    key j > query j (q and k then cover the same positions, t == s). The backward pass
-    recomputes the block's probabilities from q and k, as the one-device kernel does
+    key j > query j; `where` = (query segments [b, t], key segments [b, s], query positions
+    [t], key positions [s], window: an int32 scalar), each None where it does not mask (see
+    `_seen`). A row that sees no key gets log-sum-exp EMPTY (and a finite output, the mean
+    of v, that `_combine` weighs by exp(EMPTY - lse) = 0: zeroing it too cost one more
+    probabilities-sized buffer, 33.1 against 28.1 MiB of temp on tiny at cp=4, length 1,024,
+    with documents). The mask is made here from those small arrays, so the checkpoint keeps
+    no [t, s] mask; the backward pass recomputes the block's
+    probabilities from q and k, as the one-device kernel does
     (models.attention.recomputed_attention), instead of keeping them."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     groups = q.reshape(b, t, kv_heads, h // kv_heads, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
     logits = logits * d**-0.5
-    if causal:
-        logits = jnp.where(jnp.tril(jnp.ones((t, k.shape[1]), bool)), logits, EMPTY)
+    seen = _seen(*where, causal, t, k.shape[1])
+    if seen is not None:
+        logits = jnp.where(seen, logits, EMPTY)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    probs = jnp.exp(logits - lse[..., None])
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     return out.reshape(b, t, h, d), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
+
+
+def _seen(
+    q_segments: jax.Array | None,
+    k_segments: jax.Array | None,
+    q_positions: jax.Array | None,
+    k_positions: jax.Array | None,
+    window: jax.Array | None,
+    causal: bool,
+    t: int,
+    s: int,
+) -> jax.Array | None:
+    """bool [b or 1, 1, 1, t, s] (broadcasting over the logits' kv heads and groups): which
+    keys each query sees, or None where all of them. Causal: key position <= query position
+    (the lower triangle when no positions are given: the own chunks); window > 0: key
+    position > query position - window; segments: the same document."""
+    seen = None
+    if causal and q_positions is None:
+        seen = jnp.tril(jnp.ones((t, s), bool))[None]
+    elif q_positions is not None:
+        queries, keys = q_positions[:, None], k_positions[None, :]
+        seen = (keys <= queries) if causal else jnp.ones((t, s), bool)
+        if window is not None:
+            seen = (seen & ((window <= 0) | (keys > queries - window)))[None]
+        else:
+            seen = seen[None]
+    if q_segments is not None:
+        same = q_segments[:, :, None] == k_segments[:, None, :]
+        seen = same if seen is None else seen & same
+    return None if seen is None else seen[:, None, None]
 
 
 def _combine(acc: tuple, new: tuple) -> tuple[jax.Array, jax.Array]:
@@ -70,7 +119,14 @@ def _combine(acc: tuple, new: tuple) -> tuple[jax.Array, jax.Array]:
     return out * scale + out_new * scale_new, total
 
 
-def _visiting_block(q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array) -> tuple:
+def _half(x: jax.Array | None, start: jax.Array | int, c: int, axis: int) -> jax.Array | None:
+    """c entries of x from `start` along `axis` (None stays None)."""
+    return None if x is None else lax.dynamic_slice_in_dim(x, start, c, axis=axis)
+
+
+def _visiting_block(
+    q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array, mine: tuple, theirs: tuple
+) -> tuple:
     """(out, lse) of both local query chunks against a visiting device's key/value chunks:
     from an earlier device (`earlier`) every query sees the first visiting chunk; from a later
     one only the second query chunk sees both. Either way two c x c blocks, (q_a, k_0) and
@@ -78,31 +134,60 @@ def _visiting_block(q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array
     same shapes on every device and merged into the rows they belong to (a lax.cond between
     the two cases would make autodiff keep both cases' probabilities: measured, 1/cp of the
     one-device attention memory instead of (cp + 1)/(2 cp²)). Rows that see nothing get
-    (0, EMPTY)."""
+    log-sum-exp EMPTY (output 0 where a case leaves them out, finite where masked).
+    `mine` / `theirs`: (segments [b, 2c], positions [2c]) of the queries / the
+    visiting keys, None where they do not mask; with a `window` (None: none) the blocks are
+    masked by position, with segments by document, otherwise not at all."""
     c = q.shape[1] // 2
+    (q_seg, q_pos), (k_seg, k_pos), window = mine, theirs[:2], theirs[2]
     start = jnp.where(earlier, 0, c)
     q_a = lax.dynamic_slice_in_dim(q, start, c, axis=1)
     k_a, v_a = (lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (k, v))
-    first = _block(q_a, k[:, :c], v[:, :c], False)
-    second = _block(q[:, c:], k_a, v_a, False)
+    first_where = (_half(q_seg, start, c, 1), _half(k_seg, 0, c, 1))
+    first_where += (_half(q_pos, start, c, 0), _half(k_pos, 0, c, 0), window)
+    second_where = (_half(q_seg, c, c, 1), _half(k_seg, start, c, 1))
+    second_where += (_half(q_pos, c, c, 0), _half(k_pos, start, c, 0), window)
+    first = _block(q_a, k[:, :c], v[:, :c], first_where, False)
+    second = _block(q[:, c:], k_a, v_a, second_where, False)
     empty = (jnp.zeros_like(first[0]), jnp.full_like(first[1], EMPTY))
     to_first = jax.tree.map(lambda a, b: jnp.where(earlier, a, b), first, empty)
     to_second = _combine(jax.tree.map(lambda a, b: jnp.where(earlier, a, b), empty, first), second)
     return tuple(jnp.concatenate(pair, axis=1) for pair in zip(to_first, to_second, strict=True))
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ways: int) -> jax.Array:
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    axis: str,
+    ways: int,
+    segments: jax.Array | None = None,
+    window: int | jax.Array = 0,
+) -> jax.Array:
     """Causal attention of this device's queries q [b, 2c, h, d] over the whole sequence whose
     keys and values [b, 2c, kv_heads, d] are spread over the `ways` devices of mesh axis
-    `axis`, every device holding its two chunks in the order of `balanced_order`. Returns the
-    output [b, 2c, h, d] in q's dtype. Call inside a shard_map manual over `axis`."""
+    `axis`, every device holding its two chunks in the order of `balanced_order`. With
+    `segments` [b, 2c] (this device's tokens' document ids, in the same order) a query sees
+    only keys of its document: the key blocks' ids travel round the ring with them; with
+    `window` > 0 (an int or an int32 scalar) only keys less than `window` positions before
+    it (by global position). Returns the output [b, 2c, h, d] in q's dtype. Call inside a
+    shard_map manual over `axis`."""
     rank = lax.axis_index(axis)
+    band = None if isinstance(window, int) and window == 0 else jnp.asarray(window, jnp.int32)
+    order = jnp.asarray(balanced_order(q.shape[1] * ways, ways).reshape(ways, -1), jnp.int32)
+    positions = None if band is None else order[rank]
     # Own chunks: chunk i precedes chunk 2cp-1-i, so the lower triangle over their
     # concatenation is exactly the global causal mask between them.
-    acc = _block(q, k, v, True)
+    acc = _block(q, k, v, (segments, segments, positions, positions, band), True)
     shift = [(j, (j + 1) % ways) for j in range(ways)]
+    k_seg = segments
     for step in range(1, ways):
-        k, v = lax.ppermute((k, v), axis, shift)
+        if segments is None:
+            k, v = lax.ppermute((k, v), axis, shift)
+        else:  # the key blocks' document ids go with them: 4 bytes per token and step
+            k, v, k_seg = lax.ppermute((k, v, k_seg), axis, shift)
         # after `step` shifts the keys come from device rank - step, earlier iff rank >= step
-        acc = _combine(acc, _visiting_block(q, k, v, rank >= step))
+        k_pos = None if band is None else order[(rank - step) % ways]
+        mine, theirs = (segments, positions), (k_seg, k_pos, band)
+        acc = _combine(acc, _visiting_block(q, k, v, rank >= step, mine, theirs))
     return acc[0].astype(q.dtype)

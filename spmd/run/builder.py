@@ -119,13 +119,7 @@ def build(
     if batch is not None:
         check_batch(batch, layout, options.accum)
     if seq_len is not None:
-        check_sequence_split(
-            seq_len,
-            dict(mesh.shape),
-            layout.sequence_parallel,
-            moe=spec.moe,
-            document_mask="segments" in options.batch_fields,
-        )
+        check_sequence_split(seq_len, dict(mesh.shape), layout.sequence_parallel, moe=spec.moe)
     if spec.check_layout is not None:
         spec.check_layout(mesh, options.executor)
     if sync is not None:

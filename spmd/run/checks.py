@@ -335,21 +335,16 @@ def check_sequence_split(
     sizes: dict[str, int],
     sequence_parallel: bool,
     moe: bool = False,
-    document_mask: bool = False,
 ) -> None:
     """UsageError when the mesh cannot split --seq-len: context parallelism cuts it in
     2·cp chunks; --sequence-parallel needs tp > 1 and each device's length a multiple of tp.
-    Neither composes with an MoE model yet, and the ring does not mask documents."""
+    Neither composes with an MoE model yet (document masks and sliding windows do: the ring
+    masks both)."""
     context, tensor = sizes.get("context", 1), sizes.get("tensor", 1)
     if moe and (context > 1 or sequence_parallel):
         raise UsageError(
             "an MoE model (--n-experts) does not compose with cp > 1 or --sequence-parallel "
             "yet: its router and expert dispatch see whole sequences; use cp=1 without SP"
-        )
-    if context > 1 and document_mask:
-        raise UsageError(
-            f"cp={context} with --document-mask: ring attention does not mask documents yet; "
-            f"use --document-mask off or cp=1"
         )
     split = long_sequence.split_error(seq_len, context, tensor, sequence_parallel)
     if split:
