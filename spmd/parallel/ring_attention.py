@@ -70,7 +70,8 @@ def _block(
     groups = q.reshape(b, t, kv_heads, h // kv_heads, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
     logits = logits * d**-0.5
-    seen = _seen(*where, causal, t, k.shape[1])
+    q_segments, k_segments, q_positions, k_positions, window = where
+    seen = _seen(q_segments, k_segments, q_positions, k_positions, window, causal, t, k.shape[1])
     if seen is not None:
         logits = jnp.where(seen, logits, EMPTY)
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -98,14 +99,14 @@ def _seen(
     seen = None
     if causal and q_positions is None:
         seen = jnp.tril(jnp.ones((t, s), bool))[None]
-    elif q_positions is not None:
+    elif q_positions is not None and k_positions is not None:
         queries, keys = q_positions[:, None], k_positions[None, :]
         seen = (keys <= queries) if causal else jnp.ones((t, s), bool)
         if window is not None:
             seen = (seen & ((window <= 0) | (keys > queries - window)))[None]
         else:
             seen = seen[None]
-    if q_segments is not None:
+    if q_segments is not None and k_segments is not None:
         same = q_segments[:, :, None] == k_segments[:, None, :]
         seen = same if seen is None else seen & same
     return None if seen is None else seen[:, None, None]
@@ -143,10 +144,14 @@ def _visiting_block(
     start = jnp.where(earlier, 0, c)
     q_a = lax.dynamic_slice_in_dim(q, start, c, axis=1)
     k_a, v_a = (lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (k, v))
-    first_where = (_half(q_seg, start, c, 1), _half(k_seg, 0, c, 1))
-    first_where += (_half(q_pos, start, c, 0), _half(k_pos, 0, c, 0), window)
-    second_where = (_half(q_seg, c, c, 1), _half(k_seg, start, c, 1))
-    second_where += (_half(q_pos, c, c, 0), _half(k_pos, start, c, 0), window)
+    first_where = (
+        *(_half(q_seg, start, c, 1), _half(k_seg, 0, c, 1)),
+        *(_half(q_pos, start, c, 0), _half(k_pos, 0, c, 0), window),
+    )
+    second_where = (
+        *(_half(q_seg, c, c, 1), _half(k_seg, start, c, 1)),
+        *(_half(q_pos, c, c, 0), _half(k_pos, start, c, 0), window),
+    )
     first = _block(q_a, k[:, :c], v[:, :c], first_where, False)
     second = _block(q[:, c:], k_a, v_a, second_where, False)
     empty = (jnp.zeros_like(first[0]), jnp.full_like(first[1], EMPTY))
