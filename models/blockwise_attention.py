@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spmd.model_shape import ATTENTION_BLOCK
 from spmd.parallel.hooks import vary_like
 
-# Query and key block sizes (positions), each clipped to the length: one block's fp32 scores
-# are batch x heads x 1 MiB, and 512 keeps XLA's dots large enough to run near their peak.
-BLOCK_Q, BLOCK_K = 512, 512
+# Query and key block sizes (positions), each clipped to the length: the planner's
+# ATTENTION_BLOCK (spmd.model_shape says why 512)
+BLOCK_Q = BLOCK_K = ATTENTION_BLOCK
 
 
 def blockwise_attention(

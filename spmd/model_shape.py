@@ -136,9 +136,22 @@ def query_chunks(seq_len: int) -> int:
     return 1
 
 
+# The blockwise (flash) attention kernel's query and key blocks, in positions
+# (models/blockwise_attention.py): one block's fp32 scores are batch x heads x 1 MiB, and 512
+# keeps XLA's dots large enough to run near their peak. Past one key block it is the kernel.
+ATTENTION_BLOCK = 512
+
+
 def causal_score_share(seq_len: int) -> float:
-    """The share of the length x length scores that chunked causal attention computes:
-    (n + 1) / 2n for n query chunks (1 unchunked)."""
+    """The share of the length x length scores causal attention computes (and its backward
+    pass recomputes): within one key block XLA's chunked kernel, (n + 1) / 2n for n query
+    chunks (1 unchunked); past it the blockwise kernel, whose query block i runs key blocks 0
+    to i: nb (nb + 1) / 2 blocks of ATTENTION_BLOCK² for nb = ceil(seq_len / ATTENTION_BLOCK)
+    blocks (the last padded), about 1/2 at long lengths. Windows and documents are counted as
+    plain causal attention (the kernel skips more)."""
+    if seq_len > ATTENTION_BLOCK:
+        blocks = -(-seq_len // ATTENTION_BLOCK)
+        return blocks * (blocks + 1) / 2 * ATTENTION_BLOCK**2 / seq_len**2
     n = query_chunks(seq_len)
     return (n + 1) / (2 * n)
 

@@ -14,14 +14,17 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from models import llama, moe
+from models import blockwise_attention, llama, moe
+from models.blockwise_attention import BLOCK_K
 from spmd import plan
 from spmd.engine.state_layout import sharded_bytes
 from spmd.estimate import (
     comms,
     cost,
+    long_sequence,
     memory,
     pipeline_figures,
     plot,
@@ -136,14 +139,22 @@ def test_step_time_counts_recomputation_bubble_and_what_overlap_hides():
     f = timing.forward_flops_per_token(s)
     tokens = s.batch * s.seq_len
     assert timing.model_flops(s) == 3 * tokens * sum(f.values())
-    # without remat the backward pass recomputes attention's scores (one of its two matmuls)
-    assert timing.executed_flops(s) - timing.model_flops(s) == tokens * f["attention"] / 2
+    # the causal kernel computes `share` of the scores (its key blocks at or before each query
+    # block's); without remat the backward pass recomputes them (one of attention's matmuls)
+    share = long_sequence.score_share(s.seq_len, 1)
+    attention, skipped = f["attention"] * share, 3 * f["attention"] * (1 - share)
+    assert share == 5 / 8  # 128 tokens: 4 query chunks
+    assert timing.executed_flops(s) - timing.model_flops(s) == pytest.approx(
+        tokens * (attention / 2 - skipped), rel=1e-12
+    )
     full = dataclasses.replace(s, remat="full")  # every block's forward again
     assert timing.executed_flops(full) - timing.model_flops(s) == pytest.approx(
-        tokens * (f["blocks"] + f["attention"]), rel=1e-12
+        tokens * (f["blocks"] + attention - skipped), rel=1e-12
     )
     dots = dataclasses.replace(s, remat="dots_saveable")  # attention only
-    assert timing.executed_flops(dots) - timing.model_flops(s) == tokens * f["attention"]
+    assert timing.executed_flops(dots) - timing.model_flops(s) == pytest.approx(
+        tokens * (attention - skipped), rel=1e-12
+    )
     t = timing.step_time(s, net, 400e12)
     assert t["step"] == t["compute"] + t["comm"] and t["bubble"] == 0
     times = {c.purpose: comms.comm_time(s, c, net) for c in comms.collectives(s)}
@@ -614,6 +625,30 @@ def test_recommend_for_moe_splits_experts_over_fsdp_without_a_pipeline():
     assert out["experts"]["expert_params_per_device"] * out["mesh"]["fsdp"] * (
         out["mesh"]["tensor"]
     ) == pytest.approx(out["experts"]["expert_params"])
+
+
+def test_executed_flops_count_the_attention_kernels_causal_share():
+    """The planner's executed FLOPs count the scores the causal kernel computes: at 256 tokens
+    XLA's 4 query chunks, 5/8 of them, and then equal the compiled step's dot FLOPs (tiny,
+    one device, remat none; counting the scores whole is 1.14x over). Past one key block the
+    blockwise kernel loops over each query block's key blocks with traced bounds, which the
+    compiled program's trip counts do not show, so there the share is checked against the
+    kernel's own key ranges: query block i runs key blocks 0 to i, 10 of 16 at 2,048 tokens."""
+    cfg = config.build(llama.LlamaConfig, {**config.preset("tiny"), "remat": "none"}, "tiny")
+    s = setup_2b(shape=cfg.shape(), n_params=cfg.n_params(), zero=1, batch=1, seq_len=256,
+                 remat="none", mesh=dict.fromkeys(MESH_AXES, 1))  # fmt: skip
+    program, _ = plan.engine_program(s, cfg, jax.devices()[:1])
+    dots = hlo_dot_flops(program.compile_train_step(1, 256))
+    assert timing.executed_flops(s) == pytest.approx(dots, rel=1e-3)
+    skipped = 3 * timing.forward_flops_per_token(s)["attention"] * 256 * (1 - 5 / 8)
+    print(f"scores counted whole: {(timing.executed_flops(s) + skipped) / dots:.3f} x the dots")
+    assert (timing.executed_flops(s) + skipped) / dots > 1.1
+    for seq_len in (1024, 2048, 2560):
+        blocks = -(-seq_len // BLOCK_K)
+        ranges = [blockwise_attention._key_range(i, jnp.int32(0), BLOCK_K, BLOCK_K, blocks)
+                  for i in range(blocks)]  # fmt: skip
+        visited = sum(int(end) - int(first) for first, end in ranges)
+        assert long_sequence.score_share(seq_len, 1) == visited * BLOCK_K**2 / seq_len**2
 
 
 def test_moe_executed_flops_match_the_compiled_dots():

@@ -64,6 +64,13 @@ def score_elements(heads: float, seq_len: int, context: int) -> float:
     return heads * 2 * c * c * (context + 1)
 
 
+def score_share(seq_len: int, context: int) -> float:
+    """The share of each sequence's length x length attention scores the devices compute
+    together (score_elements over cp devices, per head): the causal kernel's at cp = 1
+    (spmd.model_shape.causal_score_share), (cp + 1) / 2cp for the ring's unmasked blocks."""
+    return score_elements(1, seq_len, context) * context / seq_len**2
+
+
 def ring_elements(model: ModelShape, tokens: float, tensor: int, context: int) -> float:
     """What autodiff of the ring keeps per layer beyond the layer's own activations, for
     `tokens` tokens held: each of the cp − 1 visiting key and value blocks, and per ring step

@@ -22,7 +22,16 @@ parallelism the adapter halves on the unsplit `embed` side run whole on every te
 
 from __future__ import annotations
 
-from spmd.estimate import comms, cost, experts, flops, lora, offload, pipeline_figures
+from spmd.estimate import (
+    comms,
+    cost,
+    experts,
+    flops,
+    long_sequence,
+    lora,
+    offload,
+    pipeline_figures,
+)
 from spmd.estimate.shape import shape_params
 
 
@@ -56,22 +65,27 @@ def model_flops(s: cost.Setup) -> float:
 
 
 def executed_flops(s: cost.Setup) -> float:
-    """FLOPs the devices execute per optimizer step: model FLOPs plus the recomputed forwards
-    and attention scores, plus an MoE's routing padding
+    """FLOPs the devices execute per optimizer step: model FLOPs less the attention scores the
+    causal kernel skips, plus the recomputed forwards and attention scores, plus an MoE's
+    routing padding
     (spmd.estimate.experts.padding_flops_per_token), forward and backward."""
     f = forward_flops_per_token(s)
-    layer = f["blocks"] + f["attention"] + f["adapters"]
+    # the kernel computes only the causal share of the scores (its query chunks or key
+    # blocks, the ring's blocks); model FLOPs count them whole, so the rest is taken off
+    attention = f["attention"] * long_sequence.score_share(s.seq_len, s.context)
+    skipped = 3 * (f["attention"] - attention)
+    layer = f["blocks"] + attention + f["adapters"]
     replays = layer * (s.pipelined + (s.remat == "full"))
-    replays += f["attention"] * (s.remat in ("dots_saveable", "offload"))
+    replays += attention * (s.remat in ("dots_saveable", "offload"))
     # without remat the attention kernel still recomputes its scores (q k^T) for the backward
     # pass instead of keeping them (models.attention.recomputed_attention)
-    replays += f["attention"] / 2 * (s.remat == "none")
+    replays += attention / 2 * (s.remat == "none")
     sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
     forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len, sorted_rows)
     replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     if s.lora_rank:  # the adapters' halves each tensor device runs whole, three passes
         replays += 3 * lora.tensor_replicated_flops(s) * (s.mesh.get("tensor", 1) - 1)
-    return model_flops(s) + s.batch * s.seq_len * replays
+    return model_flops(s) + s.batch * s.seq_len * (replays - skipped)
 
 
 def fp8_flops(s: cost.Setup) -> float:
