@@ -22,7 +22,7 @@ spmd.estimate.volumes'. Pure arithmetic, no JAX. `model` is a spmd.model_shape.M
 
 from __future__ import annotations
 
-from spmd.model_shape import ModelShape, causal_score_share
+from spmd.model_shape import ATTENTION_BLOCK, ModelShape, causal_score_share
 
 # Buffers of [tokens, heads, head_dim] the ring keeps per visiting step: fitted to the compiled
 # temp memory of the tiny model at cp=4 (lengths 256 and 1024), which autodiff's merges keep.
@@ -62,6 +62,15 @@ def score_elements(heads: float, seq_len: int, context: int) -> float:
         return heads * seq_len * seq_len * causal_score_share(seq_len)
     c = seq_len / (2 * context)
     return heads * 2 * c * c * (context + 1)
+
+
+def live_score_elements(heads: float, seq_len: int, context: int) -> float:
+    """Attention probabilities one device holds at once per sequence and layer: past one key
+    block (cp = 1) the blockwise kernel's one [heads, block, block] block at a time, else all
+    it computes (score_elements)."""
+    if context == 1 and seq_len > ATTENTION_BLOCK:
+        return heads * ATTENTION_BLOCK * ATTENTION_BLOCK
+    return score_elements(heads, seq_len, context)
 
 
 def score_share(seq_len: int, context: int) -> float:

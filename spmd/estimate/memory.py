@@ -130,7 +130,8 @@ def activation_bytes(s: cost.Setup) -> float:
     (2*b*t/cp/r*e) and the fp32 logits and their softmax (2*b*t/cp*vocab/tp*4 bytes; with
     the fused loss one chunk's instead of vocab/tp columns, `logit_columns`). The
     attention scores one layer's backward pass recomputes: SCORE_COPIES fp32 buffers of its
-    probabilities (spmd.estimate.long_sequence.score_elements per sequence). Under
+    probabilities (spmd.estimate.long_sequence.live_score_elements per sequence: past one
+    key block the blockwise kernel's one block at a time). Under
     ZeRO-3 one layer's params gathered whole over fsdp (an MoE's experts stay split: the
     tokens travel to them). Activations are in the compute dtype.
     """
@@ -144,7 +145,9 @@ def activation_bytes(s: cost.Setup) -> float:
     outside = 2 * residual * c + 2 * tokens * logit_columns(s) * 4
     heads = shape.n_heads / s.mesh["tensor"]
     scores = (
-        SCORE_COPIES * s.micro_batch * long_sequence.score_elements(heads, s.seq_len, s.context)
+        SCORE_COPIES
+        * s.micro_batch
+        * long_sequence.live_score_elements(heads, s.seq_len, s.context)
     )
     gathered = 0.0
     if s.zero == 3 and s.sharded_fsdp > 1:
