@@ -68,7 +68,10 @@ class MoEConfig(LlamaConfig):
     n_experts: int = 0  # experts per block (0: the dense Llama MLP)
     experts_per_token: int = 2  # top-k: experts each token is routed to
     expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
-    shared_expert: bool = False  # plus one SwiGLU expert (expert_mlp_dim) that every token uses
+    shared_expert: bool = False  # plus one SwiGLU expert that every token uses
+    # its hidden size (0: expert_mlp_dim); DeepSeek's n_shared_experts shared experts of
+    # width w are one of width n_shared_experts x w (their outputs add, like its hidden units)
+    shared_expert_mlp_dim: int = 0
     capacity_factor: float = 0.0  # 0: dropless; else capacity = ceil(f x length x k / E)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
     z_loss_coef: float = 0.001  # weight of the router z-loss in the training loss
@@ -101,6 +104,7 @@ class MoEConfig(LlamaConfig):
             experts_per_token=self.experts_per_token,
             expert_mlp_dim=self.expert_mlp_dim,
             shared_expert=self.shared_expert,
+            shared_expert_mlp_dim=self.shared_expert_mlp_dim,
             capacity_factor=self.capacity_factor,
             pipelines=not router_losses,
         )
@@ -127,6 +131,11 @@ def check(cfg: MoEConfig) -> None:
     if cfg.expert_mlp_dim < 0:
         raise UsageError(
             f"--expert-mlp-dim {cfg.expert_mlp_dim} must be a positive width, or 0 (--mlp-dim)"
+        )
+    if cfg.shared_expert_mlp_dim < 0 or (cfg.shared_expert_mlp_dim and not cfg.shared_expert):
+        raise UsageError(
+            f"--shared-expert-mlp-dim {cfg.shared_expert_mlp_dim} must be a positive width "
+            f"with --shared-expert true, or 0 (--expert-mlp-dim)"
         )
     # `not 0 <= x < inf` refuses NaN too; a negative loss weight would reward what it penalises
     if not 0 <= cfg.capacity_factor < math.inf:
@@ -173,7 +182,8 @@ class Experts(nnx.Module):
         self.w_up = _param(rngs, 0.02, (n, e, m), ("expert", "embed", "mlp"))
         self.w_down = _param(rngs, out_std, (n, m, e), ("expert", "mlp", "embed"))
         if cfg.shared_expert:
-            self.shared = llama.MLP(dataclasses.replace(cfg, mlp_dim=m), rngs)
+            shared = dataclasses.replace(cfg, mlp_dim=cfg.shared_expert_mlp_dim or m)
+            self.shared = llama.MLP(shared, rngs)
         if cfg.router_bias:  # zeros: it starts choosing as if there were none
             self.router_bias = RouterBias(jnp.zeros((n,), jnp.float32), out_sharding=(None,))
         self.cfg = cfg

@@ -92,6 +92,18 @@ def choose(
     return probs, weights, experts
 
 
+def options_set(cfg: MoEConfig) -> list[str]:
+    """The routing options `cfg` sets away from the softmax top-k (as `field value`): what a
+    Hugging Face export to an architecture without them names when it refuses."""
+    defaults = {
+        "router_score": "softmax",
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "router_bias": False,
+    }
+    return [f"{k} {getattr(cfg, k)}" for k, v in defaults.items() if getattr(cfg, k) != v]
+
+
 def check_routing(cfg: MoEConfig) -> None:
     """UsageError, one line naming the value and what is valid, for routing fields that cannot
     run: an unknown score, groups that do not split the experts evenly, more groups kept than
