@@ -89,6 +89,9 @@ class MoEConfig(LlamaConfig):
     # true: a per-expert bias added to the scores to choose the experts, not to weight them
     # (DeepSeek-V3's e_score_correction_bias); not trained by the gradient
     router_bias: bool = False
+    # each step, bias += rate x sign(mean load - expert's load) (DeepSeek-V3's auxiliary-loss-
+    # free balancing, 0.001 there); 0: the bias stays as loaded. Needs router_bias
+    router_bias_rate: float = 0.0
 
     @property
     def expert_dim(self) -> int:
@@ -195,6 +198,9 @@ class Experts(nnx.Module):
         logits = constrain(logits, ("batch", "length", None))
         bias = self.router_bias[...] if self.cfg.router_bias else None
         probs, weights, top_experts = moe_routing.choose(self.cfg, logits, bias)
+        if bias is not None and self.cfg.router_bias_rate:  # the load, as the bias's gradient
+            per_expert = jax.nn.one_hot(top_experts, self.cfg.n_experts).sum(2).mean((0, 1))
+            weights = moe_routing.load_feedback(weights, bias, batch_mean(per_expert))
         return logits, probs, weights, top_experts
 
     def stats(

@@ -92,6 +92,37 @@ def choose(
     return probs, weights, experts
 
 
+@jax.custom_vjp
+def load_feedback(weights: jax.Array, bias: jax.Array, load: jax.Array) -> jax.Array:
+    """`weights` as they are; the differentiation gives `bias` [E] the gradient load - its
+    mean (`load` [E]: the batch's choices per expert), which the step turns into DeepSeek-V3's
+    update bias += rate x sign(mean - load) (spmd.engine.optimizers.with_sign_rule). A
+    gradient is the one channel through which every executor, accumulation and pipeline
+    schedule already carries something from the forward pass to the update (mean-reduced over
+    micro-batches and devices, which keeps the sign of the global batch's deviation)."""
+    del bias, load
+    return weights
+
+
+def _feedback_forward(
+    weights: jax.Array, bias: jax.Array, load: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return weights, (bias, load)
+
+
+def _feedback_backward(
+    saved: tuple[jax.Array, jax.Array], grad: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    bias, load = saved
+    # (x * 0 + ...: the cotangents keep their inputs' types, varying over a shard_map's axes
+    # where the bias is)
+    deviation = bias * 0 + (load - load.mean()).astype(bias.dtype)
+    return grad, deviation, load * 0
+
+
+load_feedback.defvjp(_feedback_forward, _feedback_backward)
+
+
 def options_set(cfg: MoEConfig) -> list[str]:
     """The routing options `cfg` sets away from the softmax top-k (as `field value`): what a
     Hugging Face export to an architecture without them names when it refuses."""
@@ -116,6 +147,16 @@ def check_routing(cfg: MoEConfig) -> None:
         raise UsageError(
             f"--routed-scaling-factor {cfg.routed_scaling_factor} must be a finite number > 0 "
             f"(1: the weights as routed)"
+        )
+    if not 0 <= cfg.router_bias_rate < math.inf:
+        raise UsageError(
+            f"--router-bias-rate {cfg.router_bias_rate} must be a finite number >= 0 (0: the "
+            f"bias stays as loaded)"
+        )
+    if cfg.router_bias_rate and not cfg.router_bias:
+        raise UsageError(
+            f"--router-bias-rate {cfg.router_bias_rate} updates the correction bias: it needs "
+            f"--router-bias true"
         )
     if groups < 1 or n % groups:
         raise UsageError(

@@ -91,6 +91,7 @@ CASES = [
     train("--model moe-tiny --n-group 4", says="--experts-per-token 2 exceeds the 1 experts"),
     train("--model moe-tiny --routed-scaling-factor 0", says="finite number > 0"),
     train("--model moe-tiny --routed-scaling-factor inf", says="finite number > 0"),
+    train("--model moe-tiny --shared-expert-mlp-dim 64", says="with --shared-expert true"),
     # the run's counts
     *map(train, ["--steps 0", "--batch 0", "--accum 0", "--seq-len -1", "--seed -1"]),
     *map(train, ["--stop-after -1", "--num-processes -1", "--process-id -2"]),
