@@ -92,6 +92,8 @@ CASES = [
     train("--model moe-tiny --routed-scaling-factor 0", says="finite number > 0"),
     train("--model moe-tiny --routed-scaling-factor inf", says="finite number > 0"),
     train("--model moe-tiny --shared-expert-mlp-dim 64", says="with --shared-expert true"),
+    train("--model moe-tiny --router-bias true --router-bias-rate -1", says="finite number >= 0"),
+    train("--model moe-tiny --router-bias-rate 0.001", says="needs --router-bias true"),
     # the run's counts
     *map(train, ["--steps 0", "--batch 0", "--accum 0", "--seq-len -1", "--seed -1"]),
     *map(train, ["--stop-after -1", "--num-processes -1", "--process-id -2"]),
