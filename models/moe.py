@@ -109,6 +109,7 @@ class MoEConfig(LlamaConfig):
             shared_expert=self.shared_expert,
             shared_expert_mlp_dim=self.shared_expert_mlp_dim,
             capacity_factor=self.capacity_factor,
+            router_bias_rate=self.router_bias_rate if self.router_bias else 0.0,
             pipelines=not router_losses,
         )
 

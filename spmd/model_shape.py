@@ -41,6 +41,9 @@ class ModelShape:
     shared_expert: bool = False  # one more expert that every token uses
     shared_expert_mlp_dim: int = 0  # its hidden size (0: expert_dim)
     capacity_factor: float = 0.0  # 0: dropless (capacity = the sequence length)
+    # the step moves the router's correction bias by this x sign(its gradient), outside the
+    # optimizer (auxiliary-loss-free balancing, models/moe_routing.py); 0: no such rule
+    router_bias_rate: float = 0.0
     # False when the training loss needs what a pipeline cannot pass between its stages (an
     # MoE's router losses): the planner then keeps pp = 1.
     pipelines: bool = True

@@ -185,14 +185,15 @@ def model_spec(
         fam.check_layout(model_cfg, mesh, executor)
 
     loss = objective_loss if adapters is None else finetune.lora_loss(objective_loss)
-    moe = bool(fam.shape(model_cfg).n_experts)
+    shape = fam.shape(model_cfg)
+    moe = bool(shape.n_experts)
     # an MoE family's config without experts builds the dense model: no router to report
     metrics = fam.step_metrics if moe else None
     if metrics is not None and adapters is not None:
         metrics = finetune.lora_metrics(metrics)
     dropout = adapters.dropout if adapters is not None else 0.0
     frozen = adapters is not None
-    rate = getattr(model_cfg, "router_bias_rate", 0.0)  # the MoE's balancing (models/moe.py)
+    rate = shape.router_bias_rate  # an MoE's balancing (models/moe_routing.py)
     rule = ("router_bias", rate) if moe and rate else None
     return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics, rule)
 
