@@ -16,12 +16,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from models import moe
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
+from spmd.errors import UsageError
 from spmd.io import data, params_io
 from spmd.run import builder, config
 from spmd.run.config import flat
@@ -242,3 +244,17 @@ def test_the_bias_is_checkpointed_and_a_resume_with_its_rate_is_bitwise(tmp_path
     steps = np.asarray(saved) / np.float32(RATE)  # two updates of +-rate (or 0) from zero
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-6)
     assert np.abs(steps).max() == 2 and np.abs(steps).min() >= 0
+
+
+def test_mixtral_and_qwen3_moe_exports_refuse_routing_transformers_would_not_run():
+    from models import hf_mixtral, hf_qwen3_moe, qwen3_moe
+
+    qwen = qwen3_moe.Qwen3MoEConfig(**{**config.preset("moe-tiny"), "family": "qwen3_moe"})
+    for field, value in (("router_score", "sigmoid"), ("n_group", 2), ("router_bias", True)):
+        mixtral = tiny(**{field: value})
+        with pytest.raises(UsageError, match=f"routing .{field} {value}. has no Mixtral"):
+            hf_mixtral.mixtral_hf_config(mixtral, "float32", 64)
+        with pytest.raises(UsageError, match=f"routing .{field} {value}. has no Qwen3Moe"):
+            hf_qwen3_moe.hf_config_of(dataclasses.replace(qwen, **{field: value}), "float32", 64)
+    assert hf_mixtral.mixtral_hf_config(tiny(), "float32", 64)["num_local_experts"] == 4
+    assert hf_qwen3_moe.hf_config_of(qwen, "float32", 64)["num_experts"] == 4
