@@ -13,9 +13,11 @@ as today's MoE releases route (the MoEConfig fields named below; docs/strategies
 
 Ineligible groups' experts are set to -inf before the top k (DeepSeek-V3's inference code;
 transformers fills 0.0, which differs only where an eligible expert's biased score is below
-0). check_routing refuses a k larger than the eligible experts, so the chosen are eligible.
-Ties go to the lower index everywhere (`top_k`). With softmax, no bias and one group, the
-computation is the one it was before these options (the same ops, the same bits).
+0). A group's score is always its two best (transformers' rule; DeepSeek's own code takes the
+group's best alone when the model has no bias). check_routing refuses a k larger than the
+eligible experts, so the chosen are eligible. Ties go to the lower index everywhere
+(`top_k`). With softmax, no bias and one group, the computation is the one it was before these
+options (the same ops, the same bits).
 """
 
 from __future__ import annotations
