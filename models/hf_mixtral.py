@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models import moe
+from models import moe, moe_routing
 from models.hf_config import architectures, dense_config, hf_config, positive_number
 from models.hf_tensors import Rule
 from spmd.errors import UsageError
@@ -102,6 +102,12 @@ def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dic
             f"{cfg.expert_mlp_dim}, mlp_dim {cfg.mlp_dim}, norm_topk_prob "
             f"{cfg.norm_topk_prob}) has no Mixtral equivalent; Mixtral needs shared_expert "
             f"false, every expert mlp_dim wide and the top-k weights renormalised"
+        )
+    routing = moe_routing.options_set(cfg)
+    if routing:
+        raise UsageError(
+            f"this MoE model's routing ({', '.join(routing)}) has no Mixtral equivalent; "
+            f"Mixtral routes by the softmax top-k"
         )
     dense = hf_config(cfg, dtype, max_positions)
     return {

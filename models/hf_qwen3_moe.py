@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from models.hf_config import dense_config, hf_config, positive_number
 from models.hf_tensors import Rule
+from models.moe_routing import options_set
 from spmd.errors import UsageError
 
 if TYPE_CHECKING:
@@ -133,6 +134,12 @@ def hf_config_of(cfg: Qwen3MoEConfig, dtype: str, max_positions: int) -> dict[st
             f"this Qwen3-MoE model (qk_norm {cfg.qk_norm}, qkv_bias {cfg.qkv_bias}, "
             f"sliding_window {cfg.sliding_window}, shared_expert {cfg.shared_expert}) has no "
             f"{ARCHITECTURE} equivalent, which needs q/k norms and none of the others"
+        )
+    routing = options_set(cfg)
+    if routing:
+        raise UsageError(
+            f"this Qwen3-MoE model's routing ({', '.join(routing)}) has no {ARCHITECTURE} "
+            f"equivalent; it routes by the softmax top-k"
         )
     dense = hf_config(cfg, dtype, max_positions)  # a Qwen3's fields (qk_norm)
     return {

@@ -4,7 +4,9 @@ Each block is models/llama.py's block with the MLP replaced by `n_experts` SwiGL
 a learned router: softmax over the experts, then the top `experts_per_token` (their weights
 renormalised to sum to one, Mixtral's convention, or with `norm_topk_prob` false kept as the
 softmax gave them, as Qwen3-MoE's released configs do), optionally plus one shared SwiGLU
-expert that every token uses. Attention, norms, embedding and head are llama.py's.
+expert that every token uses. Attention, norms, embedding and head are llama.py's. The
+router's other options (sigmoid scores, a correction bias, group-limited top-k, a routed
+scaling factor: DeepSeek-V3's) are models/moe_routing.py's.
 
 Routing is grouped per sequence: within each sequence an expert takes at most `capacity`
 (token, choice) pairs, in token order; the rest are dropped (their share of the output is
@@ -27,17 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import llama, moe_dispatch
+from models import llama, moe_dispatch, moe_routing
 from models.attention import Attention
 from models.layers import REMAT_POLICIES, RMSNorm, creator, expert_dense, swiglu
 from models.layers import param as _param
 from models.llama import LlamaConfig
+from models.moe_routing import top_k as top_k  # (re-exported: the router's stable top-k)
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
@@ -65,13 +68,30 @@ class MoEConfig(LlamaConfig):
     n_experts: int = 0  # experts per block (0: the dense Llama MLP)
     experts_per_token: int = 2  # top-k: experts each token is routed to
     expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
-    shared_expert: bool = False  # plus one SwiGLU expert (expert_mlp_dim) that every token uses
+    shared_expert: bool = False  # plus one SwiGLU expert that every token uses
+    # its hidden size (0: expert_mlp_dim); DeepSeek's n_shared_experts shared experts of
+    # width w are one of width n_shared_experts x w (their outputs add, like its hidden units)
+    shared_expert_mlp_dim: int = 0
     capacity_factor: float = 0.0  # 0: dropless; else capacity = ceil(f x length x k / E)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
     z_loss_coef: float = 0.001  # weight of the router z-loss in the training loss
     # true: the chosen experts' router probabilities are rescaled to sum to one (Mixtral);
     # false: each is used as the softmax over all experts gave it (Qwen3-MoE's released models)
     norm_topk_prob: bool = True
+    # softmax: the router's scores are a softmax over the experts (Mixtral, Qwen3-MoE);
+    # sigmoid: one sigmoid per expert (DeepSeek-V3, GLM-4.5); models/moe_routing.py
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    routed_scaling_factor: float = 1.0  # times the routed experts' weights (DeepSeek-V3: 2.5)
+    # group-limited top-k (DeepSeek-V3: 8 and 4): the experts in n_group equal groups, a token's
+    # experts only from its topk_group best groups (each scored by its two best scores)
+    n_group: int = 1  # 1: no groups
+    topk_group: int = 1  # groups each token may choose from (at most n_group)
+    # true: a per-expert bias added to the scores to choose the experts, not to weight them
+    # (DeepSeek-V3's e_score_correction_bias); not trained by the gradient
+    router_bias: bool = False
+    # each step, bias += rate x sign(mean load - expert's load) (DeepSeek-V3's auxiliary-loss-
+    # free balancing, 0.001 there); 0: the bias stays as loaded. Needs router_bias
+    router_bias_rate: float = 0.0
 
     @property
     def expert_dim(self) -> int:
@@ -87,7 +107,9 @@ class MoEConfig(LlamaConfig):
             experts_per_token=self.experts_per_token,
             expert_mlp_dim=self.expert_mlp_dim,
             shared_expert=self.shared_expert,
+            shared_expert_mlp_dim=self.shared_expert_mlp_dim,
             capacity_factor=self.capacity_factor,
+            router_bias_rate=self.router_bias_rate if self.router_bias else 0.0,
             pipelines=not router_losses,
         )
 
@@ -114,6 +136,11 @@ def check(cfg: MoEConfig) -> None:
         raise UsageError(
             f"--expert-mlp-dim {cfg.expert_mlp_dim} must be a positive width, or 0 (--mlp-dim)"
         )
+    if cfg.shared_expert_mlp_dim < 0 or (cfg.shared_expert_mlp_dim and not cfg.shared_expert):
+        raise UsageError(
+            f"--shared-expert-mlp-dim {cfg.shared_expert_mlp_dim} must be a positive width "
+            f"with --shared-expert true, or 0 (--expert-mlp-dim)"
+        )
     # `not 0 <= x < inf` refuses NaN too; a negative loss weight would reward what it penalises
     if not 0 <= cfg.capacity_factor < math.inf:
         raise UsageError(
@@ -122,6 +149,8 @@ def check(cfg: MoEConfig) -> None:
     for flag, coef in (("--aux-loss-coef", cfg.aux_loss_coef), ("--z-loss-coef", cfg.z_loss_coef)):
         if not 0 <= coef < math.inf:
             raise UsageError(f"{flag} {coef} must be a finite weight >= 0 (0: off)")
+    if cfg.n_experts:
+        moe_routing.check_routing(cfg)  # scores, groups, scaling (models/moe_routing.py)
 
 
 def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
@@ -141,16 +170,9 @@ def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
         )
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` along the last dim (largest first, ties to the lower index), as a stable
-    sort: XLA's partitioner replicates a top_k over its leading dims, so under jit the router
-    all-gathered the whole global batch's probabilities on every data-parallel device and routed
-    them all there, in every layer (and again in the backward pass under remat); a sort keeps
-    each device to its own tokens."""
-    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    # -x is exact, and a stable ascending sort of it keeps equal values in index order
-    negated, order = jax.lax.sort((-x, index), dimension=x.ndim - 1, num_keys=1, is_stable=True)
-    return -negated[..., :k], order[..., :k]
+class RouterBias(nnx.Variable):
+    """The per-expert correction bias [E] (`router_bias`): it only chooses experts, so the
+    loss has no gradient for it, and it is carried, checkpointed and loaded with the params."""
 
 
 class Experts(nnx.Module):
@@ -164,20 +186,22 @@ class Experts(nnx.Module):
         self.w_up = _param(rngs, 0.02, (n, e, m), ("expert", "embed", "mlp"))
         self.w_down = _param(rngs, out_std, (n, m, e), ("expert", "mlp", "embed"))
         if cfg.shared_expert:
-            self.shared = llama.MLP(dataclasses.replace(cfg, mlp_dim=m), rngs)
+            shared = dataclasses.replace(cfg, mlp_dim=cfg.shared_expert_mlp_dim or m)
+            self.shared = llama.MLP(shared, rngs)
+        if cfg.router_bias:  # zeros: it starts choosing as if there were none
+            self.router_bias = RouterBias(jnp.zeros((n,), jnp.float32), out_sharding=(None,))
         self.cfg = cfg
 
     def choose(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """(logits [b, t, E] fp32, probabilities [b, t, E], the top k's weights [b, t, k] and
-        experts [b, t, k], largest first)."""
-        cfg = self.cfg
+        experts [b, t, k], largest first): models/moe_routing.py's choice."""
         logits = jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
         logits = constrain(logits, ("batch", "length", None))
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, top_experts = top_k(probs, cfg.experts_per_token)
-        weights = top_probs
-        if cfg.norm_topk_prob:
-            weights = top_probs / top_probs.sum(axis=-1, keepdims=True)
+        bias = self.router_bias[...] if self.cfg.router_bias else None
+        probs, weights, top_experts = moe_routing.choose(self.cfg, logits, bias)
+        if bias is not None and self.cfg.router_bias_rate:  # the load, as the bias's gradient
+            per_expert = jax.nn.one_hot(top_experts, self.cfg.n_experts).sum(2).mean((0, 1))
+            weights = moe_routing.load_feedback(weights, bias, batch_mean(per_expert))
         return logits, probs, weights, top_experts
 
     def stats(

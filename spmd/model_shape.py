@@ -39,7 +39,11 @@ class ModelShape:
     experts_per_token: int = 0  # top-k
     expert_mlp_dim: int = 0  # hidden size of each expert (0: mlp_dim)
     shared_expert: bool = False  # one more expert that every token uses
+    shared_expert_mlp_dim: int = 0  # its hidden size (0: expert_dim)
     capacity_factor: float = 0.0  # 0: dropless (capacity = the sequence length)
+    # the step moves the router's correction bias by this x sign(its gradient), outside the
+    # optimizer (auxiliary-loss-free balancing, models/moe_routing.py); 0: no such rule
+    router_bias_rate: float = 0.0
     # False when the training loss needs what a pipeline cannot pass between its stages (an
     # MoE's router losses): the planner then keeps pp = 1.
     pipelines: bool = True
@@ -60,6 +64,11 @@ class ModelShape:
         """Hidden size of one expert (expert_mlp_dim, or mlp_dim when that is 0)."""
         return self.expert_mlp_dim or self.mlp_dim
 
+    @property
+    def shared_dim(self) -> int:
+        """Hidden size of the shared expert (0 without one; expert_dim unless set)."""
+        return (self.shared_expert_mlp_dim or self.expert_dim) if self.shared_expert else 0
+
     def param_counts(self) -> dict[str, int]:
         """Parameters (scalars) of each kind the model holds, the one count of them (a family's
         n_params, the planner's groups in spmd.estimate.shape): "matrices" (every block's
@@ -69,8 +78,8 @@ class ModelShape:
         and "experts" (the routed ones)."""
         e, d, layers = self.embed_dim, self.head_dim, self.n_layers
         mlp = 3 * e * self.mlp_dim
-        if self.n_experts:  # the shared expert (if any) is a dense MLP of expert_dim
-            mlp = 3 * e * self.expert_dim if self.shared_expert else 0
+        if self.n_experts:  # the shared expert (if any) is a dense MLP of shared_dim
+            mlp = 3 * e * self.shared_dim
         counts = {
             "matrices": layers * (e * d * (2 * self.n_heads + 2 * self.n_kv_heads) + mlp),
             "norms": layers * self.norms_per_block * e,
@@ -103,8 +112,8 @@ class ModelShape:
         dense MLP without experts)."""
         if not self.n_experts:
             return 3 * self.embed_dim * self.mlp_dim
-        routed = self.experts_per_token + int(self.shared_expert)
-        return self.embed_dim * self.n_experts + routed * 3 * self.embed_dim * self.expert_dim
+        e, routed = self.embed_dim, self.experts_per_token * self.expert_dim
+        return e * self.n_experts + 3 * e * (routed + self.shared_dim)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs (forward + backward) per trained token, the usual convention for a

@@ -83,6 +83,17 @@ CASES = [
     *map(train, ["--model moe-tiny --n-experts -1", "--model moe-tiny --experts-per-token 0"]),
     *map(train, ["--model moe-tiny --expert-mlp-dim -1", "--model moe-tiny --capacity-factor nan"]),
     *map(train, ["--model moe-tiny --aux-loss-coef -1", "--model moe-tiny --z-loss-coef nan"]),
+    # the router's options (models/moe_routing.py): moe-tiny has 4 experts, 2 per token
+    train("--model moe-tiny --router-score relu", says="--router-score"),
+    train("--model moe-tiny --n-group 3", says="--n-group 3 must divide --n-experts 4"),
+    train("--model moe-tiny --n-group 2 --topk-group 3", says="--topk-group 3 must be between"),
+    train("--model moe-tiny --n-group 2 --topk-group 0", says="--topk-group 0 must be between"),
+    train("--model moe-tiny --n-group 4", says="--experts-per-token 2 exceeds the 1 experts"),
+    train("--model moe-tiny --routed-scaling-factor 0", says="finite number > 0"),
+    train("--model moe-tiny --routed-scaling-factor inf", says="finite number > 0"),
+    train("--model moe-tiny --shared-expert-mlp-dim 64", says="with --shared-expert true"),
+    train("--model moe-tiny --router-bias true --router-bias-rate -1", says="finite number >= 0"),
+    train("--model moe-tiny --router-bias-rate 0.001", says="needs --router-bias true"),
     # the run's counts
     *map(train, ["--steps 0", "--batch 0", "--accum 0", "--seq-len -1", "--seed -1"]),
     *map(train, ["--stop-after -1", "--num-processes -1", "--process-id -2"]),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from spmd.engine import sgd
@@ -59,3 +61,32 @@ def make_optimizer(
     if cfg.grad_clip > 0:
         return optax.chain(clip_by_global_norm(cfg.grad_clip), update)
     return update
+
+
+def with_sign_rule(tx: optax.GradientTransformation | Any, leaf: str, rate: float) -> Any:
+    """names -> `tx` (or `tx(names)`) with the params whose last key is `leaf` updated by
+    -rate x sign(their gradient) instead: outside the clipping, the schedule, the weight decay
+    and the optimizer's moments (which see a zero gradient for them, so the state keeps its
+    structure and a checkpoint its layout). What an MoE's router_bias_rate asks: the bias's
+    gradient is the load minus its mean (models.moe_routing.load_feedback), so the step is
+    DeepSeek-V3's bias += rate x sign(mean load - load)."""
+
+    def make(names: Any) -> optax.GradientTransformation:
+        inner = tx if isinstance(tx, optax.GradientTransformation) else tx(names)
+        chosen = jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", None) == leaf,
+            names,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+
+        def signed(update: jax.Array, grad: jax.Array, selected: bool) -> jax.Array:
+            return (-rate * jnp.sign(grad)).astype(update.dtype) if selected else update
+
+        def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+            rest = jax.tree.map(lambda g, c: jnp.zeros_like(g) if c else g, grads, chosen)
+            updates, state = inner.update(rest, state, params)
+            return jax.tree.map(signed, updates, grads, chosen), state
+
+        return optax.GradientTransformation(inner.init, update)
+
+    return make

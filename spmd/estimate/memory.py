@@ -102,7 +102,7 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
         sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
         slots = experts.dispatch_slots(shape, t, sorted_rows)
         one_hots = 0 if sorted_rows else 2
-        shared = width if shape.shared_expert else 0  # its gate, up, product as a Llama's
+        shared = shape.shared_dim / tensor  # its gate, up, product as a Llama's
         mlp_none = slots * (2 * e + 3 * width + one_hots) + 3 * shared
         mlp_dots = slots * (e + 2 * width) + 2 * shared
     attention = long_sequence.ring_elements(shape, tokens, tensor, cp)

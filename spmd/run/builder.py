@@ -28,7 +28,7 @@ from flax import nnx
 from models import family, finetune
 from spmd.engine import diloco, objectives, precision
 from spmd.engine.diloco import AnyProgram
-from spmd.engine.optimizers import make_optimizer
+from spmd.engine.optimizers import make_optimizer, with_sign_rule
 from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
 from spmd.errors import UsageError
@@ -98,6 +98,9 @@ class ModelSpec:
     # (model, batch) -> figures a log record shows beside the loss (an MoE's router
     # statistics), on the module `make` builds; None: none
     metrics: Callable[[nnx.Module, dict], dict] | None = None
+    # (param name, rate): those params step by -rate x sign(gradient), outside the optimizer
+    # (an MoE's router_bias_rate: spmd.engine.optimizers.with_sign_rule); None: none
+    sign_rule: tuple[str, float] | None = None
 
 
 def build(
@@ -122,6 +125,8 @@ def build(
         check_sequence_split(seq_len, dict(mesh.shape), layout.sequence_parallel, moe=spec.moe)
     if spec.check_layout is not None:
         spec.check_layout(mesh, options.executor)
+    if spec.sign_rule is not None:  # (DiLoCo's inner steps take it too)
+        tx = with_sign_rule(tx, *spec.sign_rule)
     if sync is not None:
         if spec.frozen:
             raise UsageError("LoRA (--lora-rank > 0) does not run under --dcn-sync diloco yet")
@@ -174,14 +179,17 @@ def model_spec(
         fam.check_layout(model_cfg, mesh, executor)
 
     loss = objective_loss if adapters is None else finetune.lora_loss(objective_loss)
-    moe = bool(fam.shape(model_cfg).n_experts)
+    shape = fam.shape(model_cfg)
+    moe = bool(shape.n_experts)
     # an MoE family's config without experts builds the dense model: no router to report
     metrics = fam.step_metrics if moe else None
     if metrics is not None and adapters is not None:
         metrics = finetune.lora_metrics(metrics)
     dropout = adapters.dropout if adapters is not None else 0.0
     frozen = adapters is not None
-    return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics)
+    rate = shape.router_bias_rate  # an MoE's balancing (models/moe_routing.py)
+    rule = ("router_bias", rate) if moe and rate else None
+    return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics, rule)
 
 
 def options_of(
