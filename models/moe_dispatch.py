@@ -53,6 +53,13 @@ def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -
     return jnp.zeros((b, pairs), bool).at[rows, order].set(position < capacity)
 
 
+def kernel() -> str:
+    """The grouped matmul this platform runs, as the recorded choice names it."""
+    if jax.default_backend() in ("gpu", "tpu"):
+        return f"jax.lax.ragged_dot ({jax.default_backend()})"
+    return f"blocked grouped matmul (cpu, {BLOCK_ROWS}-row blocks)"
+
+
 def grouped_swiglu(
     x: jax.Array,
     experts: jax.Array,
@@ -60,15 +67,17 @@ def grouped_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    record: bool = True,
 ) -> jax.Array:
     """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
-    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]."""
+    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d].
+    `record`: note the kernel as the run's dispatch (the all-to-all dispatch notes its own)."""
     # (a param may hold a numpy array outside jit, which a traced index cannot index)
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    if record:
+        note("moe_dispatch", f"sorted, {kernel()}")
     if jax.default_backend() in ("gpu", "tpu"):
-        note("moe_dispatch", f"sorted, jax.lax.ragged_dot ({jax.default_backend()})")
         return ragged_swiglu(x, experts, kept, w_gate, w_up, w_down)
-    note("moe_dispatch", f"sorted, blocked grouped matmul (cpu, {BLOCK_ROWS}-row blocks)")
     return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
 
 
@@ -141,7 +150,9 @@ def blocked_swiglu(
     grouped = tp_enter(grouped, "mlp")  # column-parallel gate and up inside each expert
     # each block's expert: the group whose padded run holds the block's first slot
     first = jnp.arange(n_blocks) * BLOCK_ROWS
-    block_expert = jax.vmap(lambda e: jnp.searchsorted(e, first, side="right"))(ends)
+    # (searchsorted's side="right" as a count: jnp.searchsorted fails under shard_map when
+    # `ends` varies over a mesh axis and `first` does not, jax 0.10.2)
+    block_expert = (ends[:, None, :] <= first[None, :, None]).sum(-1)
     block_expert = jnp.minimum(block_expert, n - 1)  # blocks past the groups: all padding
     blocks = grouped.reshape(b, n_blocks, BLOCK_ROWS, d).swapaxes(0, 1)
     dt = x.dtype
