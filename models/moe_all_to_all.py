@@ -3,13 +3,13 @@ its (token, choice) pairs by expert, sends each pair's row to the device that ho
 (one all-to-all), the experts run the grouped matmul of models/moe_dispatch.py over the rows
 they received, and the outputs come back by the same all-to-all, in the slots they left from.
 
-The all-to-all is padded (XLA:CPU has no ragged all-to-all: docs/jax-facts.md): device i sends
-every device j a block of `peer_block_rows` rows, its pairs for j's experts first (sorted by
-expert), zero rows after them; a second all-to-all of E int32 counts tells j how many of each
-block's rows are for each of its experts. The block holds the worst case, so no pair ever
-drops for want of room: to one peer holding E/ways experts a device sends at most, per
-sequence, min(k, E/ways) pairs of each token (a token picks distinct experts) and, with a
-capacity, capacity pairs of each of the peer's experts:
+The all-to-all is padded (XLA:CPU has no ragged all-to-all: docs/jax-facts.md): device i
+sends every device j a block of `peer_block_rows` rows (spmd.model_shape.moe_peer_block_rows),
+its pairs for j's experts first (sorted by expert), zero rows after them; a second all-to-all
+of E int32 counts tells j how many of each block's rows are for each of its experts. The block
+holds the worst case, so no pair ever drops for want of room: to one peer holding E/ways
+experts a device sends at most, per sequence, min(k, E/ways) pairs of each token (a token
+picks distinct experts) and, with a capacity, capacity pairs of each of the peer's experts:
 
     rows per peer block = sequences x min(length x min(k, E/ways), E/ways x capacity)
 
@@ -27,13 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from models import moe_dispatch
+from spmd.model_shape import moe_peer_block_rows as peer_block_rows
 from spmd.parallel.hooks import exchange, exchange_ways, on_expert_devices
-
-
-def peer_block_rows(sequences: int, length: int, k: int, local_experts: int, capacity: int) -> int:
-    """Rows of the block one device sends each peer: the most pairs of `sequences` sequences
-    that can go to the `local_experts` experts a peer holds (module docstring)."""
-    return sequences * min(length * min(k, local_experts), local_experts * capacity)
 
 
 def exchanged_swiglu(

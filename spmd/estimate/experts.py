@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from spmd.model_shape import ModelShape, moe_grouped_rows
+from spmd.model_shape import ModelShape, moe_grouped_rows, moe_peer_block_rows
 
 
 def capacity(model: ModelShape, seq_len: int) -> int:
@@ -33,15 +33,47 @@ def active_params(model: ModelShape, n_params: int) -> int:
     return n_params - (model.n_params() - model.n_active_params())
 
 
+def exchange_dispatch(
+    mesh: dict[str, int], sequence_parallel: bool = False, precision: str = "fp32"
+) -> bool:
+    """Whether models/moe.py sends the sorted rows to their experts by all-to-all
+    (models/moe_all_to_all.py): the experts are split over devices (ep or fsdp > 1 in the mesh
+    the state is sharded on) and neither sequence parallelism with tp > 1, fp8 experts, a
+    pipeline nor context parallelism keeps the one-hot dispatch
+    (spmd.parallel.expert_exchange.exchange_blocked)."""
+    split = mesh.get("expert", 1) * mesh.get("fsdp", 1) > 1
+    return (
+        split
+        and _sortable(mesh, sequence_parallel, precision)
+        and not (mesh.get("pipeline", 1) > 1 or mesh.get("context", 1) > 1)
+    )
+
+
+def _sortable(mesh: dict[str, int], sequence_parallel: bool, precision: str) -> bool:
+    return not ((sequence_parallel and mesh.get("tensor", 1) > 1) or precision == "fp8")
+
+
 def sorted_dispatch(
     mesh: dict[str, int], sequence_parallel: bool = False, precision: str = "fp32"
 ) -> bool:
-    """Whether models/moe.py runs the sort-based dispatch on this layout: unless the experts
-    are split over devices (ep or fsdp > 1 in the mesh the state is sharded on), the length is
-    split for the experts' tensor parallelism (sequence parallelism) or the experts run in
-    fp8; there it runs the one-hot einsum dispatch and its all-to-alls."""
+    """Whether models/moe.py runs the sort-based dispatch on this layout, on each device's
+    whole experts or by all-to-all to split ones (`exchange_dispatch`); elsewhere (sequence
+    parallelism with tp > 1, fp8 experts, experts split under a pipeline or context
+    parallelism) the one-hot einsum dispatch."""
     split = mesh.get("expert", 1) * mesh.get("fsdp", 1) > 1
-    return not (split or (sequence_parallel and mesh.get("tensor", 1) > 1) or precision == "fp8")
+    if split:
+        return exchange_dispatch(mesh, sequence_parallel, precision)
+    return _sortable(mesh, sequence_parallel, precision)
+
+
+def exchange_rows(model: ModelShape, seq_len: int, sequences: int, ways: int) -> tuple[int, int]:
+    """(rows of each peer block, rows the device's grouped matmul runs) of the padded
+    all-to-all of the sorted rows, for `sequences` sequences per device and experts split
+    `ways` ways (spmd.model_shape.moe_peer_block_rows, moe_grouped_rows)."""
+    local = model.n_experts // ways
+    k, cap = model.experts_per_token, capacity(model, seq_len)
+    block = moe_peer_block_rows(sequences, seq_len, k, local, cap)
+    return block, moe_grouped_rows(ways * block, local)
 
 
 def dispatch_slots(model: ModelShape, seq_len: int, sorted_rows: bool) -> float:
