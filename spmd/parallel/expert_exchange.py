@@ -13,7 +13,8 @@ Two dispatches use them:
                         tokens and experts: directly inside the explicit executor's shard_map,
                         and under the auto executor inside a shard_map over the mesh axes that
                         split the batch, the experts or their hidden dim, with the explicit
-                        hooks (tp_enter / tp_reduce) open inside it
+                        hooks (tp_enter / tp_reduce) open inside it; exchange_axes() names
+                        the axes (the recorded choice)
 
 `exchange_blocked()` says why the sorted all-to-all cannot run on the layout being traced
 (None where it can); there models/moe.py keeps the one-hot dispatch.
@@ -111,23 +112,27 @@ def exchange(x: jax.Array) -> jax.Array:
     return lax.all_to_all(x, axes, 0, 0, tiled=True) if axes else x
 
 
-def on_expert_devices(fn: Callable[..., jax.Array], kernel: str, *args: jax.Array) -> jax.Array:
+def exchange_axes() -> tuple[str, ...]:
+    """The mesh axes over 1 that split the experts in the layout being traced."""
+    if traced.explicit() is not None:
+        return traced.split_axes("expert")
+    if (auto := traced.activations()) is None:
+        return ()
+    mesh, table, _ = auto
+    return _axes(mesh, table, "expert")
+
+
+def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
     """fn(x, experts, kept, w_gate, w_up, w_down) -> [batch, pairs, embed] run on each device's
     own sequences (x [batch, length, embed], experts and kept [batch, pairs]) and its own block
     of the experts' weights ([E, embed, mlp] twice, [E, mlp, embed]), where `exchange` moves
-    rows between the devices that split the experts. Records the dispatch as
-    `note("moe_dispatch", "sorted, padded all-to-all over <axes> (<kernel>)")`."""
-    from spmd.parallel.hooks import note  # hooks re-exports this module
-
+    rows between the devices that split the experts."""
     if traced.explicit() is not None:
-        axes = _names(traced.split_axes("expert"))
-        note("moe_dispatch", f"sorted, padded all-to-all over {axes} ({kernel})")
         return fn(*args)
     auto = traced.activations()
     assert auto is not None, "on_expert_devices outside a layout: experts_split() is False there"
     mesh, table, sp = auto
     batch, expert, tensor = (_axes(mesh, table, n) for n in ("batch", "expert", "mlp"))
-    note("moe_dispatch", f"sorted, padded all-to-all over {_names(expert)} ({kernel})")
 
     def spec(*dims: tuple[str, ...] | None) -> PartitionSpec:
         return PartitionSpec(*(d[0] if d and len(d) == 1 else (d or None) for d in dims))
@@ -158,7 +163,3 @@ def on_expert_devices(fn: Callable[..., jax.Array], kernel: str, *args: jax.Arra
         check_vma=True,
     )
     return mapped(*args)
-
-
-def _names(axes: tuple[str, ...]) -> str:
-    return ", ".join(axes)

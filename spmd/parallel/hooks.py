@@ -59,7 +59,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import fp8_context, layer_scan, param_gather, ring_attention, rules
+from spmd.parallel import (
+    expert_exchange,
+    fp8_context,
+    layer_scan,
+    param_gather,
+    ring_attention,
+    rules,
+)
 from spmd.parallel import traced_layout as traced
 from spmd.parallel.expert_exchange import (
     exchange,
@@ -67,7 +74,6 @@ from spmd.parallel.expert_exchange import (
     exchange_ways,
     experts_split,
     from_experts,
-    on_expert_devices,
     to_experts,
 )
 from spmd.parallel.fp8_context import Site as Fp8Site
@@ -80,7 +86,6 @@ __all__ = [
     "exchange_ways",
     "experts_split",
     "from_experts",
-    "on_expert_devices",
     "to_experts",
 ]
 
@@ -167,6 +172,15 @@ def tp_rank(name: str) -> jax.Array | int:
     """Which block of the split dimension `name` this device holds (0 when unsplit)."""
     axes = traced.split_axes(name)
     return lax.axis_index(axes) if axes else 0
+
+
+def on_expert_devices(fn: Callable[..., jax.Array], kernel: str, *args: jax.Array) -> jax.Array:
+    """fn(*args) on each device's own sequences and block of the experts
+    (spmd.parallel.expert_exchange.on_expert_devices), recorded as `note("moe_dispatch",
+    "sorted, padded all-to-all over <axes> (<kernel>)")`."""
+    axes = ", ".join(expert_exchange.exchange_axes())
+    note("moe_dispatch", f"sorted, padded all-to-all over {axes} ({kernel})")
+    return expert_exchange.on_expert_devices(fn, *args)
 
 
 def batch_mean(x: jax.Array) -> jax.Array:
