@@ -40,17 +40,21 @@ from spmd.parallel.hooks import note, tp_enter, tp_reduce
 def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
     """experts [b, pairs] int (token-major: token 0's choices, then token 1's; `length` tokens)
     -> [b, pairs] bool: whether the pair is within its expert's capacity in its sequence, in
-    token order."""
+    token order. (One sequence at a time under vmap: a scatter indexed by the sequence made
+    XLA's partitioner all-gather the batch's choices where the batch is split.)"""
     b, pairs = experts.shape
     if capacity >= length:  # a token picks an expert at most once: nothing can drop
         return jnp.ones((b, pairs), bool)
-    order = jnp.argsort(experts, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(experts, order, axis=-1)
-    counts = jax.vmap(lambda e: jnp.bincount(e, length=n_experts))(experts)
-    starts = jnp.cumsum(counts, axis=-1) - counts
-    position = jnp.arange(pairs) - jnp.take_along_axis(starts, ranked, axis=-1)
-    rows = jnp.arange(b)[:, None]
-    return jnp.zeros((b, pairs), bool).at[rows, order].set(position < capacity)
+
+    def sequence(chosen: jax.Array) -> jax.Array:
+        order = jnp.argsort(chosen, stable=True)
+        ranked = chosen[order]
+        counts = jnp.bincount(chosen, length=n_experts)
+        starts = jnp.cumsum(counts) - counts
+        position = jnp.arange(pairs) - starts[ranked]
+        return jnp.zeros(pairs, bool).at[order].set(position < capacity)
+
+    return jax.vmap(sequence)(experts)
 
 
 def kernel() -> str:
