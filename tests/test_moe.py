@@ -121,6 +121,11 @@ def test_capacity_drops_the_same_pairs_over_the_all_to_all_as_on_one_device():
     for mesh, executor in (("ep=4", "explicit"), ("dp=2,ep=2,tp=2", "auto")):
         got = losses(mesh, executor, **capped)
         assert trainer.max_relative_difference(got, reference) <= 1e-5, (mesh, executor)
+        # each device decides its own sequences' drops: nothing gathered or permuted for it
+        # (a batch-indexed scatter in kept_pairs once all-gathered the choices under auto)
+        prog, step = compiled(mesh, executor, **capped)
+        kinds = {c.kind for c in hlo.collectives(step, prog.layout.mesh)}
+        assert not kinds & {"all-gather", "collective-permute"}, (mesh, executor, kinds)
 
 
 def test_all_to_all_bytes_match_the_formula_and_experts_are_split_ep_ways():
