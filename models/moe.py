@@ -12,9 +12,12 @@ zero, the residual carries the token on). `capacity_factor` 0 is dropless (capac
 sequence length, so nothing can drop); otherwise capacity = ceil(factor x length x k / E). As
 the groups are sequences, which tokens drop depends on the router only, never on the mesh.
 
-Dispatch and combine are one-hot einsums (exact in fp32) into a buffer [expert, batch,
-capacity, embed]; `to_experts` / `from_experts` (spmd.parallel.hooks) move it between the
-devices that hold the tokens and those that hold the experts: all_to_all (expert parallelism).
+Dispatch is sort-based (models/moe_dispatch.py: only the routed rows run, as a grouped
+matmul); where the experts are split over devices the sorted rows travel to them and back by
+all-to-all (models/moe_all_to_all.py). GShard's one-hot einsums into a buffer [expert, batch,
+capacity, embed], moved by `to_experts` / `from_experts`, are the reference
+(`Experts.reference`) and what runs under sequence parallelism, fp8 experts, or split experts
+under a pipeline or context parallelism (`Experts.__call__`).
 
 Per layer the block also returns router statistics: the load-balancing loss (Switch /
 Mixtral: E x sum_e f_e P_e, with f_e the share of choices that picked expert e, so sum f = k,
