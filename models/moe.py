@@ -14,9 +14,12 @@ zero, the residual carries the token on). `capacity_factor` 0 is dropless (capac
 sequence length, so nothing can drop); otherwise capacity = ceil(factor x length x k / E). As
 the groups are sequences, which tokens drop depends on the router only, never on the mesh.
 
-Dispatch and combine are one-hot einsums (exact in fp32) into a buffer [expert, batch,
-capacity, embed]; `to_experts` / `from_experts` (spmd.parallel.hooks) move it between the
-devices that hold the tokens and those that hold the experts: all_to_all (expert parallelism).
+Dispatch is sort-based (models/moe_dispatch.py: only the routed rows run, as a grouped
+matmul); where the experts are split over devices the sorted rows travel to them and back by
+all-to-all (models/moe_all_to_all.py). GShard's one-hot einsums into a buffer [expert, batch,
+capacity, embed], moved by `to_experts` / `from_experts`, are the reference
+(`Experts.reference`) and what runs under sequence parallelism, fp8 experts, or split experts
+under a pipeline or context parallelism (`Experts.__call__`).
 
 Per layer the block also returns router statistics: the load-balancing loss (Switch /
 Mixtral: E x sum_e f_e P_e, with f_e the share of choices that picked expert e, so sum f = k,
@@ -28,6 +31,7 @@ aux_loss_coef x aux + z_loss_coef x z, each averaged over layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -35,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import llama, moe_dispatch, moe_routing
+from models import llama, moe_all_to_all, moe_dispatch, moe_routing
 from models.attention import Attention
 from models.layers import REMAT_POLICIES, RMSNorm, creator, expert_dense, swiglu
 from models.layers import param as _param
@@ -46,6 +50,7 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     batch_mean,
     constrain,
+    exchange_blocked,
     experts_split,
     fp8_site,
     from_experts,
@@ -257,16 +262,19 @@ class Experts(nnx.Module):
             y = y + self.shared(x)
         return y, stats
 
-    def sort_dispatch(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        """The sort-based dispatch (models/moe_dispatch.py): only the routed rows run."""
+    def sort_dispatch(self, x: jax.Array, exchanged: bool = False) -> tuple[jax.Array, dict]:
+        """The sort-based dispatch (models/moe_dispatch.py): only the routed rows run.
+        `exchanged`: the experts are split over devices and the rows travel to them by
+        all-to-all (models/moe_all_to_all.py)."""
         cfg = self.cfg
         b, t, _ = x.shape
         logits, probs, weights, top_experts = self.choose(x)
         experts = top_experts.reshape(b, -1)  # [b, t x k], token-major
         kept = moe_dispatch.kept_pairs(experts, cfg.n_experts, cfg.capacity(t), t)
-        out = moe_dispatch.grouped_swiglu(
-            x, experts, kept, gather(self.w_gate), gather(self.w_up), gather(self.w_down)
-        )
+        kernel = moe_dispatch.grouped_swiglu
+        if exchanged:
+            kernel = functools.partial(moe_all_to_all.exchanged_swiglu, capacity=cfg.capacity(t))
+        out = kernel(x, experts, kept, gather(self.w_gate), gather(self.w_up), gather(self.w_down))
         mix = (weights.reshape(b, -1) * kept).astype(x.dtype)  # a dropped pair adds nothing
         y = jnp.einsum("bp,bpe->bpe", mix, out).reshape(b, t, -1, x.shape[-1]).sum(axis=2)
         y = constrain(y, ("batch", "length", "embed"))
@@ -275,18 +283,21 @@ class Experts(nnx.Module):
         return y, self.stats(logits, probs, top_experts, kept)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        """The sorted dispatch; the reference one where the layout splits the experts over
-        devices (its all-to-alls carry the tokens), splits the length for the experts' tensor
-        parallelism (sequence parallelism) or runs the experts in fp8."""
+        """The sorted dispatch, its rows sent to their experts by all-to-all where the layout
+        splits the experts over devices; the one-hot reference where the layout splits the
+        length for the experts' tensor parallelism (sequence parallelism), runs the experts in
+        fp8, or splits the experts where the all-to-all cannot run (a pipeline, context
+        parallelism: spmd.parallel.expert_exchange.exchange_blocked)."""
         e, m = self.cfg.embed_dim, self.cfg.expert_dim
-        if experts_split():
-            note("moe_dispatch", "one-hot einsum (experts split over devices: all-to-all)")
-        elif sequence_parallel("mlp"):
+        split = experts_split()
+        if sequence_parallel("mlp"):
             note("moe_dispatch", "one-hot einsum (sequence parallelism)")
         elif fp8_site(e, m) is not None:
             note("moe_dispatch", "one-hot einsum (fp8 experts)")
+        elif split and (blocked := exchange_blocked()) is not None:
+            note("moe_dispatch", f"one-hot einsum (experts split over devices, {blocked})")
         else:
-            return self.sort_dispatch(x)
+            return self.sort_dispatch(x, exchanged=split)
         return self.reference(x)
 
 

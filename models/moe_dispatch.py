@@ -44,17 +44,34 @@ from spmd.parallel.hooks import note, per_shard, tp_enter, tp_reduce
 def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
     """experts [b, pairs] int (token-major: token 0's choices, then token 1's; `length` tokens)
     -> [b, pairs] bool: whether the pair is within its expert's capacity in its sequence, in
-    token order."""
+    token order. (One sequence at a time under vmap: a scatter indexed by the sequence made
+    XLA's partitioner all-gather the batch's choices where the batch is split.)"""
     b, pairs = experts.shape
     if capacity >= length:  # a token picks an expert at most once: nothing can drop
         return jnp.ones((b, pairs), bool)
-    order = jnp.argsort(experts, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(experts, order, axis=-1)
-    counts = jax.vmap(lambda e: jnp.bincount(e, length=n_experts))(experts)
-    starts = jnp.cumsum(counts, axis=-1) - counts
-    position = jnp.arange(pairs) - jnp.take_along_axis(starts, ranked, axis=-1)
-    rows = jnp.arange(b)[:, None]
-    return jnp.zeros((b, pairs), bool).at[rows, order].set(position < capacity)
+
+    def sequence(chosen: jax.Array) -> jax.Array:
+        order = jnp.argsort(chosen, stable=True)
+        ranked = chosen[order]
+        counts = jnp.bincount(chosen, length=n_experts)
+        starts = jnp.cumsum(counts) - counts
+        position = jnp.arange(pairs) - starts[ranked]
+        return jnp.zeros(pairs, bool).at[order].set(position < capacity)
+
+    return jax.vmap(sequence)(experts)
+
+
+def kernel(d: int, m: int, dtype: jnp.dtype) -> str:
+    """The grouped matmul this platform runs for experts d -> m -> d in `dtype`, as the
+    recorded choice names it: the Hopper kernels or TPU's ragged_dot, else the blocked one
+    (XLA:CPU and XLA:GPU lower ragged_dot densely)."""
+    backend = jax.default_backend()
+    name = grouped_matmul.kernel_name(d, m, dtype)
+    if name == grouped_matmul.kernel_name(m, d, dtype) and (
+        backend == "tpu" or name == "pallas mosaic gpu"
+    ):
+        return f"{name} ({backend})"
+    return f"blocked grouped matmul ({backend}, {BLOCK_ROWS}-row blocks)"
 
 
 def grouped_swiglu(
@@ -64,29 +81,26 @@ def grouped_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    record: bool = True,
 ) -> jax.Array:
     """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
-    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]."""
+    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d].
+    `record`: note the kernel as the run's dispatch (the all-to-all dispatch notes its own)."""
     # (a param may hold a numpy array outside jit, which a traced index cannot index)
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
-    backend = jax.default_backend()
-    d, m = w_gate.shape[1:]
-    kernel = grouped_matmul.kernel_name(d, m, x.dtype)
-    if kernel == grouped_matmul.kernel_name(m, d, x.dtype) and (
-        backend == "tpu" or kernel == "pallas mosaic gpu"
-    ):
-        note("moe_dispatch", f"sorted, {kernel} ({backend})")
-        # per device under the auto executor: XLA can partition neither the batch-wide sort
-        # nor a Pallas call, and would run the global batch on every device (under auto with
-        # tp the experts' weights arrive whole, each device running all of their hidden dim)
-        tokens, pairs, whole = ("batch", None, None), ("batch", None), (None, None, None)
-        return per_shard(
-            ragged_swiglu,
-            *(x, experts, kept, w_gate, w_up, w_down),
-            names=(tokens, pairs, pairs, whole, whole, whole),
-        )
-    # XLA:CPU, and XLA:GPU short of the Hopper kernels, lower ragged_dot densely
-    note("moe_dispatch", f"sorted, blocked grouped matmul ({backend}, {BLOCK_ROWS}-row blocks)")
+    if record:
+        note("moe_dispatch", f"sorted, {kernel(*w_gate.shape[1:], x.dtype)}")
+    if kernel(*w_gate.shape[1:], x.dtype).startswith("blocked"):
+        return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
+    # per device under the auto executor: XLA can partition neither the batch-wide sort nor a
+    # Pallas call, and would run the global batch on every device (under auto with tp the
+    # experts' weights arrive whole, each device running all of their hidden dim)
+    tokens, pairs, whole = ("batch", None, None), ("batch", None), (None, None, None)
+    return per_shard(
+        ragged_swiglu,
+        *(x, experts, kept, w_gate, w_up, w_down),
+        names=(tokens, pairs, pairs, whole, whole, whole),
+    )
     return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
 
 
@@ -159,7 +173,9 @@ def blocked_swiglu(
     grouped = tp_enter(grouped, "mlp")  # column-parallel gate and up inside each expert
     # each block's expert: the group whose padded run holds the block's first slot
     first = jnp.arange(n_blocks) * BLOCK_ROWS
-    block_expert = jax.vmap(lambda e: jnp.searchsorted(e, first, side="right"))(ends)
+    # (searchsorted's side="right" as a count: jnp.searchsorted fails under shard_map when
+    # `ends` varies over a mesh axis and `first` does not, jax 0.10.2)
+    block_expert = (ends[:, None, :] <= first[None, :, None]).sum(-1)
     block_expert = jnp.minimum(block_expert, n - 1)  # blocks past the groups: all padding
     blocks = grouped.reshape(b, n_blocks, BLOCK_ROWS, d).swapaxes(0, 1)
     dt = x.dtype

@@ -177,3 +177,14 @@ def moe_grouped_rows(pairs: int, n_experts: int) -> int:
     group pads by at most MOE_BLOCK_ROWS - 1 rows; the total is a whole number of blocks)."""
     padded = pairs + min(n_experts, pairs) * (MOE_BLOCK_ROWS - 1)
     return padded // MOE_BLOCK_ROWS * MOE_BLOCK_ROWS
+
+
+def moe_peer_block_rows(
+    sequences: int, length: int, k: int, local_experts: int, capacity: int
+) -> int:
+    """Rows of the block one device sends each peer in the sorted MoE rows' padded all-to-all
+    (models/moe_all_to_all.py): the most (token, choice) pairs of its `sequences` sequences of
+    `length` tokens that can go to the `local_experts` experts a peer holds: a token picks
+    distinct experts, so at most min(k, local_experts) of its pairs, and each expert takes at
+    most `capacity` pairs of a sequence."""
+    return sequences * min(length * min(k, local_experts), local_experts * capacity)

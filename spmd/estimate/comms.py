@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from spmd.estimate import lora, volumes
+from spmd.estimate import experts, lora, volumes
 from spmd.estimate.cost import Network, Setup, params_per_device
 from spmd.estimate.pipeline_figures import pipeline_ticks
 
@@ -160,8 +160,16 @@ def expert_collectives(s: Setup) -> list[Comm]:
         return []
     out = []
     mesh = s.sharding_mesh
+    exchanged = experts.exchange_dispatch(mesh, s.sequence_parallel, s.precision)
     moved = volumes.all_to_all(
-        s.shape, mesh, s.batch, s.seq_len, s.micro_steps, s.remat != "none", s.bytes_of("compute")
+        s.shape,
+        mesh,
+        s.batch,
+        s.seq_len,
+        s.micro_steps,
+        s.remat != "none",
+        s.bytes_of("compute"),
+        exchanged,
     )
     if moved:
         axes = tuple(volumes.expert_axes(mesh))

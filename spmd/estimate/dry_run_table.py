@@ -41,10 +41,8 @@ def report(
             "per tick (theory counts them once per micro-batch, as without a pipeline)"
         )
     if model.n_experts:
-        mesh, element_bytes = program.layout.mesh, theory.activation_bytes(program)
-        experts = theory.expert_all_to_all(
-            model, mesh, global_batch, seq_len, program.accum, element_bytes=element_bytes
-        )
+        element_bytes = theory.activation_bytes(program)
+        experts = theory.program_all_to_all(program, model, global_batch, seq_len, element_bytes)
         text += f"\n{theory.expert_summary(program, experts)}"
     return text
 

@@ -100,7 +100,8 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     if shape.n_experts:  # per token: the expert buffers' slots, not k
         width = shape.expert_dim / tensor
         sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
-        slots = experts.dispatch_slots(shape, t, sorted_rows)
+        exchange = experts.exchange_of(s.sharding_mesh, b, s.sequence_parallel, s.precision)
+        slots = experts.dispatch_slots(shape, t, sorted_rows, exchange)
         one_hots = 0 if sorted_rows else 2
         shared = shape.shared_dim / tensor  # its gate, up, product as a Llama's
         mlp_none = slots * (2 * e + 3 * width + one_hots) + 3 * shared

@@ -60,6 +60,7 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
         s.micro_steps,
         s.remat != "none",
         s.bytes_of("compute"),
+        experts.exchange_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision),
     )
     return {
         "n_experts": shape.n_experts,

@@ -89,13 +89,37 @@ def expert_all_to_all(
     accum: int = 1,
     *,
     element_bytes: int,
+    sequence_parallel: bool = False,
+    precision: str = "fp32",
 ) -> dict[str, int]:
     """{"count", "bytes", "bytes_per_layer", "group"} of the MoE token all-to-alls of one step
     per device ({} without experts or when no mesh axis splits them), activations of
     `element_bytes` each: the formula of spmd.estimate.volumes.all_to_all, which the planner
-    uses too."""
+    uses too, for the dispatch models/moe.py runs on the layout (the sorted rows' or the
+    one-hot buffer's, spmd.estimate.experts.exchange_dispatch)."""
     remat = model.remat != "none"
-    return volumes.all_to_all(model, mesh.shape, global_batch, seq_len, accum, remat, element_bytes)
+    sizes = dict(mesh.shape)
+    exchanged = experts_math.exchange_dispatch(sizes, sequence_parallel, precision)
+    return volumes.all_to_all(
+        model, sizes, global_batch, seq_len, accum, remat, element_bytes, exchanged
+    )
+
+
+def program_all_to_all(
+    program: AnyProgram, model: ModelShape, global_batch: int, seq_len: int, element_bytes: int
+) -> dict[str, int]:
+    """`expert_all_to_all` of a built program: its mesh, accumulation, sequence parallelism
+    and precision (fp8 experts keep the one-hot dispatch)."""
+    return expert_all_to_all(
+        model,
+        program.layout.mesh,
+        global_batch,
+        seq_len,
+        program.accum,
+        element_bytes=element_bytes,
+        sequence_parallel=getattr(program.layout, "sequence_parallel", False),
+        precision="fp8" if getattr(program.policy, "fp8", None) is not None else "fp32",
+    )
 
 
 def expert_summary(program: AnyProgram, all_to_all: dict[str, int]) -> str:
@@ -271,9 +295,7 @@ def collectives(
             frozen_embedding=has_frozen and mesh.shape["pipeline"] == 1,
             pipeline=pipeline,
         )
-    experts = expert_all_to_all(
-        model, mesh, global_batch, seq_len, accum, element_bytes=element_bytes
-    )
+    experts = program_all_to_all(program, model, global_batch, seq_len, element_bytes)
     if experts:
         add("all-to-all", experts["count"], experts["bytes"])
     if mesh.shape.get("context", 1) > 1:

@@ -81,7 +81,8 @@ def executed_flops(s: cost.Setup) -> float:
     # pass instead of keeping them (models.attention.recomputed_attention)
     replays += attention / 2 * (s.remat == "none")
     sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
-    forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len, sorted_rows)
+    exchange = experts.exchange_of(s.sharding_mesh, s.micro_batch, s.sequence_parallel, s.precision)
+    forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len, sorted_rows, exchange)
     replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
     if s.lora_rank:  # the adapters' halves each tensor device runs whole, three passes
         replays += 3 * lora.tensor_replicated_flops(s) * (s.mesh.get("tensor", 1) - 1)

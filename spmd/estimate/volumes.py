@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from spmd.estimate.experts import capacity
+from spmd.estimate.experts import capacity, exchange_rows
 from spmd.estimate.long_sequence import residual_split
 from spmd.model_shape import ModelShape
 from spmd.parallel import rules
@@ -133,23 +133,37 @@ def all_to_all(
     accum: int,
     remat: bool,
     element_bytes: int,
+    exchanged: bool = False,
 ) -> dict[str, int]:
     """{"count", "bytes", "bytes_per_layer", "group"} of the MoE token all-to-alls of one step per
-    device ({} without experts or when no mesh axis splits them). Each one moves a buffer of
-    experts x rows x capacity x embed elements (rows: this device's sequences per
-    micro-batch): 4 per layer and micro-batch (dispatch and combine, forward and backward),
-    2 more when the backward replays the forward (remat). `bytes` is the result of each op,
-    summed over the step (spmd.estimate.hlo's convention)."""
+    device ({} without experts or when no mesh axis splits them). `bytes` is the result of each
+    op, summed over the step (spmd.estimate.hlo's convention); rows: this device's sequences
+    per micro-batch.
+
+    One-hot dispatch: each op moves a buffer of experts x rows x capacity x embed elements, 4
+    per layer and micro-batch (dispatch and combine, forward and backward), 2 more when the
+    backward replays the forward (remat).
+    Sorted rows (`exchanged`, models/moe_all_to_all.py): as many ops of ways x the peer block
+    (spmd.estimate.experts.exchange_rows) x embed elements, plus per forward pass one of the
+    E int32 counts per expert (no gradient)."""
     axes = expert_axes(sizes)
     if not shape.n_experts or not axes:
         return {}
     rows = global_batch // math.prod(sizes.get(a, 1) for a in BATCH_AXES) // accum
-    buffer = shape.n_experts * rows * capacity(shape, seq_len) * shape.embed_dim
+    ways = math.prod(sizes[a] for a in axes)
     calls = accum * (4 + (2 if remat else 0))
-    per_layer = calls * buffer * element_bytes
+    if exchanged:
+        block, _ = exchange_rows(shape, seq_len, rows, ways)
+        counts = accum * (1 + int(remat))
+        per_layer = calls * ways * block * shape.embed_dim * element_bytes
+        per_layer += counts * shape.n_experts * 4
+        calls += counts
+    else:
+        per_layer = calls * shape.n_experts * rows * capacity(shape, seq_len) * shape.embed_dim
+        per_layer *= element_bytes
     return {
         "count": calls * shape.n_layers,
         "bytes": per_layer * shape.n_layers,
         "bytes_per_layer": per_layer,
-        "group": math.prod(sizes[a] for a in axes),
+        "group": ways,
     }

@@ -18,6 +18,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     to_experts / from_experts an MoE layer's token dispatch and combine: all_to_all over the
                               mesh axes that split `expert` (explicit); a resharding (auto)
     experts_split()           whether the layout splits the MoE experts over devices
+    exchange / exchange_ways / on_expert_devices / exchange_blocked
+                              the sorted MoE rows' all-to-all (spmd.parallel.expert_exchange)
     sequence_parallel(name)   whether tp_enter / tp_reduce over `name` gather / scatter length
     batch_mean(x)             mean over the data-parallel shards of a per-shard mean
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
@@ -60,13 +62,38 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import fp8_context, layer_scan, param_gather, ring_attention, rules
+from spmd.parallel import (
+    expert_exchange,
+    fp8_context,
+    layer_scan,
+    param_gather,
+    ring_attention,
+    rules,
+)
 from spmd.parallel import traced_layout as traced
+from spmd.parallel.expert_exchange import (
+    exchange,
+    exchange_blocked,
+    exchange_ways,
+    experts_split,
+    from_experts,
+    to_experts,
+)
 from spmd.parallel.fp8_context import Site as Fp8Site
 from spmd.parallel.kernel_shards import per_shard
 
-# re-exported: models/fp8.py's type of a site; the models' road to per_shard
-__all__ = ["Fp8Site", "per_shard"]
+# re-exported: models/fp8.py's type of a site, spmd.parallel.expert_exchange's hooks and the
+# models' road to per_shard
+__all__ = [
+    "Fp8Site",
+    "exchange",
+    "exchange_blocked",
+    "exchange_ways",
+    "experts_split",
+    "from_experts",
+    "per_shard",
+    "to_experts",
+]
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
 
@@ -153,36 +180,13 @@ def tp_rank(name: str) -> jax.Array | int:
     return lax.axis_index(axes) if axes else 0
 
 
-def to_experts(x: jax.Array) -> jax.Array:
-    """Dispatch an MoE buffer [expert, batch, capacity, embed] from the devices that hold its
-    tokens to those that hold its experts. Explicit: one tiled all_to_all over the mesh axes
-    that split `expert`: each device sends its rows for expert block j to device j and gets
-    [expert / n, n * batch, capacity, embed]. Auto: the same move as a resharding, which the
-    partitioner turns into an all-to-all."""
-    if traced.explicit() is None:
-        return constrain(x, ("expert", "batch", None, None))
-    axes = traced.split_axes("expert")
-    return lax.all_to_all(x, axes, 0, 1, tiled=True) if axes else x
-
-
-def from_experts(y: jax.Array) -> jax.Array:
-    """The inverse of `to_experts`: the experts' outputs back to the devices of their tokens."""
-    if traced.explicit() is None:
-        return constrain(y, (None, "batch", None, None))
-    axes = traced.split_axes("expert")
-    return lax.all_to_all(y, axes, 1, 0, tiled=True) if axes else y
-
-
-def experts_split() -> bool:
-    """Whether the layout being traced splits the MoE experts (logical `expert`) over devices
-    (ep or fsdp > 1), so that tokens travel to them by `to_experts` / `from_experts`; False
-    outside a layout (one device)."""
-    if traced.explicit() is not None:
-        return bool(traced.split_axes("expert"))
-    if (auto := traced.activations()) is None:
-        return False
-    mesh, table, _ = auto
-    return any(mesh.shape[a] > 1 for a in table.get("expert", ()))
+def on_expert_devices(fn: Callable[..., jax.Array], kernel: str, *args: jax.Array) -> jax.Array:
+    """fn(*args) on each device's own sequences and block of the experts
+    (spmd.parallel.expert_exchange.on_expert_devices), recorded as `note("moe_dispatch",
+    "sorted, padded all-to-all over <axes> (<kernel>)")`."""
+    axes = ", ".join(expert_exchange.exchange_axes())
+    note("moe_dispatch", f"sorted, padded all-to-all over {axes} ({kernel})")
+    return expert_exchange.on_expert_devices(fn, *args)
 
 
 def batch_mean(x: jax.Array) -> jax.Array:
