@@ -44,7 +44,7 @@ def exchanged_swiglu(
     [b, t x k, d] (zero for a dropped pair), the experts being split over devices. Weights as
     models.moe_dispatch.grouped_swiglu's, whole (the executors hand each device its block)."""
     local = functools.partial(_local_exchange, capacity=capacity)
-    kernel = moe_dispatch.kernel(*w_gate.shape[1:], x.dtype)
+    kernel = moe_dispatch.kernel(w_gate.shape[1], w_gate.shape[2], x.dtype)
     return on_expert_devices(local, kernel, x, experts, kept, w_gate, w_up, w_down)
 
 

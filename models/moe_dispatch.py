@@ -88,9 +88,10 @@ def grouped_swiglu(
     `record`: note the kernel as the run's dispatch (the all-to-all dispatch notes its own)."""
     # (a param may hold a numpy array outside jit, which a traced index cannot index)
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    chosen = kernel(w_gate.shape[1], w_gate.shape[2], x.dtype)
     if record:
-        note("moe_dispatch", f"sorted, {kernel(*w_gate.shape[1:], x.dtype)}")
-    if kernel(*w_gate.shape[1:], x.dtype).startswith("blocked"):
+        note("moe_dispatch", f"sorted, {chosen}")
+    if chosen.startswith("blocked"):
         return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
     # per device under the auto executor: XLA can partition neither the batch-wide sort nor a
     # Pallas call, and would run the global batch on every device (under auto with tp the

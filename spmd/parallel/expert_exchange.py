@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax import lax
@@ -82,6 +82,7 @@ def exchange_blocked() -> str | None:
     """Why the sorted rows' all-to-all cannot run on the layout being traced (None: it can):
     a pipeline or context parallelism (their stages and rings are shard_maps of their own),
     or, under the auto executor, mesh axes left out of the activation rules (a vmap owns them)."""
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
     if (layout := traced.explicit()) is not None:
         mesh, table = layout.mesh, layout.compute_rules
     elif (auto := traced.activations()) is not None:
@@ -150,7 +151,8 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
     def local(*local_args: jax.Array) -> jax.Array:
         with (
             traced.no_activation_layout(),
-            traced.explicit_layout(mesh, 0, sp, prefetch=False),
+            # the explicit hooks read the mesh's axis names and sizes, an abstract mesh's too
+            traced.explicit_layout(cast(jax.sharding.Mesh, mesh), 0, sp, prefetch=False),
         ):
             return fn(*local_args)
 
