@@ -91,14 +91,19 @@ def test_spmd_params_to_a_sharded_hf_folder_and_back_are_bit_exact(tmp_path):
 
 def test_llama_switches_a_phi3_lacks_are_refused_and_layers_pipeline():
     """qkv biases, q/k norms and rope scalings have no Phi-3 form; the layers are all alike,
-    so a pipeline (pp=2) takes them, and the window refuses context parallelism."""
+    so a pipeline (pp=2) takes them; the window composes with context parallelism (the ring
+    masks it by global position, tests/test_hf_families.py's Mistral parity), LongRoPE does
+    not."""
     cfg = loaded(PHI3, ONE).model
     for change, flag in (({"qk_norm": True}, "--qk-norm"), ({"rope_scaling": "linear"}, "linear")):
         with pytest.raises(UsageError, match=flag):
             phi3.check(dataclasses.replace(cfg, **change))
     phi3.check_layout(cfg, trainer.layout("pp=2,dp=4").mesh, "explicit")
-    with pytest.raises(UsageError, match="with cp=2"):
-        phi3.check_layout(cfg, trainer.layout("cp=2,dp=4").mesh, "auto")
+    assert cfg.sliding_window
+    phi3.check_layout(cfg, trainer.layout("cp=2,dp=4").mesh, "auto")
+    longrope = dataclasses.replace(cfg, rope_scaling="longrope")
+    with pytest.raises(UsageError, match="longrope with cp=2"):
+        phi3.check_layout(longrope, trainer.layout("cp=2,dp=4").mesh, "auto")
     assert config.build(phi3.Phi3Config, dataclasses.asdict(cfg), "saved") == cfg
 
 
