@@ -377,10 +377,11 @@ def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
 def distinct_layouts(ranked: list[Scored], count: int) -> list[Scored]:
     """The best candidate of each of the first `count` distinct structures: tp, pp, cp and ep
     sizes, ZeRO stage and --offload (how dp and fsdp split the rest is a detail of each)."""
-    seen, out = set(), []
+    seen: set[tuple] = set()
+    out = []
     for c in ranked:
         s = c.setup
-        key = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero, s.offload)
+        key: tuple = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero, s.offload)
         key += (s.mesh.get("expert", 1),)
         if key not in seen:
             seen.add(key)
