@@ -218,10 +218,10 @@ def _recommend(
         )
     cost.check_setup(dataclasses.replace(base, batch=search.batch_for(space, base.seq_len, 1)))
     named = _named_axes(mesh, given) or {}
-    if named.get("expert", 1) > 1:  # the search's meshes are dp, fsdp, tp, pp
+    if named.get("expert", 1) > 1 and not base.shape.n_experts:  # (else held fixed)
         raise UsageError(
-            f"--recommend does not search ep (its experts are split over fsdp); drop "
-            f"ep={named['expert']} from --mesh, or drop --recommend to plan the layout as given"
+            f"--mesh ep={named['expert']} splits experts, but the model has none; use ep=1 or "
+            f"an MoE model (--n-experts, e.g. --model moe-small)"
         )
     if not base.shape.pipelines:  # e.g. an MoE's router losses (models.moe.check_layout)
         named = {"pipeline": 1, **named}

@@ -146,6 +146,7 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
             f"{s.shape.n_layers} layers, {s.schedule}{chunks} over {s.micro_steps} micro-batches: "
             f"bubble {pipeline_figures.bubble_share(s):.1%} of the step"
         )
+    lines += _expert_lines(s, planned, net)
     if mesh["fsdp"] > 1:
         what = {1: "optimizer state", 2: "gradients and optimizer state"}.get(
             s.zero, "params, gradients and optimizer state"
@@ -157,6 +158,21 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
         share = f"1/{ways} of the {grads}" if ways > 1 else f"all the {grads}"
         lines.append(f"dp={mesh['data']}: replicas that all-reduce {share} each holds")
     return lines
+
+
+def _expert_lines(s: cost.Setup, planned: list[comms.Comm], net: cost.Network) -> list[str]:
+    """Where an MoE's experts are split (ep x fsdp > 1): how, and what their all-to-alls cost."""
+    split = s.mesh.get("expert", 1) * s.sharded_fsdp
+    if not s.shape.n_experts or split == 1:
+        return []
+    axes = " x ".join(a for a in ("fsdp", "expert") if s.sharding_mesh.get(a, 1) > 1)
+    moved = [c for c in planned if c.kind == "all-to-all"]
+    seconds = sum(comms.comm_time(s, c, net) for c in moved)
+    return [
+        f"experts: the {s.shape.n_experts} of each layer split {split} ways over {axes}, "
+        f"{s.shape.n_experts // split} per device; the tokens' {sum(c.count for c in moved):g} "
+        f"all-to-alls per step take {ms(seconds)}, not hidden"
+    ]
 
 
 def _cut_line(best: search.Scored, cluster: search.Cluster) -> str:

@@ -1,9 +1,9 @@
 """Search every knob of a layout for the fastest one that fits.
 
-The knobs: the mesh (dp, fsdp, tp, pp; cp when nothing fits without it), the ZeRO stage,
---sequence-parallel at tp > 1, the per-device micro-batch (hence --accum, or the pipeline's
---microbatches), --remat, with pp > 1 the schedule (1f1b, or interleaved with 2 or 4 chunks
-per stage), and --offload optimizer and --remat offload when nothing fits without host
+The knobs: the mesh (dp, fsdp, tp, pp; ep for an MoE; cp when nothing fits without it), the
+ZeRO stage, --sequence-parallel at tp > 1, the per-device micro-batch (hence --accum, or the
+pipeline's --microbatches), --remat, with pp > 1 the schedule (1f1b, or interleaved with 2 or
+4 chunks per stage), and --offload optimizer and --remat offload when nothing fits without host
 memory. The order of concerns is an engineer's:
 
 1. constraints: tp inside a node and dividing the heads, mlp and vocabulary; pp dividing the
@@ -13,8 +13,14 @@ memory. The order of concerns is an engineer's:
    FLOP rate + exposed communication + pipeline bubble + exposed host transfers), which is
    the step time when every candidate runs the same batch;
 3. ties (equal to 3 significant digits) to the simpler layout: no pipeline, then no tp, no
-   cp, the lower ZeRO stage, optimizer offload before params offload, no SP, fewer chunks,
+   cp, no ep, the lower ZeRO stage, optimizer offload before params offload, no SP, fewer chunks,
    less recomputation, fewer mesh axes, the larger micro-batch, the least memory.
+
+Expert parallelism (ep, an MoE's only) is tried at every size dividing the experts that the
+data-parallel devices leave: ep devices split the batch as dp's do and the experts between
+them (with fsdp's: ep x fsdp must divide the experts, spmd.estimate.cost.check_setup), and
+their token all-to-alls (spmd.estimate.comms.expert_collectives) sit on the critical path of
+the step time. A dense model's meshes carry no expert axis, so its search is unchanged.
 
 Context parallelism (cp, inside a node beside tp) is searched only when no layout without it
 fits: its ring sends sit on the critical path, and the model does not see what splitting a
@@ -204,11 +210,20 @@ def meshes(
                 if base.shape.n_layers % pipeline or fixed.get("pipeline", pipeline) != pipeline:
                     continue
                 for fsdp in _divisors(devices // (inner * pipeline)):
-                    data = devices // (inner * pipeline * fsdp)
-                    mesh = {"data": data, "pipeline": pipeline, "fsdp": fsdp, "tensor": tensor}
-                    mesh["context"] = context
-                    if all(mesh.get(a, 1) == size for a, size in fixed.items()):
-                        yield mesh
+                    rest = devices // (inner * pipeline * fsdp)
+                    for expert in _expert_sizes(base.shape.n_experts, rest):
+                        mesh = {"data": rest // expert, "pipeline": pipeline, "fsdp": fsdp}
+                        mesh |= {"tensor": tensor, "context": context}
+                        if base.shape.n_experts:  # a dense model's meshes have no expert axis
+                            mesh["expert"] = expert
+                        if all(mesh.get(a, 1) == size for a, size in fixed.items()):
+                            yield mesh
+
+
+def _expert_sizes(n_experts: int, devices: int) -> list[int]:
+    """The ep sizes to try on `devices` data-parallel devices: those dividing the experts (1
+    alone for a dense model). ep takes its devices from dp: it splits the batch as dp does."""
+    return [e for e in _divisors(devices) if n_experts % e == 0] if n_experts else [1]
 
 
 def batch_for(space: Space, seq_len: int, data_parallel: int) -> int:
@@ -255,7 +270,7 @@ def candidates(
         for zero, sp in itertools.product((1, 2, 3) if fsdp > 1 else (0,), sps):
             if space.zero is not None and zero != (space.zero if fsdp > 1 else 0):
                 continue
-            data_parallel = mesh["data"] * fsdp
+            data_parallel = mesh["data"] * fsdp * mesh.get("expert", 1)
             batch = batch_for(space, base.seq_len, data_parallel)
             if batch % data_parallel:
                 continue
@@ -305,6 +320,7 @@ def simplicity(c: Scored) -> tuple:
         s.mesh["pipeline"],
         s.mesh["tensor"],
         s.context,
+        s.mesh.get("expert", 1),
         s.zero,
         cost.OFFLOADS.index(s.offload),
         s.sequence_parallel,
@@ -359,12 +375,14 @@ def search(base: cost.Setup, space: Space, cluster: Cluster) -> Result:
 
 
 def distinct_layouts(ranked: list[Scored], count: int) -> list[Scored]:
-    """The best candidate of each of the first `count` distinct structures: tp, pp and cp
+    """The best candidate of each of the first `count` distinct structures: tp, pp, cp and ep
     sizes, ZeRO stage and --offload (how dp and fsdp split the rest is a detail of each)."""
-    seen, out = set(), []
+    seen: set[tuple] = set()
+    out = []
     for c in ranked:
         s = c.setup
-        key = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero, s.offload)
+        key: tuple = (s.mesh["tensor"], s.mesh["pipeline"], s.context, s.zero, s.offload)
+        key += (s.mesh.get("expert", 1),)
         if key not in seen:
             seen.add(key)
             out.append(c)
