@@ -106,6 +106,19 @@ def test_dropless_loss_parity_with_one_device_over_expert_layouts():
     assert max(worst.values()) <= 1e-5, worst
 
 
+def test_the_sequence_wise_aux_loss_trains_on_dp2_ep2_as_on_one_device():
+    """--aux-loss-scope sequence: per-sequence loads on each device, the mean over sequences
+    across them (batch_mean); 5 steps equal one device's, and differ from the batch scope's."""
+    runs = {}
+    for mesh, executor in (("dp=1", "auto"), ("dp=2,ep=2", "explicit")):
+        prog, step = compiled(mesh, executor, aux_loss_scope="sequence")
+        runs[mesh] = trainer.train_losses(prog, 5, initial_state(), step)[0]
+    assert trainer.max_relative_difference(runs["dp=2,ep=2"], runs["dp=1"]) <= 1e-5
+    prog, step = compiled("dp=1", "auto")
+    batch_scope = trainer.train_losses(prog, 5, initial_state(), step)[0]
+    assert np.abs(batch_scope - runs["dp=1"]).max() > 1e-4
+
+
 def test_capacity_drops_the_same_pairs_over_the_all_to_all_as_on_one_device():
     """With --capacity-factor 1.25 (capacity 20 of a sequence's 64 pairs per expert) pairs
     drop (2.9% on the first batch; the losses differ from dropless ones by 10x the bound
