@@ -398,13 +398,15 @@ def lm_loss(model: llama.Llama, batch: dict[str, jax.Array]) -> jax.Array:
 
 def router_stats(model: MoELlama, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """What a log record shows of the router on `batch`, averaged over layers: aux_loss,
-    z_loss, dropped_fraction (of the (token, choice) pairs) and expert_load_max_over_mean
-    (choices of the busiest expert over the mean choices per expert; 1 is perfectly even)."""
+    z_loss, dropped_fraction (of the (token, choice) pairs), expert_load_max_over_mean (the
+    busiest expert's choices over the mean; 1 is even); the last two per layer too (_by_layer)."""
     _, stats = model.forward(batch["inputs"], batch.get("segments"))
-    load = stats["load"]  # [layers, E]
+    load = stats["load"].max(-1) / stats["load"].mean(-1)  # [layers]
     return {
         "aux_loss": stats["aux_loss"].mean(),
         "z_loss": stats["z_loss"].mean(),
         "dropped_fraction": stats["dropped"].mean(),
-        "expert_load_max_over_mean": (load.max(-1) / load.mean(-1)).mean(),
+        "expert_load_max_over_mean": load.mean(),
+        "dropped_fraction_by_layer": stats["dropped"],  # [layers]
+        "expert_load_max_over_mean_by_layer": load,
     }

@@ -237,6 +237,46 @@ def test_reported_dropped_fraction_equals_an_independent_count():
     assert dropless["dropped_fraction"] == 0.0
 
 
+def test_train_records_hold_per_layer_router_figures_and_the_report_draws_them(tmp_path, capsys):
+    """Each logged train record of a moe-tiny run holds the load max / mean and the dropped
+    fraction of each layer, whose means are the averaged keys; spmd.report draws a panel for
+    each (the dropped fraction only where choices drop, as here at capacity factor 1)."""
+    from matplotlib import image
+
+    from spmd import report
+    from tests.cli import records, train_in_process
+
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--model", "moe-tiny", "--seq-len", "32", "--batch", "16", "--steps", "4"]
+    result = train_in_process(
+        *argv, "--log-every", "2", "--eval-every", "0", "--capacity-factor", "1",
+        "--mesh", "dp=2,ep=2", "--metrics", str(metrics),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    train_records = [r for r in records(metrics) if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [2, 4]
+    layers = moe_config().n_layers
+    for record in train_records:
+        for key in ("expert_load_max_over_mean", "dropped_fraction"):
+            by_layer = record[f"{key}_by_layer"]
+            assert len(by_layer) == layers and all(isinstance(v, float) for v in by_layer)
+            assert np.mean(by_layer) == pytest.approx(record[key], rel=1e-6, abs=1e-7)
+        assert min(record["expert_load_max_over_mean_by_layer"]) >= 1.0
+        assert max(record["dropped_fraction_by_layer"]) > 0  # capacity 16 of 32 x 2 / 4: drops
+    panels = [field for field, _ in report.layer_panels_of([("r", report.load_segments(metrics))])]
+    assert panels == ["expert_load_max_over_mean_by_layer", "dropped_fraction_by_layer"]
+    png = tmp_path / "report.png"
+    assert report.main([str(metrics), "--out", str(png)]) == 0
+    height, width, _ = image.imread(png).shape
+    assert width >= 5 * (len(report.PANELS) + 2) * 100 - 10 and height > 300  # 7 panels
+    assert "1 run(s)" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"  # a per-layer figure that is not a list of numbers
+    field = '"dropped_fraction_by_layer": ['
+    bad.write_text(metrics.read_text().replace(field, f'{field}"0", ', 1))
+    assert report.main([str(bad), "--out", str(png)]) == 2
+    assert "is not a metrics record" in capsys.readouterr().err
+
+
 def test_flops_count_active_params_only():
     cfg = moe_config()
     per_token = flops.decoder_flops_per_token(cfg, SEQ_LEN)
