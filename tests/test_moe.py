@@ -107,13 +107,15 @@ def test_dropless_loss_parity_with_one_device_over_expert_layouts():
 
 
 def test_the_sequence_wise_aux_loss_trains_on_dp2_ep2_as_on_one_device():
-    """--aux-loss-scope sequence: per-sequence loads on each device, the mean over sequences
-    across them (batch_mean); 5 steps equal one device's, and differ from the batch scope's."""
+    """--aux-loss-scope sequence: per-sequence loads on each device (a split sequence's chunks
+    summed), the mean over sequences across them (batch_mean); 5 steps equal one device's,
+    and differ from the batch scope's."""
     runs = {}
-    for mesh, executor in (("dp=1", "auto"), ("dp=2,ep=2", "explicit")):
+    for mesh, executor in (("dp=1", "auto"), ("dp=2,ep=2", "explicit"), ("cp=2", "explicit")):
         prog, step = compiled(mesh, executor, aux_loss_scope="sequence")
         runs[mesh] = trainer.train_losses(prog, 5, initial_state(), step)[0]
-    assert trainer.max_relative_difference(runs["dp=2,ep=2"], runs["dp=1"]) <= 1e-5
+    for mesh in ("dp=2,ep=2", "cp=2"):
+        assert trainer.max_relative_difference(runs[mesh], runs["dp=1"]) <= 1e-5, mesh
     prog, step = compiled("dp=1", "auto")
     batch_scope = trainer.train_losses(prog, 5, initial_state(), step)[0]
     assert np.abs(batch_scope - runs["dp=1"]).max() > 1e-4
