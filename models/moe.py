@@ -22,10 +22,10 @@ capacity, embed], moved by `to_experts` / `from_experts`, are the reference
 under a pipeline or context parallelism (`Experts.__call__`).
 
 Per layer the block also returns router statistics: the load-balancing loss (Switch /
-Mixtral: E x sum_e f_e P_e, with f_e the share of choices that picked expert e, so sum f = k,
-and P_e the mean router probability of e), the router z-loss (mean squared logsumexp of the
-router logits), dropped choices and the choices per expert. The training loss adds
-aux_loss_coef x aux + z_loss_coef x z, each averaged over layers.
+Mixtral's E x sum_e f_e P_e over the batch, or DeepSeek-V3's per sequence: `aux_loss_scope`,
+models/moe_routing.balance_loss), the router z-loss (mean squared logsumexp of the router
+logits), dropped choices and the choices per expert. The training loss adds aux_loss_coef x
+aux + z_loss_coef x z, each averaged over layers.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class MoEConfig(LlamaConfig):
     shared_expert_mlp_dim: int = 0
     capacity_factor: float = 0.0  # 0: dropless; else capacity = ceil(f x length x k / E)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"  # the batch's load or each sequence's
     z_loss_coef: float = 0.001  # weight of the router z-loss in the training loss
     # true: the chosen experts' router probabilities are rescaled to sum to one (Mixtral);
     # false: each is used as the softmax over all experts gave it (Qwen3-MoE's released models)
@@ -218,7 +219,7 @@ class Experts(nnx.Module):
         per_token = jax.nn.one_hot(top_experts, n, dtype=jnp.float32).sum(axis=2)  # [b, t, E]
         share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
         return {
-            "aux_loss": n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1)))),
+            "aux_loss": moe_routing.balance_loss(self.cfg, per_token, probs, share),
             "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
             "dropped": jax.lax.stop_gradient(batch_mean(1.0 - kept.astype(jnp.float32).mean())),
             "load": jax.lax.stop_gradient(share),
@@ -397,13 +398,15 @@ def lm_loss(model: llama.Llama, batch: dict[str, jax.Array]) -> jax.Array:
 
 def router_stats(model: MoELlama, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """What a log record shows of the router on `batch`, averaged over layers: aux_loss,
-    z_loss, dropped_fraction (of the (token, choice) pairs) and expert_load_max_over_mean
-    (choices of the busiest expert over the mean choices per expert; 1 is perfectly even)."""
+    z_loss, dropped_fraction (of the (token, choice) pairs), expert_load_max_over_mean (the
+    busiest expert's choices over the mean; 1 is even); the last two per layer too (_by_layer)."""
     _, stats = model.forward(batch["inputs"], batch.get("segments"))
-    load = stats["load"]  # [layers, E]
+    load = stats["load"].max(-1) / stats["load"].mean(-1)  # [layers]
     return {
         "aux_loss": stats["aux_loss"].mean(),
         "z_loss": stats["z_loss"].mean(),
         "dropped_fraction": stats["dropped"].mean(),
-        "expert_load_max_over_mean": (load.max(-1) / load.mean(-1)).mean(),
+        "expert_load_max_over_mean": load.mean(),
+        "dropped_fraction_by_layer": stats["dropped"],  # [layers]
+        "expert_load_max_over_mean_by_layer": load,
     }

@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 
 from spmd.errors import UsageError
+from spmd.parallel.hooks import batch_mean, sequence_sum
 
 if TYPE_CHECKING:
     from models.moe import MoEConfig
 
 SCORES = ("softmax", "sigmoid")
+AUX_SCOPES = ("batch", "sequence")  # what the load-balancing loss balances (balance_loss)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -125,6 +127,29 @@ def _feedback_backward(
 load_feedback.defvjp(_feedback_forward, _feedback_backward)
 
 
+def balance_loss(
+    cfg: MoEConfig, per_token: jax.Array, probs: jax.Array, share: jax.Array
+) -> jax.Array:
+    """The layer's load-balancing loss from the choices per token [b, t, E] (k ones per
+    token), the probabilities [b, t, E] and the global batch's share of choices per expert
+    [E] (f_e, summing to k).
+
+    aux_loss_scope "batch" (Switch / Mixtral): E x sum_e f_e P_e over the global batch, P_e
+    the batch's mean probability of e (k at an even load). "sequence" (DeepSeek-V3's
+    complementary sequence-wise balance loss): per sequence, sum_e f_e P_e with f_e = E / (k T)
+    x the sequence's choices of e and P_e its T tokens' mean probability of e (1 at an even
+    load), averaged over the global batch's sequences. A sequence split by context
+    parallelism sums its chunks' counts (sequence_sum), so every layout computes the same."""
+    n = cfg.n_experts
+    if cfg.aux_loss_scope == "batch":  # the ops of before the option, bit for bit
+        return n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1))))
+    counts = sequence_sum(per_token.sum(axis=1))  # [b, E]: each sequence's choices per expert
+    choices = counts.sum(axis=-1, keepdims=True)  # [b, 1]: k T
+    f = jax.lax.stop_gradient(n * counts / choices)  # (counts carry no gradient anyway)
+    p = sequence_sum(probs.sum(axis=1)) * cfg.experts_per_token / choices  # [b, E]
+    return batch_mean(jnp.sum(f * p, axis=-1).mean())
+
+
 def options_set(cfg: MoEConfig) -> list[str]:
     """The routing options `cfg` sets away from the softmax top-k (as `field value`): what a
     Hugging Face export to an architecture without them names when it refuses."""
@@ -139,10 +164,14 @@ def options_set(cfg: MoEConfig) -> list[str]:
 
 def check_routing(cfg: MoEConfig) -> None:
     """UsageError, one line naming the value and what is valid, for routing fields that cannot
-    run: an unknown score, groups that do not split the experts evenly, more groups kept than
-    exist, more experts per token than the kept groups hold, a scaling factor that is not a
-    finite positive number. Called by models.moe.check."""
+    run: an unknown score or aux-loss scope, groups that do not split the experts evenly, more
+    groups kept than exist, more experts per token than the kept groups hold, a scaling factor
+    that is not a finite positive number. Called by models.moe.check."""
     n, k, groups, kept = cfg.n_experts, cfg.experts_per_token, cfg.n_group, cfg.topk_group
+    if cfg.aux_loss_scope not in AUX_SCOPES:
+        raise UsageError(
+            f"--aux-loss-scope {cfg.aux_loss_scope!r} must be one of {', '.join(AUX_SCOPES)}"
+        )
     if cfg.router_score not in SCORES:
         raise UsageError(f"--router-score {cfg.router_score!r} must be one of {', '.join(SCORES)}")
     if not 0 < cfg.routed_scaling_factor < math.inf:

@@ -4,10 +4,12 @@ Each RUN is a run folder of spmd.train (its metrics.jsonl is read, spmd.training
 a metrics JSONL file, a local path or a URL (spmd.paths). Draws loss, eval loss, learning
 rate, throughput (tokens/s) and step time against step from the records of each
 (spmd.observe.metrics), one line per run and mesh, labelled with its mesh and ZeRO stage, so
-layouts can be compared at a glance. A run resumed on another mesh has a line per mesh (each
-start's config record begins a segment); dotted vertical lines mark each resume, dashed red
-ones each rollback. The picture goes to --out, by default the run folder's report.png when one
-run folder is given, else ./report.png. Needs matplotlib (the optional extra `report`:
+layouts can be compared at a glance; for a mixture of experts also the expert load max / mean
+of each layer (and, where choices drop, each layer's dropped fraction), a line per layer. A
+run resumed on another mesh has a line per mesh (each start's config record begins a
+segment); dotted vertical lines mark each resume, dashed red ones each rollback. The picture
+goes to --out, by default the run folder's report.png when one run folder is given, else
+./report.png. Needs matplotlib (the optional extra `report`:
 pip install -e '.[report]').
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from spmd import paths
 from spmd.errors import UsageError, run_command
@@ -30,6 +33,13 @@ PANELS = (  # (record kind, field, axis label, scale applied to the values)
     ("train", "lr", "learning rate", 1.0),
     ("train", "tokens_per_s", "throughput (tokens/s)", 1.0),
     ("train", "step_time_s", "step time (ms)", 1e3),
+)
+# An MoE run's per-layer router figures (lists, one entry a layer; models.moe.router_stats):
+# a panel each, a line per layer, where some train record holds them (the dropped fraction
+# only where some layer drops a choice): (field, axis label)
+LAYER_PANELS = (
+    ("expert_load_max_over_mean_by_layer", "expert load max / mean, per layer"),
+    ("dropped_fraction_by_layer", "dropped fraction, per layer"),
 )
 MARKERS = {"resume": ("grey", ":"), "rollback": ("red", "--")}  # kind -> (colour, line style)
 
@@ -105,12 +115,18 @@ def mesh_label(config: dict) -> str:
 
 def _fields_ok(record: dict) -> bool:
     """Whether a record's fields that draw() and the label read have their types: a train
-    record's step and panels are numbers (or null), a config record's tables objects."""
+    record's step and panels are numbers (or null), its per-layer figures lists of numbers, a
+    config record's tables objects."""
     number = (int, float, type(None))
     if record.get("kind") in ("train", "eval"):
         panels = [record.get(field) for kind, field, _, _ in PANELS if kind == record["kind"]]
         step = record.get("step")
-        return isinstance(step, int | float) and all(isinstance(v, number) for v in panels)
+        layers = [record.get(field, []) for field, _ in LAYER_PANELS]
+        lists_ok = all(
+            isinstance(v, list) and all(isinstance(x, int | float) for x in v) for v in layers
+        )
+        panels_ok = all(isinstance(v, number) for v in panels)
+        return isinstance(step, int | float) and panels_ok and lists_ok
     if record.get("kind") == "config":
         mesh, tables = record.get("mesh", {}), record.get("config", {})
         sizes_ok = isinstance(mesh, dict) and all(isinstance(v, int) for v in mesh.values())
@@ -158,8 +174,12 @@ def draw(runs: list[tuple[str, Run]], out: str | Path) -> None:
     matplotlib.use("Agg")  # files only, no display needed
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
-    for ax, (kind, field, title, scale) in zip(axes, PANELS, strict=True):
+    layer_panels = layer_panels_of(runs)
+    count = len(PANELS) + len(layer_panels)
+    fig, axes = plt.subplots(1, count, figsize=(5 * count, 4), constrained_layout=True)
+    for ax, (field, title) in zip(axes[len(PANELS) :], layer_panels, strict=True):
+        draw_layers(ax, runs, field, title)
+    for ax, (kind, field, title, scale) in zip(axes[: len(PANELS)], PANELS, strict=True):
         for name, run in runs:
             for mesh, records in run.segments:
                 points = [
@@ -178,6 +198,37 @@ def draw(runs: list[tuple[str, Run]], out: str | Path) -> None:
     axes[0].legend(title="mesh (: resumed, - - rolled back)")
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def layer_panels_of(runs: list[tuple[str, Run]]) -> list[tuple[str, str]]:
+    """The LAYER_PANELS the runs' train records fill: the load where some record holds it,
+    the dropped fraction where some layer dropped a choice."""
+    records = [r for _, run in runs for _, rs in run.segments for r in rs if r["kind"] == "train"]
+    filled = {field: [r.get(field) or [] for r in records] for field, _ in LAYER_PANELS}
+    wanted = {field: any(filled[field]) for field in filled}
+    wanted["dropped_fraction_by_layer"] = any(any(v) for v in filled["dropped_fraction_by_layer"])
+    return [(field, title) for field, title in LAYER_PANELS if wanted[field]]
+
+
+def draw_layers(ax: Any, runs: list[tuple[str, Run]], field: str, title: str) -> None:
+    """A line per (run, mesh segment, layer) of the per-layer list `field` against step."""
+    lines = 0
+    for name, run in runs:
+        for mesh, records in run.segments:
+            points = [
+                (r["step"], r[field]) for r in records if r["kind"] == "train" and r.get(field)
+            ]
+            label = name if len(run.segments) == 1 else f"{name}: {mesh}"
+            for layer in range(max((len(v) for _, v in points), default=0)):
+                steps = [s for s, v in points if layer < len(v)]
+                values = [v[layer] for _, v in points if layer < len(v)]
+                ax.plot(steps, values, marker=".", label=f"{label}, layer {layer}")
+                lines += 1
+    ax.set_xlabel("step")
+    ax.set_ylabel(title)
+    ax.grid(alpha=0.3)
+    if lines <= 16:  # beyond, a legend would hide the lines
+        ax.legend(fontsize="small")
 
 
 @dataclasses.dataclass(frozen=True)

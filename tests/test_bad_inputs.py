@@ -85,6 +85,7 @@ CASES = [
     *map(train, ["--model moe-tiny --aux-loss-coef -1", "--model moe-tiny --z-loss-coef nan"]),
     # the router's options (models/moe_routing.py): moe-tiny has 4 experts, 2 per token
     train("--model moe-tiny --router-score relu", says="--router-score"),
+    train("--model moe-tiny --aux-loss-scope token", says="--aux-loss-scope"),
     train("--model moe-tiny --n-group 3", says="--n-group 3 must divide --n-experts 4"),
     train("--model moe-tiny --n-group 2 --topk-group 3", says="--topk-group 3 must be between"),
     train("--model moe-tiny --n-group 2 --topk-group 0", says="--topk-group 0 must be between"),

@@ -106,6 +106,21 @@ def test_dropless_loss_parity_with_one_device_over_expert_layouts():
     assert max(worst.values()) <= 1e-5, worst
 
 
+def test_the_sequence_wise_aux_loss_trains_on_dp2_ep2_as_on_one_device():
+    """--aux-loss-scope sequence: per-sequence loads on each device (a split sequence's chunks
+    summed), the mean over sequences across them (batch_mean); 5 steps equal one device's,
+    and differ from the batch scope's."""
+    runs = {}
+    for mesh, executor in (("dp=1", "auto"), ("dp=2,ep=2", "explicit"), ("cp=2", "explicit")):
+        prog, step = compiled(mesh, executor, aux_loss_scope="sequence")
+        runs[mesh] = trainer.train_losses(prog, 5, initial_state(), step)[0]
+    for mesh in ("dp=2,ep=2", "cp=2"):
+        assert trainer.max_relative_difference(runs[mesh], runs["dp=1"]) <= 1e-5, mesh
+    prog, step = compiled("dp=1", "auto")
+    batch_scope = trainer.train_losses(prog, 5, initial_state(), step)[0]
+    assert np.abs(batch_scope - runs["dp=1"]).max() > 1e-4
+
+
 def test_capacity_drops_the_same_pairs_over_the_all_to_all_as_on_one_device():
     """With --capacity-factor 1.25 (capacity 20 of a sequence's 64 pairs per expert) pairs
     drop (2.9% on the first batch; the losses differ from dropless ones by 10x the bound
@@ -222,6 +237,46 @@ def test_reported_dropped_fraction_equals_an_independent_count():
         model_metrics(program("ep=4", "auto"), moe.router_stats)(params, batch)
     )
     assert dropless["dropped_fraction"] == 0.0
+
+
+def test_train_records_hold_per_layer_router_figures_and_the_report_draws_them(tmp_path, capsys):
+    """Each logged train record of a moe-tiny run holds the load max / mean and the dropped
+    fraction of each layer, whose means are the averaged keys; spmd.report draws a panel for
+    each (the dropped fraction only where choices drop, as here at capacity factor 1)."""
+    from matplotlib import image
+
+    from spmd import report
+    from tests.cli import records, train_in_process
+
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--model", "moe-tiny", "--seq-len", "32", "--batch", "16", "--steps", "4"]
+    result = train_in_process(
+        *argv, "--log-every", "2", "--eval-every", "0", "--capacity-factor", "1",
+        "--mesh", "dp=2,ep=2", "--metrics", str(metrics),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    train_records = [r for r in records(metrics) if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [2, 4]
+    layers = moe_config().n_layers
+    for record in train_records:
+        for key in ("expert_load_max_over_mean", "dropped_fraction"):
+            by_layer = record[f"{key}_by_layer"]
+            assert len(by_layer) == layers and all(isinstance(v, float) for v in by_layer)
+            assert np.mean(by_layer) == pytest.approx(record[key], rel=1e-6, abs=1e-7)
+        assert min(record["expert_load_max_over_mean_by_layer"]) >= 1.0
+        assert max(record["dropped_fraction_by_layer"]) > 0  # capacity 16 of 32 x 2 / 4: drops
+    panels = [field for field, _ in report.layer_panels_of([("r", report.load_segments(metrics))])]
+    assert panels == ["expert_load_max_over_mean_by_layer", "dropped_fraction_by_layer"]
+    png = tmp_path / "report.png"
+    assert report.main([str(metrics), "--out", str(png)]) == 0
+    height, width, _ = image.imread(png).shape
+    assert width >= 5 * (len(report.PANELS) + 2) * 100 - 10 and height > 300  # 7 panels
+    assert "1 run(s)" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"  # a per-layer figure that is not a list of numbers
+    field = '"dropped_fraction_by_layer": ['
+    bad.write_text(metrics.read_text().replace(field, f'{field}"0", ', 1))
+    assert report.main([str(bad), "--out", str(png)]) == 2
+    assert "is not a metrics record" in capsys.readouterr().err
 
 
 def test_flops_count_active_params_only():

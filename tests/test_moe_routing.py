@@ -144,6 +144,39 @@ def test_sorted_dispatch_equals_the_one_hot_reference_under_the_routing_options(
         assert (float(got_stats["dropped"]) > 0) == (capacity_factor > 0)
 
 
+def numpy_sequence_loss(logits: np.ndarray, cfg: moe.MoEConfig, bias: np.ndarray) -> float:
+    """DeepSeek-V3's complementary sequence-wise balance loss of logits [b, t, E], as its paper
+    states it: per sequence sum_i f_i P_i, f_i = E / (k T) x the sequence's choices of i, P_i
+    the mean over its T tokens of the scores normalised per token; averaged over sequences."""
+    n, k = cfg.n_experts, cfg.experts_per_token
+    losses = []
+    for sequence in logits.astype(np.float64):
+        chosen = numpy_routing(sequence, cfg, bias)[0]
+        f = n / (k * len(sequence)) * np.bincount(chosen.reshape(-1), minlength=n)
+        scores = 1.0 / (1.0 + np.exp(-sequence))
+        p = (scores / scores.sum(-1, keepdims=True)).mean(0)
+        losses.append(float(np.sum(f * p)))
+    return float(np.mean(losses))
+
+
+def test_the_sequence_wise_aux_loss_matches_deepseek_v3s_formula_in_numpy():
+    """aux_loss_scope "sequence": both dispatches report the numpy loss; it is not the batch
+    loss (whose value is k x its own at an even load), which stays the Switch formula."""
+    cfg = tiny(**ROUTED, aux_loss_scope="sequence")
+    experts, x = first_experts(cfg, BIAS), inputs(cfg)
+    logits = np.asarray(experts.choose(x)[0])
+    want = numpy_sequence_loss(logits, cfg, BIAS)
+    for _, stats in (experts(x), experts.reference(x)):
+        assert float(stats["aux_loss"]) == pytest.approx(want, rel=1e-6)
+    batch = first_experts(tiny(**ROUTED), BIAS)
+    _, probs, _, chosen = batch.choose(x)
+    share = np.bincount(np.asarray(chosen).reshape(-1), minlength=8) / (BATCH * LENGTH)
+    batch_loss = float(batch(x)[1]["aux_loss"])
+    assert batch_loss == pytest.approx(8 * np.sum(share * np.asarray(probs).mean((0, 1))), 1e-6)
+    # the sequences' loads differ from the batch's: the two scopes measure different things
+    assert abs(want - batch_loss / cfg.experts_per_token) > 1e-3
+
+
 def test_a_wider_shared_expert_is_built_and_counted_at_its_width():
     """shared_expert_mlp_dim (DeepSeek's n_shared_experts x its expert width): the shared MLP
     has that width, and the shape's params, active params and FLOPs count exactly it."""

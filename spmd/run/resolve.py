@@ -19,7 +19,7 @@ from spmd.run.section_views import model_section
 from spmd.sections import LoraConfig, RunConfig, flag_name
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
-ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
+ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "aux_loss_scope", "z_loss_coef")
 
 
 def sections() -> dict[str, type]:

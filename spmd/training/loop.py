@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
@@ -44,9 +45,15 @@ def train_record(
         "tokens_per_s": tokens_per_step / step_time_s,
         "loss_scale": float(metrics["loss_scale"]),  # 1.0 unless --precision fp16
         "skipped_steps": skipped,  # cumulative
-        # and the model's own metrics when it has any (an MoE model's router statistics)
-        **{k: float(v) for k, v in metrics.items() if k not in _STEP_METRICS},
+        # and the model's own metrics when it has any (an MoE model's router statistics):
+        # numbers, or lists of numbers (per layer)
+        **{k: _number(v) for k, v in metrics.items() if k not in _STEP_METRICS},
     }
+
+
+def _number(value: Any) -> float | list[float]:
+    """A fetched metric as JSON: a float, or a list of floats for an array (flattened)."""
+    return float(value) if np.ndim(value) == 0 else [float(v) for v in np.ravel(value)]
 
 
 _STEP_METRICS = ("loss", "grad_norm", "loss_scale", "skipped_steps")
