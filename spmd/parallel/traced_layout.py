@@ -18,6 +18,9 @@ The engine opens one of these contexts while it traces a step; the hooks read th
                                              global index of its first layer and the token
                                              ids of its micro-batch
 
+Below the hooks, so that every hook module can use them: `constrain` (an activation pinned
+to the auto layout) and `note` / `notes` (the choices recorded while tracing).
+
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
 
@@ -29,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from spmd.parallel import rules
 
@@ -231,3 +235,27 @@ def params_whole() -> Iterator[None]:
 def params_arrive_whole() -> bool:
     """Whether the layer being traced runs inside `params_whole`."""
     return bool(_PARAMS_WHOLE)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Hint the partitioner that activation `x` (logical `names`) is laid out by the auto
+    layout being traced (`activation_layout`); `x` itself outside one (hooks.constrain)."""
+    if (auto := activations()) is None:
+        return x
+    mesh, table, _ = auto
+    spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_NOTES: dict[str, str] = {}
+
+
+def note(what: str, choice: str) -> None:
+    """Record a choice the model made while being traced (e.g. which attention kernel ran), so
+    the run can report it; the latest trace wins (hooks.note)."""
+    _NOTES[what] = choice
+
+
+def notes() -> dict[str, str]:
+    """The choices `note` recorded so far, e.g. {"attention": "cudnn"}."""
+    return dict(_NOTES)
