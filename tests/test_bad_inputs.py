@@ -74,6 +74,10 @@ def report(args: str) -> Case:
     return Case("report", args, ("--out", "{tmp}/report.png"))  # never into the work tree
 
 
+ULYSSES_BAD = (  # (head counts, what the refusal names) at cp=4
+    ("--n-heads 6 --n-kv-heads 2", "the 6 query heads do not divide by cp"),
+    ("--n-heads 12 --n-kv-heads 3", "the 3 kv heads neither divide by cp"),
+)
 CASES = [
     # the model's shape: the family's check (models/llama.py, models/moe.py)
     *map(train, ["--n-layers 0", "--n-layers -4", "--n-heads 0", "--embed-dim 0"]),
@@ -108,6 +112,12 @@ CASES = [
     # refused by the builder, once the mesh exists
     Case("train", "--model moe-tiny --mesh cp=2", TRAIN, mesh=True, says="an MoE model"),
     Case("train", "--family gemma2 --mesh cp=2", TRAIN, mesh=True, says="cp=2 with a gemma2"),
+    # Ulysses splits the heads over cp: heads it cannot split (spmd.estimate.long_sequence)
+    *(
+        Case("train", f"--mesh cp=4 --cp-mode ulysses {h}", TRAIN, mesh=True, says=says)
+        for h, says in ULYSSES_BAD
+    ),
+    train("--cp-mode bogus"),
     *map(train, ["--bucket-mb nan", "--pp-schedule bogus", "--microbatches -1"]),
     *map(train, ["--pp-virtual 0", "--dcn-mesh bogus", "--dcn-sync bogus", "--sync-every 0"]),
     *map(train, ["--diloco-axis data", "--precision int8", "--grad-reduce int8"]),

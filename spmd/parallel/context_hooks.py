@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from spmd.parallel import ring_attention
+from spmd.parallel import ring_attention, ulysses
 from spmd.parallel import traced_layout as traced
 
 
@@ -121,28 +121,51 @@ def attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    local: Callable,
+    local: Callable[..., jax.Array],
     segments: jax.Array | None = None,
     window: int = 0,
 ) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
-    kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
-    attention over the context axis when it is split (context parallelism), within the
-    documents of `segments` [batch, length] and a sliding `window` (static) as `local` does."""
+    kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device. When it is
+    split (context parallelism), by the layout's cp mode (traced_layout.context_attention):
+    ring attention over the context axis, within the documents of `segments` [batch, length]
+    and a sliding `window` (static) as `local` does; or Ulysses (spmd.parallel.ulysses), which
+    runs `local` itself on whole sequences of a share of the heads, passing it the whole
+    sequences' ids as `segments=` where `segments` is given (so such a `local` takes them)."""
     mesh, axis, ways, manual = _context()
     if axis is None:
         return local(q, k, v)
-    traced.note(
-        "attention", f"ring over {axis}" + (" (document mask)" if segments is not None else "")
-    )
+    documents = " (document mask)" if segments is not None else ""
+    if traced.context_attention_mode() == "ulysses":
+        run = functools.partial(ulysses.ulysses_attention, local=local, axis=axis, ways=ways)
+        out = _per_context_device(run, mesh, axis, manual, q, k, v, segments)
+        # the kernel `local` picked on the whole sequences, as it noted while traced
+        traced.note("attention", f"ulysses over {axis} ({traced.notes().get('attention')})")
+        return out
+    traced.note("attention", f"ring over {axis}{documents}")
     ring = functools.partial(ring_attention.ring_attention, axis=axis, ways=ways, window=window)
+    return _per_context_device(ring, mesh, axis, manual, q, k, v, segments)
+
+
+def _per_context_device(
+    run: Callable[..., jax.Array],
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
+    axis: str,
+    manual: bool,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None,
+) -> jax.Array:
+    """`run(q, k, v, segments=...)` on each device's chunks: directly where the hooks already
+    run per device (`manual`), else in a shard_map manual over the context axis only (the auto
+    executor: XLA partitions the rest)."""
     if manual:
-        return ring(q, k, v, segments=segments)
-    # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
+        return run(q, k, v, segments=segments)
     spec = PartitionSpec(None, axis)
     specs = (spec, spec, spec) + ((spec,) if segments is not None else ())
     mapped = jax.shard_map(
-        lambda q, k, v, *ids: ring(q, k, v, segments=ids[0] if ids else None),
+        lambda q, k, v, *ids: run(q, k, v, segments=ids[0] if ids else None),
         mesh=mesh,
         in_specs=specs,
         out_specs=spec,
