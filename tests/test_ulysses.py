@@ -128,3 +128,45 @@ def test_ulysses_all_to_alls_with_repeated_kv_heads_and_remat_are_theorys():
     overrides = {"n_kv_heads": 2, "remat": "full"}  # 2 kv heads repeated to cp=4; a replay
     prog, step = compiled("cp=4", "auto", False, **overrides)
     assert_all_to_alls_are_theorys(prog, step, **overrides)
+
+
+def test_a_kernel_run_per_shard_runs_inside_ulysses_under_auto():
+    """The GPU's Pallas kernel maps itself over the batch and heads (hooks.per_shard); inside
+    Ulysses' shard_map under auto it must run on its shard rather than map again (which
+    fails: a shard_map over the whole mesh inside one manual over context). Here the dense
+    kernel through per_shard at dp=2,cp=2,tp=2, gradients against one device."""
+    q, k, v, weights, segments = inputs(True, 2)
+    q, k, v, weights, segments = (
+        jnp.concatenate([x, x[::-1]]) for x in (q, k, v, weights, segments)
+    )
+    mesh = trainer.layout("dp=2,cp=2,tp=2").mesh
+    order = jnp.asarray(balanced_order(LENGTH, 2))
+    heads, kv = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+
+    def ulysses(q, k, v, segments, window):
+        ins = [jnp.take(x, order, axis=1) for x in (q, k, v)]
+        ids = jnp.take(segments, order, axis=1)
+
+        def local(q, k, v, segments=ids):
+            names = (heads, kv, kv, ("batch", None))
+            return hooks.per_shard(
+                attention.grouped_causal_attention, q, k, v, segments, names=names
+            )
+
+        with (
+            traced_layout.activation_layout(mesh, 3),
+            traced_layout.context_attention("ulysses"),
+        ):
+            out = hooks.attention(*ins, local, ids, 0)
+        return jnp.take(out, jnp.argsort(order), axis=1)
+
+    def dense(q, k, v, segments, window):
+        return attention.grouped_causal_attention(q, k, v, segments)
+
+    grads, out = grads_and_output(ulysses, q, k, v, weights, segments, 0)
+    want_grads, want = grads_and_output(dense, q, k, v, weights, segments, 0)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(
+            got, expected, rtol=0, atol=1e-5 * float(jnp.abs(expected).max())
+        )

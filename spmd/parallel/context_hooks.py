@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from spmd.parallel import ring_attention, ulysses
+from spmd.parallel import kernel_shards, ring_attention, ulysses
 from spmd.parallel import traced_layout as traced
 
 
@@ -138,7 +138,7 @@ def attention(
     documents = " (document mask)" if segments is not None else ""
     if traced.context_attention_mode() == "ulysses":
         run = functools.partial(ulysses.ulysses_attention, local=local, axis=axis, ways=ways)
-        out = _per_context_device(run, mesh, axis, manual, q, k, v, segments)
+        out = _per_context_device(run, mesh, axis, manual, q, k, v, segments, per_device=True)
         # the kernel `local` picked on the whole sequences, as it noted while traced
         traced.note("attention", f"ulysses over {axis} ({traced.notes().get('attention')})")
         return out
@@ -156,23 +156,51 @@ def _per_context_device(
     k: jax.Array,
     v: jax.Array,
     segments: jax.Array | None,
+    per_device: bool = False,
 ) -> jax.Array:
     """`run(q, k, v, segments=...)` on each device's chunks: directly where the hooks already
-    run per device (`manual`), else in a shard_map manual over the context axis only (the auto
-    executor: XLA partitions the rest)."""
+    run per device (`manual`), else (the auto executor) in a shard_map manual over the context
+    axis only, XLA partitioning the rest; `per_device`: manual also over the axes that split
+    the batch and heads (kernel_shards.kernel_specs), `run` seeing no activation layout, so
+    that a kernel it runs (Ulysses' one-device kernel, a Pallas call among them, which
+    kernel_shards.per_shard cannot map again inside this shard_map) runs on its shard."""
     if manual:
         return run(q, k, v, segments=segments)
-    spec = PartitionSpec(None, axis)
-    specs = (spec, spec, spec) + ((spec,) if segments is not None else ())
+    args = (q, k, v) + (() if segments is None else (segments,))
+    if per_device:
+        assert mesh is not None  # the auto executor's
+        _, table, _ = traced.activations() or (None, {}, None)
+        heads, kv_heads = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+        names = (heads, kv_heads, kv_heads, ("batch", None))[: len(args)]
+        found = kernel_shards.kernel_specs(mesh, table, [a.shape for a in args], names)
+        specs = tuple(PartitionSpec(s[0], axis, *s[2:]) for s in found)
+    else:
+        specs = (PartitionSpec(None, axis),) * len(args)
+    used = {axis} | {
+        a
+        for spec in specs
+        for part in spec
+        if part
+        for a in ((part,) if isinstance(part, str) else part)
+    }
+
+    def body(q: jax.Array, k: jax.Array, v: jax.Array, *ids: jax.Array) -> jax.Array:
+        if not per_device:
+            return run(q, k, v, segments=ids[0] if ids else None)
+        with traced.no_activation_layout():
+            return run(q, k, v, segments=ids[0] if ids else None)
+
+    # per device: unchecked, as kernel_shards.per_shard's (a Pallas call's output carries no
+    # varying-axes type); nothing in it sums over devices, whose transpose check_vma guards
     mapped = jax.shard_map(
-        lambda q, k, v, *ids: run(q, k, v, segments=ids[0] if ids else None),
+        body,
         mesh=mesh,
         in_specs=specs,
-        out_specs=spec,
-        axis_names={axis},
-        check_vma=True,
+        out_specs=specs[0],
+        axis_names=used,
+        check_vma=not per_device,
     )
-    return mapped(q, k, v, *(() if segments is None else (segments,)))
+    return mapped(*args)
 
 
 def document_positions(segments: jax.Array, restart: Callable[[jax.Array], jax.Array]) -> jax.Array:
