@@ -8,6 +8,8 @@ Under context parallelism (`cp=` mesh axis) every activation's `length` is split
                               chunks where the hooks run per device)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
+                              or, under --cp-mode ulysses, `local` on whole sequences of a
+                              share of the heads between all-to-alls (spmd.parallel.ulysses)
     document_positions(s, f)  rotary positions restarting per document, also under CP
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     sequence_sum(x)           sum over the devices holding a sequence's other chunks

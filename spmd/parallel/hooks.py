@@ -25,6 +25,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
+                              or, under --cp-mode ulysses, `local` on whole sequences of a
+                              share of the heads between all-to-alls (spmd.parallel.ulysses)
     document_positions(s, f)  rotary positions restarting per document, also under CP
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
