@@ -137,8 +137,13 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
         q, k, v = self.project(x, positions)
-        # ring attention when length is split over `context`, within documents and the window
-        local = lambda q, k, v: causal_attention(q, k, v, segments, self.window)  # noqa: E731
+
+        # ring or Ulysses attention when length is split over `context`, within documents
+        # and the window
+        # (Ulysses runs `local` on whole sequences: it passes their ids as `segments`)
+        def local(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = segments):
+            return causal_attention(q, k, v, segments, self.window)
+
         out = attention(q, k, v, local, segments, self.window)
         out = dense(out, weight(self, "wo"), inputs=2)
         # row-parallel: sum the heads' partial outputs

@@ -144,6 +144,10 @@ class ParallelConfig(MeshConfig):
     # (shard_map)
     collectives: Executor = "auto"
     sequence_parallel: bool = False  # Megatron-SP (tp > 1): norms/residuals split along length
+    # how attention crosses a length split over `context` (cp > 1): ring = key / value blocks
+    # passed round the devices; ulysses = all-to-alls to whole sequences of heads / cp heads
+    # each (the heads must divide by cp); auto = ring
+    cp_mode: Literal["auto", "ring", "ulysses"] = "auto"
     # gradient buckets in MiB: explicit = one psum / psum_scatter per bucket of grads (reverse
     # layer order); auto = XLA's collective combine thresholds (GPU); 0: one per param
     bucket_mb: float = 0.0

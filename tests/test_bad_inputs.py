@@ -74,6 +74,11 @@ def report(args: str) -> Case:
     return Case("report", args, ("--out", "{tmp}/report.png"))  # never into the work tree
 
 
+MESH_USERS = ("spmd.train", "spmd.bench", "spmd.run.weights")  # `from ... import setup_mesh`
+ULYSSES_BAD = (  # (head counts, what the refusal names) at cp=4
+    ("--n-heads 6 --n-kv-heads 2", "the 6 query heads do not divide by cp"),
+    ("--n-heads 12 --n-kv-heads 3", "the 3 kv heads neither divide by cp"),
+)
 CASES = [
     # the model's shape: the family's check (models/llama.py, models/moe.py)
     *map(train, ["--n-layers 0", "--n-layers -4", "--n-heads 0", "--embed-dim 0"]),
@@ -109,6 +114,12 @@ CASES = [
     # refused by the builder, once the mesh exists
     Case("train", "--model moe-tiny --mesh cp=2", TRAIN, mesh=True, says="an MoE model"),
     Case("train", "--family gemma2 --mesh cp=2", TRAIN, mesh=True, says="cp=2 with a gemma2"),
+    # Ulysses splits the heads over cp: heads it cannot split (spmd.estimate.long_sequence)
+    *(
+        Case("train", f"--mesh cp=4 --cp-mode ulysses {h}", TRAIN, mesh=True, says=says)
+        for h, says in ULYSSES_BAD
+    ),
+    train("--cp-mode bogus"),
     *map(train, ["--bucket-mb nan", "--pp-schedule bogus", "--microbatches -1"]),
     *map(train, ["--pp-virtual 0", "--dcn-mesh bogus", "--dcn-sync bogus", "--sync-every 0"]),
     *map(train, ["--diloco-axis data", "--precision int8", "--grad-reduce int8"]),
@@ -366,7 +377,11 @@ def test_a_bad_input_exits_2_with_one_line_before_device_work(
         raise AssertionError(f"setup_mesh{args} ran: the bad input was not refused up front")
 
     if not case.mesh:
-        monkeypatch.setattr(mesh, "setup_mesh", no_device_work)
+        # the modules that bind setup_mesh by name are imported first, so that none binds
+        # the fence for good (a later case that needs the mesh would then meet it), and
+        # fenced too
+        for module in (mesh, *map(importlib.import_module, MESH_USERS)):
+            monkeypatch.setattr(module, "setup_mesh", no_device_work)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # tokenized corpora
     capsys.readouterr()  # what the fixtures printed
     status = run_command(case.command, case.argv(files, tmp_path))

@@ -6,6 +6,7 @@ within 1e-5 (measured: 1.1e-7, 7.0e-8 and 1.2e-7 under both). The ring masks doc
 their natural order (hooks.document_positions).
 Length 256 here (the issue asks 16k; on this CPU a step of that costs minutes)."""
 
+import dataclasses
 import functools
 import json
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from spmd.io import data, run_data
+from spmd.parallel import hooks
 from spmd.run.config import flat
 from tests import trainer
 
@@ -36,10 +38,14 @@ def corpus(folder: str) -> data.TokenWindows:
 
 
 @functools.cache
-def run(mesh: str, executor: str, folder: str) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(losses, gradient norms, final params) of STEPS steps from the shared seed-0 init."""
+def run(
+    mesh: str, executor: str, folder: str, cp_mode: str = "ring"
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(losses, gradient norms, final params) of STEPS steps from the shared seed-0 init, the
+    attention over a split length by `cp_mode` (ring or ulysses)."""
     windows = corpus(folder)
-    prog = trainer.program(trainer.layout(mesh), executor=executor)
+    lay = dataclasses.replace(trainer.layout(mesh), cp_mode=cp_mode)
+    prog = trainer.program(lay, executor=executor)
     prog.batch_fields = windows.fields
     state = jax.tree.map(
         lambda x, t: jax.device_put(x, t.sharding),
@@ -72,9 +78,11 @@ def test_the_corpus_packs_several_documents_per_window(folder):
     assert documents.min() >= 2 and documents.mean() >= 2.5, documents
 
 
+@pytest.mark.parametrize("cp_mode", ["ring", "ulysses"])
 @pytest.mark.parametrize("executor", ["auto", "explicit"])
-def test_cp4_with_document_masks_equals_one_device(executor, folder):
-    losses, norms, params = run("cp=4", executor, folder)
+def test_cp4_with_document_masks_equals_one_device(executor, cp_mode, folder):
+    losses, norms, params = run("cp=4", executor, folder, cp_mode)
+    assert hooks.notes()["attention"].startswith(f"{cp_mode} over context")
     want_losses, want_norms, want_params = run("dp=1", "auto", folder)
     assert want_losses[-1] < want_losses[0] - 0.5  # it learns
     assert trainer.max_relative_difference(losses, want_losses) <= 1e-5

@@ -41,6 +41,7 @@ def auto_steps(
         grad_params = precision.cast(params, policy.reduce_dtype)
         with (
             traced_layout.activation_layout(mesh, zero, exclude=exclude, sequence_parallel=sp),
+            traced_layout.context_attention(layout.cp_mode),
             traced_layout.training(optim.update_count(opt_state)),
         ):
             if accum == 1:
@@ -70,7 +71,10 @@ def auto_steps(
         return frozen.join(params, fixed), opt_state, loss_scale, metrics
 
     def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        with traced_layout.activation_layout(mesh, zero, sequence_parallel=sp):
+        with (
+            traced_layout.activation_layout(mesh, zero, sequence_parallel=sp),
+            traced_layout.context_attention(layout.cp_mode),
+        ):
             return loss_of(params, batch)
 
     return train_step, eval_step

@@ -150,6 +150,7 @@ def explicit_steps(
                 mesh, zero_stage, sequence_parallel, prefetch=options.prefetch
             ),
             traced_layout.no_activation_layout(),
+            traced_layout.context_attention(layout.cp_mode),
         ):
             yield
 

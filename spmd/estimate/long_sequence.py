@@ -48,6 +48,28 @@ def split_error(seq_len: int, context: int, tensor: int, sequence_parallel: bool
     return None
 
 
+def ulysses_error(heads: int, kv_heads: int, tensor: int, context: int) -> str | None:
+    """Why --cp-mode ulysses cannot split the heads over cp = `context` (None when it can):
+    the query heads each tensor device holds (heads / tp) must divide by cp, and its kv heads
+    (kv_heads / tp, or the one its query heads read where tp exceeds kv_heads) divide by cp
+    or divide cp (each then repeated cp / kv_heads times; spmd.parallel.ulysses)."""
+    local = heads // tensor
+    group = heads // kv_heads  # query heads per kv head
+    local_kv = kv_heads // tensor if kv_heads % tensor == 0 else max(local // group, 1)
+    per = f" per tensor device (tp={tensor})" if tensor > 1 else ""
+    if local % context:
+        return (
+            f"--cp-mode ulysses with cp={context}: the {local} query heads{per} do not divide "
+            f"by cp; use a cp that divides them, or --cp-mode ring"
+        )
+    if local_kv % context and context % local_kv:
+        return (
+            f"--cp-mode ulysses with cp={context}: the {local_kv} kv heads{per} neither divide "
+            f"by cp nor divide it (to be repeated); use --cp-mode ring"
+        )
+    return None
+
+
 def residual_split(tensor: int, sequence_parallel: bool) -> int:
     """Ways the residual stream's length is split over `tensor`: tp under sequence
     parallelism, else 1 (replicated on every tensor device)."""

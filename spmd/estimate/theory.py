@@ -42,7 +42,8 @@ Per param tensor, from its PartitionSpecs in the three roles of spmd.parallel.ru
 - context parallelism (ring attention over `context`): per layer and micro-batch, cp−1
   sends of this device's key and value blocks [batch, length/cp, kv_heads, head_dim] in the
   forward (collective-permutes) and as many of their gradients in the backward (+ the
-  forward's again under remat); the grads of
+  forward's again under remat); under --cp-mode ulysses 4 all-to-alls per layer and pass
+  instead (spmd.estimate.context_theory); the grads of
   the params, replicated over `context`, are averaged over it like over a batch axis;
 - frozen params (a LoRA base, spmd.engine.frozen): gathered as above under ZeRO-3, never
   reduced or updated (no gradient, no optimizer state);
@@ -63,6 +64,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.engine import frozen
 from spmd.estimate import experts as experts_math
 from spmd.estimate import units, volumes
+from spmd.estimate.context_theory import (  # noqa: F401 (the cp rows; callers read them here)
+    pipelined_ring_sends,
+    ring_sends,
+    ulysses,
+    ulysses_all_to_alls,
+)
 from spmd.model_shape import ModelShape
 from spmd.parallel import fp8_context, rules
 from spmd.parallel.mesh import BATCH_AXES
@@ -298,7 +305,9 @@ def collectives(
     experts = program_all_to_all(program, model, global_batch, seq_len, element_bytes)
     if experts:
         add("all-to-all", experts["count"], experts["bytes"])
-    if mesh.shape.get("context", 1) > 1:
+    if mesh.shape.get("context", 1) > 1 and ulysses(program):
+        add("all-to-all", *ulysses_all_to_alls(program, model, global_batch, seq_len, pipeline))
+    elif mesh.shape.get("context", 1) > 1:
         add(
             "collective-permute",
             *ring_sends(model, mesh, accum, global_batch, seq_len, element_bytes),
@@ -307,42 +316,6 @@ def collectives(
     if scalars:
         add("all-reduce", scalars, 4 * scalars)
     return dict(out)
-
-
-def ring_sends(
-    model: ModelShape, mesh: Any, accum: int, global_batch: int, seq_len: int, element_bytes: int
-) -> tuple[int, int]:
-    """(count, bytes per device) of ring attention's collective-permutes in one step, key and
-    value blocks of `element_bytes` per element (spmd.estimate.volumes: per layer, pass and
-    micro-batch 2(cp − 1) blocks)."""
-    context, tensor = mesh.shape["context"], mesh.shape["tensor"]
-    rows = global_batch // math.prod(mesh.shape[a] for a in BATCH_AXES) // accum
-    block = volumes.kv_block_bytes(model, rows, seq_len, context, tensor, element_bytes)
-    passes = volumes.ring_passes(model.remat != "none", pipelined=False)
-    sends = volumes.ring_sends(context, model.n_layers, passes, accum)
-    return sends, round(sends * block)
-
-
-def pipelined_ring_sends(
-    program: AnyProgram, model: ModelShape, pipeline: dict, global_batch: int, seq_len: int
-) -> dict[str, int]:
-    """{"count", "bytes"} of the ring's collective-permutes per device per step inside a
-    pipeline schedule (`pipeline`: its summary) as spmd.estimate.hlo counts them: per tick a
-    forward slot (one pass over a chunk) and a backward slot (the recomputed forward, the
-    backward, + a remat replay). Stages run slots in lockstep (spmd.parallel.pipeline_stage),
-    so one executes wherever some stage has work: an idle stage's sends ride the bubble."""
-    mesh = program.layout.mesh
-    context = mesh.shape["context"]
-    if context == 1:
-        return {"count": 0, "bytes": 0}
-    rows = global_batch // (program.layout.data_parallel * pipeline["microbatches"])
-    chunk = model.n_layers // (pipeline["stages"] * pipeline["virtual"])
-    block = volumes.kv_block_bytes(
-        model, rows, seq_len, context, mesh.shape["tensor"], activation_bytes(program)
-    )
-    passes = volumes.ring_passes(model.remat != "none", pipelined=True)
-    sends = volumes.ring_sends(context, chunk, passes, pipeline["ticks"])
-    return {"count": sends, "bytes": round(sends * block)}
 
 
 def _tensor_parallel(

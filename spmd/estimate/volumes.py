@@ -117,6 +117,19 @@ def ring_sends(context: int, layers: int, passes: int, executions: int) -> int:
     return executions * layers * passes * 2 * (context - 1)
 
 
+def ulysses_layer_bytes(
+    shape: ModelShape, rows: int, seq_len: int, context: int, tensor: int, element_bytes: int
+) -> float:
+    """Result bytes of Ulysses' 4 all-to-alls of one layer and pass (spmd.parallel.ulysses):
+    q and the output [rows, seq_len / cp, heads / tp, head_dim], k and v [rows, seq_len / cp,
+    kv heads, head_dim] with the kv heads per tensor device (at least 1) repeated to cp where
+    fewer. Each moves (cp − 1) / cp of it over the wire."""
+    heads = shape.n_heads // tensor
+    kv_heads = max(shape.n_kv_heads // tensor, 1)
+    kv_heads = context if kv_heads % context else kv_heads  # fewer than cp: repeated to cp
+    return rows * (seq_len / context) * shape.head_dim * element_bytes * 2 * (heads + kv_heads)
+
+
 # --- expert parallelism -------------------------------------------------------------------
 
 

@@ -25,6 +25,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
+                              or, under --cp-mode ulysses, `local` on whole sequences of a
+                              share of the heads between all-to-alls (spmd.parallel.ulysses)
     document_positions(s, f)  rotary positions restarting per document, also under CP
     note(what, choice)        record a choice made while tracing (which attention kernel ran)
     fp8_site(k, n)            whether a block's matmul runs in fp8 (spmd.parallel.fp8_context)
@@ -43,6 +45,10 @@ load-balanced order with `split_sequences` (inside a pipeline stage manual over 
 traced_layout.manual_context, each device keeps its own chunks as under the explicit
 executor).
 
+The context-parallel hooks (attention, split_sequences, document_positions, token_positions,
+sequence_sum, context_ways, length_split_by_partitioner) live in spmd.parallel.context_hooks,
+and constrain / note in spmd.parallel.traced_layout; this module re-exports them.
+
 traced_layout.activation_layout (auto: jit + XLA's partitioner) and explicit_layout
 (explicit: inside `jax.shard_map`, where the hooks become the hand-written collectives of the
 textbook layouts) are opened by the engine while it traces a step. Outside both, the same
@@ -51,26 +57,26 @@ model runs unchanged on one device.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.parallel import (
-    expert_exchange,
-    fp8_context,
-    layer_scan,
-    param_gather,
-    ring_attention,
-    rules,
-)
+from spmd.parallel import expert_exchange, fp8_context, layer_scan, param_gather
 from spmd.parallel import traced_layout as traced
+from spmd.parallel.context_hooks import (
+    attention,
+    context_ways,
+    document_positions,
+    length_split_by_partitioner,
+    sequence_axes,
+    sequence_sum,
+    split_sequences,
+    token_positions,
+)
 from spmd.parallel.expert_exchange import (
     exchange,
     exchange_blocked,
@@ -81,18 +87,30 @@ from spmd.parallel.expert_exchange import (
 )
 from spmd.parallel.fp8_context import Site as Fp8Site
 from spmd.parallel.kernel_shards import per_shard
+from spmd.parallel.traced_layout import constrain, note, notes
 
-# re-exported: models/fp8.py's type of a site, spmd.parallel.expert_exchange's hooks and the
-# models' road to per_shard
+# re-exported: models/fp8.py's type of a site, spmd.parallel.expert_exchange's hooks, the
+# models' road to per_shard, the context hooks (spmd.parallel.context_hooks), and constrain
+# and note, which live below every hook module (spmd.parallel.traced_layout)
 __all__ = [
     "Fp8Site",
+    "attention",
+    "constrain",
+    "context_ways",
+    "document_positions",
     "exchange",
     "exchange_blocked",
     "exchange_ways",
     "experts_split",
     "from_experts",
+    "length_split_by_partitioner",
+    "note",
+    "notes",
     "per_shard",
+    "sequence_sum",
+    "split_sequences",
     "to_experts",
+    "token_positions",
 ]
 
 # --- hooks the model calls (no-ops without explicit_layout) ---------------------------------
@@ -109,18 +127,10 @@ def gather(variable: Any) -> jax.Array:
     return param_gather.gather_value(value, param_gather.logical_names(variable))
 
 
-def _sequence_axes(name: str) -> tuple[str, ...]:
-    """The axes of `name` that also split the residual stream's length (sequence parallelism):
-    there the residual [batch, length, embed] holds 1/n of the tokens, not all of them."""
-    length = traced.split_axes("length")
-    residual = tuple(a for a in traced.split_axes("residual_length") if a not in length)
-    return tuple(a for a in traced.split_axes(name) if a in residual)
-
-
 def sequence_parallel(name: str) -> bool:
     """Whether `tp_enter` / `tp_reduce` over `name` all_gather / psum_scatter the length
     (sequence parallelism) rather than being an identity / psum."""
-    return bool(_sequence_axes(name))
+    return bool(sequence_axes(name))
 
 
 def tp_enter(x: jax.Array, name: str) -> jax.Array:
@@ -128,7 +138,7 @@ def tp_enter(x: jax.Array, name: str) -> jax.Array:
     [batch, length, embed]: identity forward; in backward the partial input gradients of the
     `name` shards are summed (one psum). Under sequence parallelism it is an all_gather of
     the length (dim 1) instead, whose backward is a reduce-scatter."""
-    sequence = _sequence_axes(name)
+    sequence = sequence_axes(name)
     if sequence:
         x = lax.all_gather(x, sequence, axis=1, tiled=True)
     axes = tuple(a for a in traced.split_axes(name) if a not in traced.varying_axes(x))
@@ -145,7 +155,7 @@ def tp_reduce(x: jax.Array, name: str) -> jax.Array:
     """Megatron's g after a row-parallel matmul contracting `name`, whose partial sums x are
     residual activations [batch, length, embed]: a psum; under sequence parallelism a
     psum_scatter along the length (dim 1), each device keeping its 1/n of the tokens."""
-    sequence = _sequence_axes(name)
+    sequence = sequence_axes(name)
     if sequence:
         x = lax.psum_scatter(x, sequence, scatter_dimension=1, tiled=True)
     rest = tuple(a for a in traced.split_axes(name) if a not in sequence)
@@ -196,132 +206,6 @@ def batch_mean(x: jax.Array) -> jax.Array:
     one device). Auto: `x` is already global."""
     axes = traced.split_axes("batch")
     return lax.pmean(x, axes) if axes else x
-
-
-def _context() -> tuple[
-    jax.sharding.Mesh | jax.sharding.AbstractMesh | None, str | None, int, bool
-]:
-    """(mesh, axis, ways, manual) of context parallelism in the layout being traced (axis
-    None, ways 1 when none); `manual`: each device holds its own chunks where hooks run."""
-    if (manual_context := traced.manual_context_axis()) is not None:
-        return None, *manual_context, True
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
-    if (layout := traced.explicit()) is not None:
-        mesh, axes = layout.mesh, traced.split_axes("length")
-    elif (auto := traced.activations()) is not None:
-        mesh, table, _ = auto
-        axes = tuple(a for a in table.get("length", ()) if mesh.shape[a] > 1)
-    else:
-        return None, None, 1, False
-    manual = traced.explicit() is not None
-    return (mesh, axes[0], mesh.shape[axes[0]], manual) if axes else (mesh, None, 1, manual)
-
-
-def sequence_sum(x: jax.Array) -> jax.Array:
-    """Sum of `x` over the devices that hold the other chunks of this device's sequences
-    (context parallelism where each device holds its own chunks: the explicit executor, or a
-    pipeline stage manual over `context`); `x` itself where the sequences are whole or XLA
-    partitions them."""
-    _, axis, _, manual = _context()
-    return lax.psum(x, axis) if manual and axis is not None else x
-
-
-def context_ways() -> int:
-    """Ways the traced layout splits each sequence (context parallelism; 1: none)."""
-    return _context()[2]
-
-
-def token_positions(x: jax.Array, whole: bool = False) -> jax.Array:
-    """Positions in the whole sequence [batch, length] (int32) of the tokens that attention
-    sees for residual activations x [batch, length, embed]: under sequence parallelism the
-    residual holds 1/n of them and attention the gathered whole; under context parallelism
-    a device holds two chunks of the sequence (spmd.parallel.ring_attention.balanced_order).
-    `whole`: x is whole along sequence parallelism's split (a batch field, a matmul's input)."""
-    mesh, axis, ways, manual = _context()
-    sequence = () if whole else _sequence_axes("heads")  # () outside the explicit executor
-    # no mesh: outside both executors, where `sequence` is ()
-    length = x.shape[1] * (math.prod(mesh.shape[a] for a in sequence) if mesh is not None else 1)
-    if axis is None:
-        positions = jnp.arange(length, dtype=jnp.int32)
-    elif manual:  # this device's block of the load-balanced order
-        order = ring_attention.balanced_order(length * ways, ways).reshape(ways, length)
-        positions = jnp.asarray(order, jnp.int32)[lax.axis_index(axis)]
-    else:
-        positions = jnp.asarray(ring_attention.balanced_order(length, ways), jnp.int32)
-    return jnp.broadcast_to(positions, (x.shape[0], length))
-
-
-def split_sequences(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A batch of whole sequences (leaves [batch, length, ...]) in the layout's sequence
-    order: under context parallelism the tokens are put in the load-balanced order, and
-    inside the explicit executor each device keeps its own two chunks. Unchanged otherwise.
-    The loss, a mean over all tokens, does not depend on their order."""
-    mesh, axis, ways, manual = _context()
-    if axis is None:
-        return batch
-
-    def split(x: jax.Array) -> jax.Array:
-        order = ring_attention.balanced_order(x.shape[1], ways)
-        if manual:
-            mine = jnp.asarray(order.reshape(ways, -1))[lax.axis_index(axis)]
-            return jnp.take(x, mine, axis=1)
-        names = ("batch", "length") + (None,) * (x.ndim - 2)
-        return constrain(jnp.take(x, jnp.asarray(order), axis=1), names)
-
-    return {key: split(value) for key, value in batch.items()}
-
-
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    local: Callable,
-    segments: jax.Array | None = None,
-    window: int = 0,
-) -> jax.Array:
-    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
-    kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device, ring
-    attention over the context axis when it is split (context parallelism), within the
-    documents of `segments` [batch, length] and a sliding `window` (static) as `local` does."""
-    mesh, axis, ways, manual = _context()
-    if axis is None:
-        return local(q, k, v)
-    note("attention", f"ring over {axis}" + (" (document mask)" if segments is not None else ""))
-    ring = functools.partial(ring_attention.ring_attention, axis=axis, ways=ways, window=window)
-    if manual:
-        return ring(q, k, v, segments=segments)
-    # auto executor: a shard_map manual over the context axis only; XLA partitions the rest
-    spec = PartitionSpec(None, axis)
-    specs = (spec, spec, spec) + ((spec,) if segments is not None else ())
-    mapped = jax.shard_map(
-        lambda q, k, v, *ids: ring(q, k, v, segments=ids[0] if ids else None),
-        mesh=mesh,
-        in_specs=specs,
-        out_specs=spec,
-        axis_names={axis},
-        check_vma=True,
-    )
-    return mapped(q, k, v, *(() if segments is None else (segments,)))
-
-
-def document_positions(segments: jax.Array, restart: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Rotary positions [batch, length] that restart at each document of `segments` (this
-    device's document ids, in the layout's sequence order), `restart` computing them from
-    whole sequences of ids in their natural order (models.attention.segment_positions).
-    Under context parallelism the ids are in the ring's load-balanced order (and, each device
-    holding its own chunks, gathered over `context` first: 4 bytes per token, once per step),
-    put back in order for `restart` and the positions put in the ring's order again."""
-    _, axis, ways, manual = _context()
-    if axis is None:
-        return restart(segments)
-    whole = lax.all_gather(segments, axis, axis=1, tiled=True) if manual else segments
-    order = ring_attention.balanced_order(whole.shape[1], ways)
-    natural = jnp.take(whole, jnp.asarray(np.argsort(order)), axis=1)
-    positions = jnp.take(restart(natural), jnp.asarray(order), axis=1)
-    if not manual:
-        return constrain(positions, ("batch", "length"))
-    local = segments.shape[1]
-    return lax.dynamic_slice_in_dim(positions, lax.axis_index(axis) * local, local, axis=1)
 
 
 def scan_layers(
@@ -404,15 +288,6 @@ def _scan_result(result: tuple[Any, Any]) -> tuple[Any, Any]:
     return carry, ys
 
 
-def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Hint the partitioner that activation `x` (logical `names`) is laid out by the layout."""
-    if (auto := traced.activations()) is None:
-        return x
-    mesh, table, _ = auto
-    spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def training() -> bool:
     """Whether the engine is tracing a train step (dropout applies) rather than an eval."""
     return traced.in_training()
@@ -428,14 +303,6 @@ def first_layer() -> jax.Array | int:
     """The global index of the first of the stacked layers a model's `apply_blocks` runs:
     0, or under a pipeline the first layer of the stage's chunk (a traced int32 scalar)."""
     return traced.chunk_first_layer()
-
-
-def length_split_by_partitioner() -> bool:
-    """Whether the auto executor splits the activations' `length` over devices (context
-    parallelism under jit): XLA's partitioner gathers the whole sequence to merge a split
-    length with the batch into one rows dim, so a matmul keeps them apart there."""
-    _, axis, _, manual = _context()
-    return axis is not None and not manual
 
 
 def chunk_inputs() -> jax.Array | None:
@@ -460,17 +327,3 @@ def fp8_vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
     explicit executor's shard_map; unchanged elsewhere): a cotangent must vary as its primal."""
     missing = tuple(sorted(traced.varying_axes(like) - traced.varying_axes(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
-
-
-_NOTES: dict[str, str] = {}
-
-
-def note(what: str, choice: str) -> None:
-    """Record a choice the model made while being traced (e.g. which attention kernel ran), so
-    the run can report it; the latest trace wins."""
-    _NOTES[what] = choice
-
-
-def notes() -> dict[str, str]:
-    """The choices `note` recorded so far, e.g. {"attention": "cudnn"}."""
-    return dict(_NOTES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -24,6 +25,9 @@ class Layout:
     mesh: jax.sharding.Mesh
     zero_stage: int = 3  # 0: plain replication (DDP), which needs a mesh without an fsdp axis
     sequence_parallel: bool = False
+    # how attention crosses a length split over `context`: a ring of key / value passes
+    # (spmd.parallel.ring_attention) or Ulysses' all-to-alls (spmd.parallel.ulysses)
+    cp_mode: Literal["ring", "ulysses"] = "ring"
 
     def __post_init__(self) -> None:
         if self.zero_stage == 0 and self.mesh.shape.get("fsdp", 1) > 1:

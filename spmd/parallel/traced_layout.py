@@ -17,6 +17,11 @@ The engine opens one of these contexts while it traces a step; the hooks read th
     pipeline_chunk(first_layer, inputs)      a pipeline stage's chunk of the layer stack: the
                                              global index of its first layer and the token
                                              ids of its micro-batch
+    context_attention(mode)                  how attention crosses a length split over
+                                             `context`: "ring" (the default) or "ulysses"
+
+Below the hooks, so that every hook module can use them: `constrain` (an activation pinned
+to the auto layout) and `note` / `notes` (the choices recorded while tracing).
 
 Outside all of them the hooks are no-ops and a model runs unchanged on one device.
 """
@@ -29,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from spmd.parallel import rules
 
@@ -50,6 +56,7 @@ _MANUAL_CONTEXT: list[tuple[str | None, int]] = []  # (axis, ways) made manual b
 _PARAMS_WHOLE: list[bool] = []  # inside a prefetched layer: its params arrive gathered
 _TRAINING: list[jax.Array | None] = []  # inside a train step's loss: its step number
 _CHUNK: list[tuple[jax.Array, jax.Array]] = []  # a pipeline chunk: (first layer, token ids)
+_CP_MODE: list[str] = []  # how attention crosses a split length: "ring" or "ulysses"
 
 
 @contextlib.contextmanager
@@ -231,3 +238,45 @@ def params_whole() -> Iterator[None]:
 def params_arrive_whole() -> bool:
     """Whether the layer being traced runs inside `params_whole`."""
     return bool(_PARAMS_WHOLE)
+
+
+@contextlib.contextmanager
+def context_attention(mode: str) -> Iterator[None]:
+    """While tracing a step of a Layout whose cp_mode is `mode`: the context hooks' attention
+    runs as a ring ("ring") or as Ulysses' all-to-alls ("ulysses")."""
+    if mode not in ("ring", "ulysses"):
+        raise ValueError(f"context attention {mode!r}: ring or ulysses")
+    _CP_MODE.append(mode)
+    try:
+        yield
+    finally:
+        _CP_MODE.pop()
+
+
+def context_attention_mode() -> str:
+    """The innermost `context_attention`'s mode; "ring" outside one."""
+    return _CP_MODE[-1] if _CP_MODE else "ring"
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Hint the partitioner that activation `x` (logical `names`) is laid out by the auto
+    layout being traced (`activation_layout`); `x` itself outside one (hooks.constrain)."""
+    if (auto := activations()) is None:
+        return x
+    mesh, table, _ = auto
+    spec = rules.partition_spec(names, x.shape, table, mesh, f"activation {names}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+_NOTES: dict[str, str] = {}
+
+
+def note(what: str, choice: str) -> None:
+    """Record a choice the model made while being traced (e.g. which attention kernel ran), so
+    the run can report it; the latest trace wins (hooks.note)."""
+    _NOTES[what] = choice
+
+
+def notes() -> dict[str, str]:
+    """The choices `note` recorded so far, e.g. {"attention": "cudnn"}."""
+    return dict(_NOTES)

@@ -32,6 +32,7 @@ from spmd.engine.optimizers import make_optimizer, with_sign_rule
 from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
 from spmd.errors import UsageError
+from spmd.estimate import long_sequence
 from spmd.parallel.layout import Layout
 from spmd.run.checks import check_sequence_split
 from spmd.run.config import Config
@@ -44,7 +45,11 @@ if TYPE_CHECKING:
 
 def layout_of(cfg: Config, mesh: jax.sharding.Mesh) -> Layout:
     """Where run `cfg` keeps its state and batches on `mesh`."""
-    return Layout(mesh, cfg.parallel.zero, cfg.parallel.sequence_parallel)
+    p = cfg.parallel
+    # auto: the ring (the models it refuses, Gemma's, are refused cp altogether)
+    return Layout(
+        mesh, p.zero, p.sequence_parallel, "ulysses" if p.cp_mode == "ulysses" else "ring"
+    )
 
 
 def optimizer(cfg: Config, lr_factor: float = 1.0) -> Callable[[Any], optax.GradientTransformation]:
@@ -232,6 +237,11 @@ def program(
     identity optimizer (no optimizer state), for loading and converting weights. UsageError
     before compiling for a layout the model or the batch cannot use."""
     layout = layout_of(cfg, mesh)
+    if layout.cp_mode == "ulysses" and mesh.shape["context"] > 1:
+        shape, sizes = cfg.model.shape(), (mesh.shape["tensor"], mesh.shape["context"])
+        why = long_sequence.ulysses_error(shape.n_heads, shape.n_kv_heads, *sizes)
+        if why is not None:
+            raise UsageError(why)
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)
