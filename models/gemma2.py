@@ -57,7 +57,7 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     attention,
     constrain,
-    scan_layers,
+    scan_periods,
     token_positions,
     tp_enter,
     tp_reduce,
@@ -170,15 +170,21 @@ def check_layout(cfg: Gemma2Config, mesh: Any, executor: str) -> None:
 
 
 def layer_attention(cfg: Gemma2Config, layer: jax.Array | int) -> tuple[Any, jax.Array]:
-    """(window, rotary frequencies [head_dim / 2]) of layer `layer` (an int32 index, traced in
-    the scan): a global layer's are (0, rope_theta's, scaled), a local one's (sliding_window,
-    rope_local_theta's). The window is an int where every layer has the same."""
+    """(window, rotary frequencies [head_dim / 2]) of layer `layer` (its index, or the index
+    modulo the period: a Python int in the layer scan, traced int32 under ZeRO-3's prefetching
+    scan and in the decoder's): a global layer's are (0, rope_theta's, scaled), a local one's
+    (sliding_window, rope_local_theta's). The window is an int where the index is one or every
+    layer has the same window, else a traced int32."""
     global_freq = Rope(cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor).inv_freq(cfg.head_dim)
     local_freq = Rope(cfg.rope_local_theta).inv_freq(cfg.head_dim)
     if not cfg.global_every:
         return cfg.sliding_window, local_freq
     if cfg.global_every == 1:
         return 0, global_freq
+    if isinstance(layer, int):  # a constant of the program: the fused kernels may take it
+        if (layer + 1) % cfg.global_every == 0:
+            return 0, global_freq
+        return cfg.sliding_window, local_freq
     is_global = (jnp.asarray(layer, jnp.int32) + 1) % cfg.global_every == 0
     window = jnp.where(is_global, 0, cfg.sliding_window) if cfg.sliding_window else 0
     return window, jnp.where(is_global, global_freq, local_freq)
@@ -215,7 +221,7 @@ class GemmaAttention(Attention):
         return q, k, constrain(v, ("batch", "length", "kv_heads", None))
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array | int
     ) -> jax.Array:
         window, inv_freq = layer_attention(self.cfg, layer)
         x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
@@ -272,7 +278,7 @@ class Block(nnx.Module):
         self.mlp_norm, self.mlp, self.post_mlp_norm = norm(), MLP(cfg, rngs), norm()
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array | int
     ) -> jax.Array:
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, segments, layer))
         x = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
@@ -323,13 +329,11 @@ class Gemma(llama.Llama):
         positions = token_positions(x) if segments is None else segment_positions(segments)
         block_def, block_state = nnx.split(self.blocks)
 
-        def layer(carry: tuple, state: nnx.State) -> tuple[tuple, None]:
-            x, index = carry
-            return (nnx.merge(block_def, state)(x, positions, segments, index), index + 1), None
+        def layer(x: jax.Array, state: nnx.State, kind: jax.Array | int) -> tuple[jax.Array, None]:
+            return nnx.merge(block_def, state)(x, positions, segments, kind), None
 
-        policy = REMAT_POLICIES[self.cfg.remat]
-        start = (x, jnp.zeros((), jnp.int32))
-        (x, _), _ = scan_layers(layer, start, block_state, policy, not self.cfg.scan_layers)
+        policy, unrolled = REMAT_POLICIES[self.cfg.remat], not self.cfg.scan_layers
+        x, _ = scan_periods(layer, x, block_state, policy, self.cfg.period, unrolled)
         return x
 
     def logit_softcap(self) -> float:
