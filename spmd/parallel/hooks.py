@@ -341,8 +341,15 @@ def scan_layers(
     policy = layer_scan.remat_policy(remat, gathering)
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     layer, carry = _in_fp8_blocks(layer, n_layers, carry)
-    if not _prefetches(layer, carry, stacked, remat):
+    asked = gathering and traced.tracing_explicit().prefetch
+    if not (asked and remat is not None and n_layers >= 2):
+        if asked and n_layers > 1:  # said only where prefetch was asked for and could run
+            note("layer_scan", "prefetch off: --remat none")
         return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
+    if layer_scan.closes_over_a_float(layer, carry, stacked):
+        note("layer_scan", "prefetch off: the layer closes over a traced float")
+        return _scan_result(layer_scan.plain_scan(layer, carry, stacked, policy, unrolled))
+    note("layer_scan", "prefetch")
     assert policy is not None  # made by remat_policy for the gathered axes
     is_variable = lambda x: hasattr(x, "get_metadata")  # noqa: E731
     names = [param_gather.logical_names(v) for v in jax.tree.leaves(stacked, is_leaf=is_variable)]
@@ -360,77 +367,26 @@ def scan_layers(
     )
 
 
-def scan_periods(
-    layer: Callable[[Any, Any, Any], tuple[Any, Any]],
-    carry: Any,
-    stacked: Any,
-    remat: Callable | None,
-    period: int,
-    unrolled: bool = False,
-) -> tuple[Any, Any]:
-    """`scan_layers` of layers of `period` kinds (Gemma's local and global attention): layer i
-    is `layer(carry, state_i, i % period)`. The kind is a Python int, each layer's a constant
-    of the compiled program (layer_scan.period_scan: a scan over periods, each layer
-    rematerialised on its own and gathering its own params), except under ZeRO-3's prefetching
-    scan, which gathers one layer ahead of each layer: there the layers run as scan_layers'
-    and the kind is i % period traced (an int32 scalar)."""
-    if period == 1:
-        return scan_layers(lambda c, s: layer(c, s, 0), carry, stacked, remat, unrolled)
-    n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    policy = layer_scan.remat_policy(remat, param_gather.gathering_axes())
-    in_fp8, extended = _in_fp8_blocks(layer, n_layers, carry)
-    if not _prefetches(lambda c, s: in_fp8(c, s, 0), extended, stacked, remat):
-        scanned = layer_scan.period_scan(in_fp8, extended, stacked, policy, period, unrolled)
-        return _scan_result(scanned)
-
-    def counted(carry: tuple, state: Any) -> tuple[tuple, Any]:
-        inner, index = carry
-        inner, y = layer(inner, state, index % period)
-        return (inner, index + 1), y
-
-    start = (carry, jnp.zeros((), jnp.int32))
-    (carry, _), ys = scan_layers(counted, start, stacked, remat, unrolled)
-    return carry, ys
-
-
-def _prefetches(layer: Callable, carry: Any, stacked: Any, remat: Callable | None) -> bool:
-    """Whether scan_layers runs ZeRO-3's prefetching scan: asked for (explicit executor), the
-    layers rematerialised, at least 2 of them and `layer` closing over no traced float. Where
-    prefetch was asked for, `note("layer_scan", ...)` says whether it runs."""
-    n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    asked = param_gather.gathering_axes() and traced.tracing_explicit().prefetch
-    if not (asked and remat is not None and n_layers >= 2):
-        if asked and n_layers > 1:  # said only where prefetch was asked for and could run
-            note("layer_scan", "prefetch off: --remat none")
-        return False
-    if layer_scan.closes_over_a_float(layer, carry, stacked):
-        note("layer_scan", "prefetch off: the layer closes over a traced float")
-        return False
-    note("layer_scan", "prefetch")
-    return True
-
-
 def _in_fp8_blocks(layer: Callable, n_layers: int, carry: Any) -> tuple[Callable, Any]:
     """`layer` run inside fp8_context.in_block (its matmuls may be fp8), and the carry that
     goes with it: under delayed scaling the carry also holds the [layers, SITES, 3] scales and
     probe, each layer taking its row (the carry, not the stacked xs, so that ZeRO-3's
-    prefetching scan, which gathers every leaf of the stacked params, leaves them alone).
-    A layer's kind (scan_periods' third argument) passes through."""
+    prefetching scan, which gathers every leaf of the stacked params, leaves them alone)."""
     if fp8_context.settings() is None:
         return layer, carry
     rows = fp8_context.delayed_rows(n_layers)
     if rows is None:
 
-        def in_block(carry: Any, state: Any, *kind: Any) -> tuple[Any, Any]:
+        def in_block(carry: Any, state: Any) -> tuple[Any, Any]:
             with fp8_context.in_block():
-                return layer(carry, state, *kind)
+                return layer(carry, state)
 
         return in_block, carry
 
-    def delayed(carry: Any, state: Any, *kind: Any) -> tuple[Any, Any]:
+    def delayed(carry: Any, state: Any) -> tuple[Any, Any]:
         inner, (i, scales, probe) = carry
         with fp8_context.in_block(scales[i], probe[i]):
-            inner, y = layer(inner, state, *kind)
+            inner, y = layer(inner, state)
         return (inner, (i + 1, scales, probe)), y
 
     return delayed, (carry, (jnp.zeros((), jnp.int32), *rows))

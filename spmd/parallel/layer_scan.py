@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -117,70 +116,6 @@ def plain_scan(
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     return lax.scan(layer, carry, stacked, unroll=unrolled)
-
-
-def period_scan(
-    layer: Callable[[Any, Any, int], tuple[Any, Any]],
-    carry: Any,
-    stacked: Any,
-    policy: Callable | None,
-    period: int,
-    unrolled: bool = False,
-) -> tuple[Any, Any]:
-    """`plain_scan` of layers of `period` kinds: layer i is `layer(carry, state_i, i % period)`,
-    its kind a Python int (what differs by kind, e.g. Gemma's attention window, is a
-    compile-time constant). The stacked [n, ...] leaves are viewed as [n // period, period,
-    ...] (a reshape: the params' layout is unchanged) and the scan runs over periods, its body
-    the period's layers one after another, each rematerialised by `policy` on its own (the
-    residuals kept are a layer's, as in `plain_scan`: one checkpoint per layer, none around
-    the period). The n % period layers left over run after it as a second group of one
-    period's first kinds. The stacked ys are in layer order, as `plain_scan`'s."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    if period == 1:
-        return plain_scan(lambda c, s: layer(c, s, 0), carry, stacked, policy, unrolled)
-    whole = n - n % period
-    ys = []
-    for start, end, size in ((0, whole, period), (whole, n, n - whole)):
-        if end == start:
-            continue
-        group = jax.tree.map(functools.partial(_periods, start, end, size), stacked)
-        # a scan of one trip runs straight-line after XLA's loop simplifier, where common
-        # subexpressions would undo the remat: prevent that there
-        body = _layers_of(layer, policy, size, prevent_cse=end - start == size)
-        carry, y = lax.scan(body, carry, group, unroll=unrolled)
-        ys.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), y))
-    return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
-
-
-def _layers_of(
-    layer: Callable[[Any, Any, int], tuple[Any, Any]],
-    policy: Callable | None,
-    size: int,
-    prevent_cse: bool,
-) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """The scan body of a group of `size` layers of kinds 0..size-1: each layer in turn,
-    each checkpointed by `policy` (None: not rematerialised); ys stacked [size, ...]."""
-    if policy is not None:
-        layer = jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse, static_argnums=(2,))
-
-    def body(carry: Any, states: Any) -> tuple[Any, Any]:
-        ys = []
-        for kind in range(size):
-            carry, y = layer(carry, jax.tree.map(functools.partial(_at_kind, kind), states), kind)
-            ys.append(y)
-        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-
-    return body
-
-
-def _periods(start: int, end: int, size: int, x: jax.Array) -> jax.Array:
-    """Layers start..end-1 of a stacked leaf [n, ...] as [(end - start) / size, size, ...]."""
-    return x[start:end].reshape(-1, size, *x.shape[1:])
-
-
-def _at_kind(kind: int, x: jax.Array) -> jax.Array:
-    """Layer `kind` of a period's leaf [period, ...]."""
-    return x[kind]
 
 
 def closes_over_a_float(
