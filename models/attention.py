@@ -11,8 +11,9 @@ outputs. OLMo 2's norms sum their squares over the devices that hold the heads.
 
 A sliding window of w tokens lets query position i see key positions j with i - w < j <= i
 (itself and the w - 1 before it), the band transformers' `sliding_window` masks. The kernels
-take it as an int (the same window in every layer) or as a traced int32 scalar (a per-layer
-window picked inside the layer scan: Gemma's local and global layers; 0 there: no window).
+take it as an int (a constant of the program: also each of Gemma's local and global layers,
+models.gemma2.static_window) or as a traced int32 scalar (a window picked by a traced layer
+index, as Gemma's decoder does; 0: no window).
 Their other general options: `scale`, the factor of q k^T (None: head_dim ** -0.5; Gemma:
 query_pre_attn_scalar ** -0.5), and `softcap`, logit soft-capping cap * tanh(logits / cap)
 of the scaled logits before the mask (0: none; Gemma 2). cuDNN's kernel computes neither a

@@ -20,8 +20,13 @@ What differs from models/llama.py, each a field of Gemma2Config:
   scaling, Gemma 3's long-context checkpoints). global_every 0: every layer is local.
 
 Local and global layers share one stacked block (same params), so the layer scan carries the
-layer's index (int32) beside the activations, and each block picks its window (a traced int
-for models/attention.py's kernels) and rotary frequencies with jnp.where. A pipeline stage's
+layer's index (int32) beside the activations, and each block picks its rotary frequencies
+with jnp.where and its window by `lax.cond` between two branches of the attention kernel
+alone, each with its window a constant (`static_window`): models/attention.py then picks a
+fused kernel where the case allows (cuDNN on a GPU for Gemma 3, which has no soft-cap; Gemma
+2's soft-cap keeps the blockwise kernel), never the traced-window path. The params' layout
+(one [n_layers, ...] stack: checkpoints, the HF mapping, LoRA, pipelines) and the scan over
+single layers (their remat, ZeRO-3's gathering and prefetch) are unchanged. A pipeline stage's
 `apply_blocks` sees only its slice of the layers and counts from 0: that index is right modulo
 the pattern's period when every pipeline chunk holds a whole number of periods, so
 `check_layout` refuses a pipeline whose stages do not (n_layers / pp a multiple of
@@ -34,11 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from models import fused_loss, hf_gemma2, layers, llama
 from models.attention import (
@@ -171,22 +178,41 @@ def check_layout(cfg: Gemma2Config, mesh: Any, executor: str) -> None:
 
 def layer_attention(cfg: Gemma2Config, layer: jax.Array | int) -> tuple[Any, jax.Array]:
     """(window, rotary frequencies [head_dim / 2]) of layer `layer` (an int32 index, traced in
-    the scan): a global layer's are (0, rope_theta's, scaled), a local one's (sliding_window,
-    rope_local_theta's). The window is an int where every layer has the same."""
+    the scan, or a Python int): a global layer's are (0, rope_theta's, scaled), a local one's
+    (sliding_window, rope_local_theta's). The window is an int where every layer has the same
+    or `layer` is an int, else a traced int32 (`static_window` makes it a constant again)."""
     global_freq = Rope(cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor).inv_freq(cfg.head_dim)
     local_freq = Rope(cfg.rope_local_theta).inv_freq(cfg.head_dim)
     if not cfg.global_every:
         return cfg.sliding_window, local_freq
     if cfg.global_every == 1:
         return 0, global_freq
+    if isinstance(layer, int):  # a constant of the program: the fused kernels may take it
+        if (layer + 1) % cfg.global_every == 0:
+            return 0, global_freq
+        return cfg.sliding_window, local_freq
     is_global = (jnp.asarray(layer, jnp.int32) + 1) % cfg.global_every == 0
     window = jnp.where(is_global, 0, cfg.sliding_window) if cfg.sliding_window else 0
     return window, jnp.where(is_global, global_freq, local_freq)
 
 
+def static_window(
+    cfg: Gemma2Config, window: jax.Array | int, attend: Callable[[int], jax.Array]
+) -> jax.Array:
+    """`attend(w)`, w the layer's window as a Python int (a constant of the program, which the
+    fused kernels take): `window` itself where it is one, else (a window traced in the layer
+    scan) a `lax.cond` between a branch of the global layers' 0 and one of the local layers'
+    sliding_window. Only the attention kernel is in the branches: the layer's other
+    activations and its params stay outside (ZeRO-3's prefetching scan finds gathered params
+    among the layer's residuals by identity, which a branch's outputs would not keep)."""
+    if isinstance(window, int):
+        return attend(window)
+    return lax.cond(window == 0, lambda: attend(0), lambda: attend(cfg.sliding_window))
+
+
 class GemmaAttention(Attention):
-    """models.attention.Attention's projections (no biases) with Gemma's per-layer window and
-    rotary base, query scale, soft-cap and (Gemma 3) (1 + w) per-head q / k norms."""
+    """models.attention.Attention's projections (no biases) with Gemma's window and rotary
+    base by layer, query scale, soft-cap and (Gemma 3) (1 + w) per-head q / k norms."""
 
     def __init__(self, cfg: Gemma2Config, rngs: nnx.Rngs):
         e, h, k, d = cfg.embed_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -215,14 +241,17 @@ class GemmaAttention(Attention):
         return q, k, constrain(v, ("batch", "length", "kv_heads", None))
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array | int
     ) -> jax.Array:
         window, inv_freq = layer_attention(self.cfg, layer)
         x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
         q, k, v = self.rotated(x, positions, inv_freq)
 
         def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return causal_attention(q, k, v, segments, window, self.scale, self.softcap)
+            def attend(window: int) -> jax.Array:
+                return causal_attention(q, k, v, segments, window, self.scale, self.softcap)
+
+            return static_window(self.cfg, window, attend)
 
         out = dense(attention(q, k, v, local), weight(self, "wo"), inputs=2)
         return constrain(tp_reduce(out, "heads"), RESIDUAL)  # row-parallel: sum the heads
@@ -272,7 +301,7 @@ class Block(nnx.Module):
         self.mlp_norm, self.mlp, self.post_mlp_norm = norm(), MLP(cfg, rngs), norm()
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array
+        self, x: jax.Array, positions: jax.Array, segments: jax.Array | None, layer: jax.Array | int
     ) -> jax.Array:
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, segments, layer))
         x = x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))

@@ -10,6 +10,12 @@ switches, each a field of Gemma3Config:
 - no soft-capping: attn_softcap 0 (transformers does not apply one; a config.json that sets
   attn_logit_softcapping exits 2), final_softcap 0 unless final_logit_softcapping is set.
 
+Each layer's window reaches the attention kernel as a constant of the program
+(gemma2.static_window), and with no soft-cap both kinds of layer are plain causal attention
+to models/attention.py: on a GPU in bf16 the local layers (jax.nn.dot_product_attention's
+local_window_size) and the global ones reach cuDNN's fused kernel where it takes the head
+dim; elsewhere "blockwise" or "xla" (docs/strategies/long-sequences.md's kernel table).
+
 The vision tower of Gemma3ForConditionalGeneration (a config.json with vision_config) is not
 supported: that architecture is not one spmd reads, and a text config carrying vision_config
 exits 2 naming it. Pipelines and context parallelism are refused as for Gemma 2

@@ -22,7 +22,7 @@ import re
 from typing import TYPE_CHECKING
 
 from spmd.errors import UsageError
-from spmd.estimate import hlo
+from spmd.estimate import hlo, hlo_text
 
 if TYPE_CHECKING:
     from models.contract import ModelConfig
@@ -76,11 +76,15 @@ def cost_analysis_flops(compiled: AnyCompiled) -> float | None:
 
 def hlo_dot_flops(compiled: AnyCompiled | str) -> float:
     """Matmul FLOPs of one execution on one device: 2 * output elements * contracted size of
-    every dot in the partitioned HLO, times the trip counts of the loops around it."""
-    instrs = hlo.instructions(compiled)
+    every dot in the partitioned HLO, times the trip counts of the loops around it; a dot in
+    one of a conditional's n branches counts 1/n of the conditional's executions."""
+    text = compiled if isinstance(compiled, str) else hlo.optimized_text(compiled)
+    instrs = hlo.instructions(text)
+    expected = hlo_text.expected_multipliers(*hlo_text.parse_computations(text))
     shapes = {(comp, name): shape for comp, name, shape, *_ in instrs}
     total = 0.0
-    for comp, _, shape, opcode, attrs, count in instrs:
+    for comp, _, shape, opcode, attrs, _ in instrs:
+        count = expected.get(comp, 0)
         if opcode != "dot" or count == 0:
             continue
         # The first operand, with its shape printed inline or only by name.

@@ -60,16 +60,29 @@ def _counted_trips(comps: dict[str, list[tuple]], attrs: str) -> int:
 
 
 def multipliers(comps: dict[str, list[tuple]], entry: str | None) -> dict[str, int]:
-    """How many times each computation runs per step, following calls from ENTRY."""
+    """How many times each computation runs per step, following calls from ENTRY (each branch
+    of a conditional as often as the conditional)."""
+    return {comp: int(n) for comp, n in _multipliers(comps, entry, share_branches=False).items()}
+
+
+def expected_multipliers(comps: dict[str, list[tuple]], entry: str | None) -> dict[str, float]:
+    """`multipliers` with the n branches of a conditional sharing its executions, 1/n each
+    (which one runs is data: Gemma's attention kernel for local and global layers)."""
+    return _multipliers(comps, entry, share_branches=True)
+
+
+def _multipliers(
+    comps: dict[str, list[tuple]], entry: str | None, share_branches: bool
+) -> dict[str, float]:
     if entry is None:
-        return dict.fromkeys(comps, 1)
-    callers: dict[str, list[tuple[str, int]]] = {}
+        return dict.fromkeys(comps, 1.0)
+    callers: dict[str, list[tuple[str, float]]] = {}
     for comp, instrs in comps.items():
         for _, _, opcode, attrs in instrs:
             if opcode.endswith(("-done", "-update")):
                 continue  # they name the same computation as their -start
             trip = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', attrs)
-            factor = int(trip.group(1)) if opcode == "while" and trip else 1
+            factor: float = int(trip.group(1)) if opcode == "while" and trip else 1
             if opcode == "while" and not trip:  # a lowered program: no backend config yet
                 factor = _counted_trips(comps, attrs)
             attrs = re.sub(r'"(?:[^"\\]|\\.)*"', '""', attrs)
@@ -79,11 +92,13 @@ def multipliers(comps: dict[str, list[tuple]], entry: str | None) -> dict[str, i
                 r"\b(?:branch_computations|called_computations|calls)=\{([^}]*)\}", attrs
             ):
                 called += re.findall(r"%?([\w.\-]+)", group)
+            if opcode == "conditional" and share_branches:
+                factor /= max(len(set(called)), 1)
             for callee in called:
                 callers.setdefault(callee, []).append((comp, factor))
-    memo: dict[str, int] = {entry: 1}
+    memo: dict[str, float] = {entry: 1}
 
-    def mult(comp: str) -> int:
+    def mult(comp: str) -> float:
         if comp not in memo:
             memo[comp] = 0  # guards against cycles, which valid HLO does not have
             memo[comp] = sum(mult(caller) * f for caller, f in callers.get(comp, []))
