@@ -23,8 +23,7 @@ from spmd.estimate import hlo, long_sequence, theory
 from spmd.parallel import hooks, traced_layout
 from spmd.parallel.ring_attention import balanced_order
 from tests import trainer
-
-LENGTH = 48
+from tests.test_ring_documents import LENGTH, inputs  # the same q, k, v and documents
 
 # (cp, documents, window, traced window, soft-cap, kv heads of 4 query heads)
 CASES = [
@@ -33,15 +32,6 @@ CASES = [
     (4, True, 7, True, 5.0, 2),  # Gemma's: a per-layer window, soft-cap; kv repeated to 4
     (4, False, 0, False, 0.0, 1),  # one kv head repeated to 4
 ]
-
-
-def inputs(documents: bool, kv_heads: int) -> tuple:
-    rng = np.random.default_rng(kv_heads)
-    q = jnp.asarray(rng.normal(size=(2, LENGTH, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, kv_heads, 8)), jnp.float32) for _ in "kv")
-    weights = jnp.asarray(rng.normal(size=(2, LENGTH, 4, 8)), jnp.float32)
-    segments = np.sort(rng.integers(0, 7, (2, LENGTH)), axis=1) if documents else None
-    return q, k, v, weights, None if segments is None else jnp.asarray(segments, jnp.int32)
 
 
 def grads_and_output(kernel, q, k, v, weights, segments, window):
