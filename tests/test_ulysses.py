@@ -42,26 +42,36 @@ def grads_and_output(kernel, q, k, v, weights, segments, window):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, window)
 
 
+def under_ulysses(local, mesh, cp: int, q, k, v, segments):
+    """hooks.attention under an auto layout of `mesh` in Ulysses mode, with `local(q, k, v,
+    segments)` as the one-device kernel: the inputs laid out in the balanced order the run
+    gives them, the output put back in natural order."""
+    order = jnp.asarray(balanced_order(LENGTH, cp))
+    ins = [jnp.take(x, order, axis=1) for x in (q, k, v)]
+    ids = None if segments is None else jnp.take(segments, order, axis=1)
+
+    def kernel(q, k, v, segments=ids):
+        return local(q, k, v, segments)
+
+    with (
+        traced_layout.activation_layout(mesh, 3),
+        traced_layout.context_attention("ulysses"),
+    ):
+        out = hooks.attention(*ins, kernel, ids, 0)
+    return jnp.take(out, jnp.argsort(order), axis=1)
+
+
 @pytest.mark.parametrize("cp, documents, window, traced, softcap, kv_heads", CASES)
 def test_ulysses_equals_the_dense_reference(cp, documents, window, traced, softcap, kv_heads):
     q, k, v, weights, segments = inputs(documents, kv_heads)
     mesh = trainer.layout(f"cp={cp}").mesh
-    order = jnp.asarray(balanced_order(LENGTH, cp))
     scale = 0.3
 
     def ulysses(q, k, v, segments, window):
-        ins = [jnp.take(x, order, axis=1) for x in (q, k, v)]
-        ids = None if segments is None else jnp.take(segments, order, axis=1)
-
-        def local(q, k, v, segments=ids):
+        def local(q, k, v, segments):
             return attention.causal_attention(q, k, v, segments, window, scale, softcap)
 
-        with (
-            traced_layout.activation_layout(mesh, 3),
-            traced_layout.context_attention("ulysses"),
-        ):
-            out = hooks.attention(*ins, local, ids, 0)
-        return jnp.take(out, jnp.argsort(order), axis=1)
+        return under_ulysses(local, mesh, cp, q, k, v, segments)
 
     def dense(q, k, v, segments, window):
         return attention.grouped_causal_attention(q, k, v, segments, window, None, scale, softcap)
@@ -130,25 +140,16 @@ def test_a_kernel_run_per_shard_runs_inside_ulysses_under_auto():
         jnp.concatenate([x, x[::-1]]) for x in (q, k, v, weights, segments)
     )
     mesh = trainer.layout("dp=2,cp=2,tp=2").mesh
-    order = jnp.asarray(balanced_order(LENGTH, 2))
     heads, kv = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
 
     def ulysses(q, k, v, segments, window):
-        ins = [jnp.take(x, order, axis=1) for x in (q, k, v)]
-        ids = jnp.take(segments, order, axis=1)
-
-        def local(q, k, v, segments=ids):
+        def local(q, k, v, segments):
             names = (heads, kv, kv, ("batch", None))
             return hooks.per_shard(
                 attention.grouped_causal_attention, q, k, v, segments, names=names
             )
 
-        with (
-            traced_layout.activation_layout(mesh, 3),
-            traced_layout.context_attention("ulysses"),
-        ):
-            out = hooks.attention(*ins, local, ids, 0)
-        return jnp.take(out, jnp.argsort(order), axis=1)
+        return under_ulysses(local, mesh, 2, q, k, v, segments)
 
     def dense(q, k, v, segments, window):
         return attention.grouped_causal_attention(q, k, v, segments)
