@@ -29,6 +29,7 @@ from models import (
     hf_config,
     hf_io,
     hf_mixtral,
+    layer_groups,
     llama,
     lora,
     moe,
@@ -245,7 +246,8 @@ def save_hf(
         raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     hf_io.check_new_folder(directory)
     config = hf.config_to_hf(cfg, dtype, max_positions)
-    return hf_io.save(params, config, directory, hf.tensors, dtype, max_shard_bytes)
+    dense = layer_groups.dense_of(cfg)
+    return hf_io.save(params, config, directory, hf.tensors, dtype, max_shard_bytes, dense)
 
 
 def check_new_folder(directory: str) -> None:

@@ -33,7 +33,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.hf_tensors import STACKED, Entry, Rule, entries, get, param_shapes, put
+from models import layer_groups
+from models.hf_tensors import Entry, Rule, entries, get, param_shapes, put
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 
@@ -97,7 +98,8 @@ def open_checkpoint(
     the first missing, misshapen or unexpected tensor."""
     folder = Path(directory)
     tensors = _read_tensors(folder)
-    _check_tensors(tensors, entries(param_shapes(create, cfg), table), cfg, folder, raw)
+    found = entries(param_shapes(create, cfg), table, layer_groups.dense_of(cfg))
+    _check_tensors(tensors, found, cfg, folder, raw)
     return HFCheckpoint(folder, cfg, tensors, raw, family, table)
 
 
@@ -175,7 +177,9 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
     host holds about one tensor at a time (see the module docstring)."""
     params: dict[str, Any] = {}
     by_path: dict[tuple[str, ...], list[Entry]] = {}
-    for entry in entries(abstract_params, checkpoint.table):
+    for entry in entries(
+        abstract_params, checkpoint.table, layer_groups.dense_of(checkpoint.config)
+    ):
         by_path.setdefault(entry.path, []).append(entry)
     for path, layer_entries in by_path.items():
         target = get(abstract_params, path)
@@ -185,7 +189,7 @@ def load_params(checkpoint: HFCheckpoint, abstract_params: dict[str, Any]) -> di
             check_finite(value, entry.hf_name, checkpoint.path)
             return value
 
-        if path[0] == STACKED:
+        if layer_entries[0].layer is not None:  # rows of a stacked param
             value = _stacked(target, [(e.layer, lambda e=e: host(e)) for e in layer_entries])
         else:
             value = _to_devices(host(layer_entries[0]), target.sharding)
@@ -250,11 +254,13 @@ def save(
     table: tuple[Rule, ...],
     dtype: str = "float32",
     max_shard_bytes: int = 4 << 30,
+    dense: tuple[int, ...] = (),
 ) -> list[Path]:
     """Write `params` (spmd params, jax arrays on any mesh) as a Hugging Face folder:
     `config` as config.json and the tensors of `table` as safetensors in `dtype` ("float32"
     or "bfloat16"), in shards of at most `max_shard_bytes` with an index when there is more
-    than one. Refuses a folder that already holds a checkpoint. Returns the files written."""
+    than one; `dense`: the dense-MLP layers of a model with two stacks (hf_tensors.entries).
+    Refuses a folder that already holds a checkpoint. Returns the files written."""
     if dtype not in EXPORT_DTYPES:
         raise UsageError(f"--hf-dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     check_new_folder(directory)
@@ -262,7 +268,7 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     np_dtype = EXPORT_DTYPES[dtype]
     parts: dict[str, list[Entry]] = {}
-    for entry in entries(params, table):
+    for entry in entries(params, table, dense):
         parts.setdefault(entry.hf_name, []).append(entry)
     plan = [group[0] for group in parts.values()]  # one per HF tensor, fused ones included
     shards = list(_shards(plan, np_dtype.itemsize, max_shard_bytes))

@@ -103,6 +103,11 @@ def mixtral_hf_config(cfg: moe.MoEConfig, dtype: str, max_positions: int) -> dic
             f"{cfg.norm_topk_prob}) has no Mixtral equivalent; Mixtral needs shared_expert "
             f"false, every expert mlp_dim wide and the top-k weights renormalised"
         )
+    if cfg.dense_layers:
+        raise UsageError(
+            f"this MoE model's dense-MLP layers (--dense-layers {cfg.dense_layers}) have no "
+            f"Mixtral equivalent; every Mixtral layer is sparse"
+        )
     routing = moe_routing.options_set(cfg)
     if routing:
         raise UsageError(

@@ -17,17 +17,18 @@ config.json fields:
     num_experts (transformers 5 also writes num_local_experts)   n_experts
     num_experts_per_tok                                          experts_per_token
     moe_intermediate_size                                        expert_mlp_dim
-    intermediate_size (the dense MLP's; no layer has one here)   mlp_dim
+    intermediate_size (the dense-MLP layers', if any)              mlp_dim
+    mlp_only_layers, decoder_sparse_step                         dense_layers
     norm_topk_prob                                               norm_topk_prob
     router_aux_loss_coef                                         aux_loss_coef
     the rest (sizes, rope, rms_norm_eps, tie_word_embeddings)    as Qwen3 (hf_config)
 
 Qwen3-MoE never drops a token, so the model runs dropless (capacity_factor 0) and has no
 router z-loss (z_loss_coef 0). Dense layers between the sparse ones (`decoder_sparse_step`
-other than 1, a non-empty `mlp_only_layers`, `num_experts` 0) are refused: no released
-Qwen3-MoE has them, and a stack of identical blocks (one scan, a pipeline's contiguous
-slices, the tensor table's stacked params) cannot hold two kinds of layer. So are a sliding
-window (`use_sliding_window`), attention biases and rope types spmd lacks (hf_config).
+other than 1, a non-empty `mlp_only_layers`) become `dense_layers` (their dense MLP is
+`intermediate_size` wide, named as a Qwen3's `mlp.*_proj`); the export writes them as
+`mlp_only_layers` with `decoder_sparse_step` 1. Refused: `num_experts` 0 (a dense Qwen3), a
+sliding window (`use_sliding_window`), attention biases and rope types spmd lacks (hf_config).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from models.hf_config import dense_config, hf_config, positive_number
 from models.hf_tensors import Rule
+from models.layer_groups import layer_text
 from models.moe_routing import options_set
 from spmd.errors import UsageError
 
@@ -64,21 +66,28 @@ def count(hf: dict[str, Any], where: str, *keys: str) -> int:
     return value
 
 
-def check_every_layer_sparse(hf: dict[str, Any], where: str) -> None:
-    """UsageError naming a field that makes some layers dense (transformers: layer i is
-    sparse unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0)."""
+def dense_layers_of(hf: dict[str, Any], where: str) -> str:
+    """The dense-MLP layers of a Qwen3-MoE config.json as the config field's text
+    (models/layer_groups.py): transformers makes layer i dense where i is in mlp_only_layers
+    or (i + 1) % decoder_sparse_step != 0; UsageError naming a field of the wrong kind."""
+    n_layers = count(hf, where, "num_hidden_layers")
     step = hf.get("decoder_sparse_step", 1)
-    if step != 1:
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 1):
+        raise UsageError(f"{where}: decoder_sparse_step = {step!r} must be a positive integer")
+    listed = hf.get("mlp_only_layers") or []
+    if not (isinstance(listed, list) and all(type(i) is int for i in listed)):
+        raise UsageError(f"{where}: mlp_only_layers = {listed!r} must be a list of layer indices")
+    if not all(0 <= i < n_layers for i in listed):
         raise UsageError(
-            f"{where}: decoder_sparse_step = {step!r} (dense MLP layers between the sparse ones) "
-            f"is not supported; spmd's Qwen3-MoE has experts in every layer (1, as released)"
+            f"{where}: mlp_only_layers = {listed!r} must name layers from 0 to {n_layers - 1}"
         )
-    dense = hf.get("mlp_only_layers") or []
-    if dense:
+    dense = {i for i in range(n_layers) if i in listed or (i + 1) % step}
+    if len(dense) == n_layers:
         raise UsageError(
-            f"{where}: mlp_only_layers = {dense!r} (layers with a dense MLP) is not supported; "
-            f"spmd's Qwen3-MoE has experts in every layer ([], as released)"
+            f"{where}: decoder_sparse_step = {step} and mlp_only_layers = {listed!r} leave no "
+            f"sparse layer; a dense Qwen3 is Qwen3ForCausalLM"
         )
+    return layer_text(sorted(dense))
 
 
 def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[str, Any]:
@@ -96,7 +105,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
             f"{where}: num_experts = 0 (every layer dense) is not supported as a "
             f"{ARCHITECTURE}; a dense Qwen3 is Qwen3ForCausalLM"
         )
-    check_every_layer_sparse(hf, where)
+    dense_layers = dense_layers_of(hf, where)
     experts = count(hf, where, "num_experts", "num_local_experts")
     per_token = count(hf, where, "num_experts_per_tok")
     if per_token > experts:
@@ -122,6 +131,7 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
         "capacity_factor": 0.0,  # dropless, as transformers
         "aux_loss_coef": float(aux),
         "z_loss_coef": 0.0,
+        "dense_layers": dense_layers,
     }
 
 
@@ -151,7 +161,7 @@ def hf_config_of(cfg: Qwen3MoEConfig, dtype: str, max_positions: int) -> dict[st
         "moe_intermediate_size": cfg.expert_dim,
         "norm_topk_prob": cfg.norm_topk_prob,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": list(cfg.dense_layer_set()),
         "router_aux_loss_coef": cfg.aux_loss_coef,
         "output_router_logits": False,
     }

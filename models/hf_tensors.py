@@ -19,8 +19,12 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 from flax import nnx
+
+from models import layer_groups
+from spmd.model_shape import STACKS
 
 if TYPE_CHECKING:
     from models.contract import ModelConfig
@@ -28,7 +32,9 @@ if TYPE_CHECKING:
 FLAT = -1  # in_dims of a tensor HF stores flattened: a bias [heads * head_dim]
 
 Rule = tuple[tuple[str, ...], str, int]  # (spmd param path, HF name, in_dims)
-STACKED = "blocks"  # params under this key carry a leading `layers` dim
+# params under these keys carry a leading `layers` dim: the blocks, and an MoE's dense-MLP
+# layers (models/layer_groups.py)
+STACKED, DENSE_STACK = STACKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,32 +91,48 @@ def param_shapes(create: Callable[..., nnx.Module], cfg: ModelConfig) -> dict[st
         return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: create(cfg, 0))))
 
 
-def entries(params: dict[str, Any], table: tuple[Rule, ...]) -> list[Entry]:
+def entries(
+    params: dict[str, Any], table: tuple[Rule, ...], dense: tuple[int, ...] = ()
+) -> list[Entry]:
     """Every HF tensor part of a model whose params (arrays or ShapeDtypeStructs) are
     `params`, by the rules of `table`, in the order Hugging Face lists them: embeddings, layer
     by layer, final norm, head. Rules whose param the model lacks (a tied head, biases it has
-    not) give none."""
+    not) give none. A model with a second stack (an MoE's dense-MLP layers, `dense` their
+    indices: models/layer_groups.py) takes each stacked rule for it too, each row numbered by
+    its model layer."""
     top, per_layer = [], []
-    for path, hf_name, in_dims in table:
-        if not has(params, path):
-            continue
-        shape = tuple(get(params, path).shape)
-        if path[0] == STACKED:
-            per_layer.append((path, hf_name, in_dims, shape))
-        else:
-            top.append(Entry(hf_name, path, None, shape, in_dims))
-    n_layers = per_layer[0][3][0] if per_layer else 0
+    stacks = [STACKED, DENSE_STACK] if DENSE_STACK in params else [STACKED]
+    for rule_path, hf_name, in_dims in table:
+        for stack in stacks if rule_path[0] == STACKED else [None]:
+            path = rule_path if stack is None else (stack, *rule_path[1:])
+            if not has(params, path):
+                continue
+            shape = tuple(get(params, path).shape)
+            if stack is None:
+                top.append(Entry(hf_name, path, None, shape, in_dims))
+            else:
+                per_layer.append((path, hf_name, in_dims, shape))
+    total = sum(_rows(params, stack) for stack in stacks)
+    numbers = {s: layer_groups.stack_layers(dense, total, s == DENSE_STACK) for s in stacks}
     layers = []
-    for i in range(n_layers):
-        for path, hf_name, in_dims, shape in per_layer:
+    for path, hf_name, in_dims, shape in per_layer:
+        for row, i in enumerate(numbers[path[0]]):
             if hf_name.count("{}") == 1:
-                layers.append(Entry(hf_name.format(i), path, (i,), shape[1:], in_dims))
-            else:  # one HF tensor per expert: rows [i, j] of a [layers, experts, ...] param
+                layers.append(Entry(hf_name.format(i), path, (row,), shape[1:], in_dims))
+            else:  # one HF tensor per expert: rows [row, j] of a [layers, experts, ...] param
                 layers += [
-                    Entry(hf_name.format(i, j), path, (i, j), shape[2:], in_dims)
+                    Entry(hf_name.format(i, j), path, (row, j), shape[2:], in_dims)
                     for j in range(shape[1])
                 ]
+    # layer by layer as Hugging Face lists them (a stable sort keeps the table's order within)
+    layer_of = {id(e): numbers[e.path[0]][e.layer[0]] for e in layers if e.layer}
+    layers.sort(key=lambda e: layer_of[id(e)])
     return _fuse(top[:1] + layers + top[1:])
+
+
+def _rows(params: dict[str, Any], stack: str) -> int:
+    """The stacked layers of `params[stack]` (the leading dim of its params)."""
+    return next(iter(jax.tree.leaves(params[stack]))).shape[0]
 
 
 def _fuse(found: list[Entry]) -> list[Entry]:

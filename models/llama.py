@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import fused_loss, layers
+from models import fused_loss, layer_groups, layers
 from models.attention import Attention, segment_positions
 from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu, weight
 from models.layers import param as _param
@@ -211,6 +211,18 @@ class Block(nnx.Module):
         return constrain(x, RESIDUAL), keys, values
 
 
+def stacked_blocks(block_type: type, cfg: LlamaConfig, n_layers: int, rngs: nnx.Rngs) -> Any:
+    """`n_layers` blocks `block_type(cfg, rngs)` created as one module whose params carry a
+    leading `layers` dim (each block its own draws)."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
+        return block_type(cfg, rngs)
+
+    return make_blocks(rngs)
+
+
 class Llama(nnx.Module):
     """Decoder-only LM: tokens [batch, length] int32 -> logits [batch, length, vocab] fp32."""
 
@@ -219,16 +231,19 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         self.cfg, self.dtype = cfg, dtype
         self.embed = _param(rngs, 0.02, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"))
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> nnx.Module:
-            return type(self).block_type(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.make_stacks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, 0.02, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
+
+    def make_stacks(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        """The decoder blocks, stacked: `self.blocks` holds n_layers of `block_type`."""
+        self.blocks = stacked_blocks(type(self).block_type, cfg, cfg.n_layers, rngs)
+
+    def layer_runs(self) -> list[tuple[nnx.Module, layer_groups.Run]]:
+        """The model's layers in order as runs of one kind, each with the stack it reads
+        (models/layer_groups.py): here one run, all of `self.blocks`."""
+        return [(self.blocks, layer_groups.Run(False, 0, self.cfg.n_layers, 0))]
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """Logits; with `segments` [batch, length] (document ids of packed windows) attention

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import layer_groups
 from models.attention import CACHE_NAMES
 
 if TYPE_CHECKING:
@@ -44,17 +45,29 @@ def forward(
     values, layer)` gets its layer's index too (int32 scalar), for families whose layers
     differ by index (local and global attention)."""
     x = model.embed_tokens(tokens)
-    block_def, block_state = nnx.split(model.blocks)
-    layers = jnp.arange(model.cfg.n_layers, dtype=jnp.int32)
+    keys, values = [], []
+    for stack, run in model.layer_runs():  # runs of one kind of layer (models/layer_groups.py)
+        block_def, stack_state = nnx.split(stack)
+        total = jax.tree.leaves(stack_state)[0].shape[0]
+        state = layer_groups.rows(stack_state, run, total)
+        # the cache's rows are the model's layers (a whole cache uncut: no copy)
+        whole = run.count == model.cfg.n_layers
+        cached = slice(None) if whole else slice(run.first, run.first + run.count)
+        layers = jnp.arange(run.first, run.first + run.count, dtype=jnp.int32)
 
-    def layer(x: jax.Array, inputs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        state, keys, values, index = inputs
-        block = nnx.merge(block_def, state)
-        x, keys, values = block.decode(x, positions, keys, values, index)
-        return x, (keys, values)
+        def layer(x: jax.Array, inputs: tuple, block_def: Any = block_def) -> tuple[Any, Any]:
+            state, keys, values, index = inputs
+            block = nnx.merge(block_def, state)
+            x, keys, values = block.decode(x, positions, keys, values, index)
+            return x, (keys, values)
 
-    x, (keys, values) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"], layers))
-    return model.head_logits(x), {"k": keys, "v": values}
+        x, (k, v) = jax.lax.scan(layer, x, (state, cache["k"][cached], cache["v"][cached], layers))
+        keys.append(k)
+        values.append(v)
+    if len(keys) > 1:
+        keys, values = [jnp.concatenate(keys)], [jnp.concatenate(values)]
+    cache = {"k": keys[0], "v": values[0]}
+    return model.head_logits(x), cache
 
 
 __all__ = ["CACHE_NAMES", "forward", "init_cache"]

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import adapter
-from models.hf_tensors import STACKED, Rule
+from models.hf_tensors import DENSE_STACK, STACKED, Rule
 from spmd.errors import UsageError
 from spmd.parallel.hooks import chunk_inputs, first_layer, training, training_step
 
@@ -251,6 +251,13 @@ def adapted_metrics(metrics: Callable[[Any, dict], dict]) -> Callable[[Any, dict
 
 
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
-    """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
+    """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros); UsageError for
+    a base whose layers are two stacks (an MoE's dense-MLP layers), which the targets' paths
+    into `blocks` alone would adapt only in part."""
+    if hasattr(base, DENSE_STACK):
+        raise UsageError(
+            f"--lora-rank {spec.rank}: LoRA on a model with dense-MLP layers (--dense-layers "
+            f"{base.cfg.dense_layers}) is not supported yet; train it in full"
+        )
     with nnx.use_eager_sharding(False):
         return LoraModel(base, spec, tensors, nnx.Rngs(seed + 1), seed)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import llama, moe_all_to_all, moe_dispatch, moe_routing
+from models import layer_groups, llama, moe_all_to_all, moe_dispatch, moe_routing
 from models.attention import Attention
 from models.layers import REMAT_POLICIES, RMSNorm, creator, expert_dense, swiglu
 from models.layers import param as _param
@@ -98,6 +98,16 @@ class MoEConfig(LlamaConfig):
     # each step, bias += rate x sign(mean load - expert's load) (DeepSeek-V3's auxiliary-loss-
     # free balancing, 0.001 there); 0: the bias stays as loaded. Needs router_bias
     router_bias_rate: float = 0.0
+    # the layers whose MLP is the dense Llama MLP (mlp_dim wide), not experts: indices and
+    # inclusive ranges, "0-2" for DeepSeek-V3's first_k_dense_replace 3, Qwen3-MoE's
+    # mlp_only_layers as they are listed; "": every layer sparse. Each kind of layer is its own
+    # stack (models/layer_groups.py)
+    dense_layers: str = ""
+
+    def dense_layer_set(self) -> tuple[int, ...]:
+        """The sorted indices of the dense-MLP layers (UsageError for a value that names none
+        of the model's layers, or all of them)."""
+        return layer_groups.dense_layer_set(self.dense_layers, self.n_layers)
 
     @property
     def expert_dim(self) -> int:
@@ -105,7 +115,7 @@ class MoEConfig(LlamaConfig):
 
     def shape(self) -> ModelShape:
         """The sizes the estimators read (spmd.model_shape), the experts' included. A pipeline
-        cannot carry the router losses between its stages (check_layout)."""
+        cannot carry the router losses between its stages, nor split two stacks (check_layout)."""
         router_losses = bool(self.n_experts and (self.aux_loss_coef or self.z_loss_coef))
         return dataclasses.replace(
             super().shape(),
@@ -116,7 +126,9 @@ class MoEConfig(LlamaConfig):
             shared_expert_mlp_dim=self.shared_expert_mlp_dim,
             capacity_factor=self.capacity_factor,
             router_bias_rate=self.router_bias_rate if self.router_bias else 0.0,
-            pipelines=not router_losses,
+            dense_layers=len(self.dense_layer_set()) if self.n_experts else 0,
+            # a pipeline slices one stack: a model of two (dense_layers) runs with pp = 1
+            pipelines=not router_losses and not self.dense_layers,
         )
 
     def capacity(self, seq_len: int) -> int:
@@ -157,6 +169,12 @@ def check(cfg: MoEConfig) -> None:
             raise UsageError(f"{flag} {coef} must be a finite weight >= 0 (0: off)")
     if cfg.n_experts:
         moe_routing.check_routing(cfg)  # scores, groups, scaling (models/moe_routing.py)
+        cfg.dense_layer_set()  # the dense-MLP layers name layers of the model
+    elif cfg.dense_layers:
+        raise UsageError(
+            f"--dense-layers {cfg.dense_layers!r} needs --n-experts > 0 (without experts every "
+            f"layer is dense)"
+        )
 
 
 def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
@@ -168,6 +186,11 @@ def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
     if not isinstance(cfg, MoEConfig) or not cfg.n_experts:  # dense: nothing more to check
         return
     check(cfg)
+    if mesh.shape["pipeline"] > 1 and cfg.dense_layers:
+        raise UsageError(
+            f"--mesh with pp={mesh.shape['pipeline']} cannot split a model whose layers are two "
+            f"stacks (--dense-layers {cfg.dense_layers}: dense-MLP and sparse layers); use pp=1"
+        )
     if mesh.shape["pipeline"] > 1 and (cfg.aux_loss_coef or cfg.z_loss_coef):
         raise UsageError(
             f"--mesh with pp={mesh.shape['pipeline']} cannot carry the MoE router losses "
@@ -335,6 +358,23 @@ class MoELlama(llama.Llama):
     block_type = Block  # the rest (embedding, stacked layers, head) is llama.Llama's
     cfg: MoEConfig  # create makes one only for an MoEConfig with experts
 
+    def make_stacks(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        """`self.blocks`: the sparse layers, stacked; with dense-MLP layers (`dense_layers`)
+        also `self.dense_blocks`, llama.Block's stacked (models/layer_groups.py)."""
+        assert isinstance(cfg, MoEConfig)
+        dense = cfg.dense_layer_set()
+        self.blocks = llama.stacked_blocks(Block, cfg, cfg.n_layers - len(dense), rngs)
+        if dense:
+            self.dense_blocks = llama.stacked_blocks(llama.Block, cfg, len(dense), rngs)
+
+    def layer_runs(self) -> list[tuple[nnx.Module, layer_groups.Run]]:
+        """The model's layers in order as runs of one kind, each with the stack it reads."""
+        dense = self.cfg.dense_layer_set()
+        return [
+            (self.dense_blocks if run.dense else self.blocks, run)
+            for run in layer_groups.runs(dense, self.cfg.n_layers)
+        ]
+
     def forward(
         self, tokens: jax.Array, segments: jax.Array | None = None
     ) -> tuple[jax.Array, dict]:
@@ -357,13 +397,23 @@ class MoELlama(llama.Llama):
             positions = token_positions(x)  # global positions, also under SP and CP
         else:  # rotary positions restart at each document
             positions = llama.segment_positions(segments)
-        block_def, block_state = nnx.split(self.blocks)
+        policy, unrolled = REMAT_POLICIES[self.cfg.remat], not self.cfg.scan_layers
+        stats = []
+        for stack, run in self.layer_runs():  # one run without dense layers: the whole stack
+            block_def, stack_state = nnx.split(stack)
+            total = jax.tree.leaves(stack_state)[0].shape[0]
 
-        def layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
-            return nnx.merge(block_def, state)(x, positions, segments)
+            def layer(x: jax.Array, state: nnx.State, block_def: Any = block_def) -> Any:
+                out = nnx.merge(block_def, state)(x, positions, segments)
+                return out if isinstance(out, tuple) else (out, None)  # a dense block: no stats
 
-        policy = REMAT_POLICIES[self.cfg.remat]
-        return scan_layers(layer, x, block_state, policy, unrolled=not self.cfg.scan_layers)
+            x, run_stats = scan_layers(
+                layer, x, layer_groups.rows(stack_state, run, total), policy, unrolled
+            )
+            if not run.dense:
+                stats.append(run_stats)
+        # the sparse layers' statistics in model order, stacked on a leading layers dim
+        return x, jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats)
 
 
 create_moe = creator(MoELlama)  # (cfg, seed, dtype) -> a freshly initialised MoELlama
@@ -399,7 +449,8 @@ def lm_loss(model: llama.Llama, batch: dict[str, jax.Array]) -> jax.Array:
 def router_stats(model: MoELlama, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """What a log record shows of the router on `batch`, averaged over layers: aux_loss,
     z_loss, dropped_fraction (of the (token, choice) pairs), expert_load_max_over_mean (the
-    busiest expert's choices over the mean; 1 is even); the last two per layer too (_by_layer)."""
+    busiest expert's choices over the mean; 1 is even); the last two per layer too (_by_layer:
+    the sparse layers in model order; a dense-MLP layer has no router)."""
     _, stats = model.forward(batch["inputs"], batch.get("segments"))
     load = stats["load"].max(-1) / stats["load"].mean(-1)  # [layers]
     return {

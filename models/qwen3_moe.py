@@ -18,11 +18,12 @@ fsdp and expert axes, tokens sent by all-to-all), router statistics and losses. 
 computes the router logits in the activations' dtype, spmd in fp32: the same in fp32, closer
 to exact in bf16.
 
-Every layer is sparse: Qwen3-MoE's `decoder_sparse_step` / `mlp_only_layers` (dense MLP layers
-between the sparse ones) are refused on import (models/hf_qwen3_moe.py), as no released model
-uses them; the stacked blocks are identical, so a pipeline's slices of them need nothing more
-than the MoE family's rule (router losses off when pp > 1, moe.check_layout). Which config.json
-field becomes which config field: models/hf_qwen3_moe.py.
+Released models are sparse in every layer; Qwen3-MoE's `decoder_sparse_step` /
+`mlp_only_layers` (dense MLP layers between the sparse ones) become `dense_layers`, a second
+stack of layers (models/layer_groups.py). Without them the stacked blocks are identical, so a
+pipeline's slices of them need nothing more than the MoE family's rule (router losses off when
+pp > 1, moe.check_layout); with them a pipeline is refused. Which config.json field becomes
+which config field: models/hf_qwen3_moe.py.
 """
 
 from __future__ import annotations

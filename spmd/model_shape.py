@@ -18,6 +18,9 @@ from typing import Literal, get_args
 # outputs, kept in host memory. The one list of the choices: each family's config field
 # (models/layers.REMAT_POLICIES maps them to jax.checkpoint policies), the estimators, the
 # benchmarks.
+# The keys of a model's params whose leaves are stacked layers (a leading `layers` dim): the
+# decoder blocks, and an MoE's dense-MLP layers where it has them (models/layer_groups.py).
+STACKS = ("blocks", "dense_blocks")
 Remat = Literal["none", "dots_saveable", "full", "offload"]
 REMATS: tuple[str, ...] = get_args(Remat)
 
@@ -41,6 +44,9 @@ class ModelShape:
     shared_expert: bool = False  # one more expert that every token uses
     shared_expert_mlp_dim: int = 0  # its hidden size (0: expert_dim)
     capacity_factor: float = 0.0  # 0: dropless (capacity = the sequence length)
+    # of the n_layers, those whose MLP is the dense one of mlp_dim, not experts (DeepSeek-V3's
+    # first 3); the rest are sparse
+    dense_layers: int = 0
     # the step moves the router's correction bias by this x sign(its gradient), outside the
     # optimizer (auxiliary-loss-free balancing, models/moe_routing.py); 0: no such rule
     router_bias_rate: float = 0.0
@@ -69,6 +75,11 @@ class ModelShape:
         """Hidden size of the shared expert (0 without one; expert_dim unless set)."""
         return (self.shared_expert_mlp_dim or self.expert_dim) if self.shared_expert else 0
 
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is the routed experts (0 in a dense model)."""
+        return self.n_layers - self.dense_layers if self.n_experts else 0
+
     def param_counts(self) -> dict[str, int]:
         """Parameters (scalars) of each kind the model holds, the one count of them (a family's
         n_params, the planner's groups in spmd.estimate.shape): "matrices" (every block's
@@ -76,12 +87,11 @@ class ModelShape:
         "tables" (embedding, and the head unless tied), "final_norm"; and only where the model
         has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "router"
         and "experts" (the routed ones)."""
-        e, d, layers = self.embed_dim, self.head_dim, self.n_layers
-        mlp = 3 * e * self.mlp_dim
-        if self.n_experts:  # the shared expert (if any) is a dense MLP of shared_dim
-            mlp = 3 * e * self.shared_dim
+        e, d, layers, sparse = self.embed_dim, self.head_dim, self.n_layers, self.sparse_layers
+        # a sparse layer's shared expert (if any) is a dense MLP of shared_dim
+        mlps = (layers - sparse) * 3 * e * self.mlp_dim + sparse * 3 * e * self.shared_dim
         counts = {
-            "matrices": layers * (e * d * (2 * self.n_heads + 2 * self.n_kv_heads) + mlp),
+            "matrices": layers * e * d * (2 * self.n_heads + 2 * self.n_kv_heads) + mlps,
             "norms": layers * self.norms_per_block * e,
             "tables": self.vocab_size * e * (1 if self.tie_embeddings else 2),
             "final_norm": e,
@@ -92,9 +102,9 @@ class ModelShape:
             counts["qk_norm"] = layers * 2 * d
         if self.whole_qk_norm:  # [heads, head_dim] and [kv_heads, head_dim] per block
             counts["whole_qk_norm"] = layers * d * (self.n_heads + self.n_kv_heads)
-        if self.n_experts:  # each block's router [embed, experts], then the routed experts
-            counts["router"] = layers * e * self.n_experts
-            counts["experts"] = layers * self.n_experts * 3 * e * self.expert_dim
+        if self.n_experts:  # each sparse block's router [embed, experts], then its experts
+            counts["router"] = sparse * e * self.n_experts
+            counts["experts"] = sparse * self.n_experts * 3 * e * self.expert_dim
         return counts
 
     def n_params(self) -> int:
@@ -103,17 +113,17 @@ class ModelShape:
 
     def n_active_params(self) -> int:
         """Parameters one token uses: all but the E - k routed experts it skips in every
-        layer (all of them in a dense model)."""
-        idle = self.n_layers * (self.n_experts - self.experts_per_token) if self.n_experts else 0
+        sparse layer (all of them in a dense model)."""
+        idle = self.sparse_layers * (self.n_experts - self.experts_per_token)
         return self.n_params() - idle * 3 * self.embed_dim * self.expert_dim
 
     def active_mlp_params(self) -> int:
-        """MLP params one token uses in one layer: the router, k experts and the shared one (the
-        dense MLP without experts)."""
-        if not self.n_experts:
-            return 3 * self.embed_dim * self.mlp_dim
+        """MLP params one token uses in all layers together: in each sparse layer the router,
+        k experts and the shared one; in each dense layer (every layer without experts) the
+        dense MLP."""
         e, routed = self.embed_dim, self.experts_per_token * self.expert_dim
-        return e * self.n_experts + 3 * e * (routed + self.shared_dim)
+        sparse = self.sparse_layers * (e * self.n_experts + 3 * e * (routed + self.shared_dim))
+        return sparse + (self.n_layers - self.sparse_layers) * 3 * e * self.mlp_dim
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs (forward + backward) per trained token, the usual convention for a
@@ -123,7 +133,7 @@ class ModelShape:
         when causal. The embedding lookup is not a matmul; the output head always is."""
         e, d = self.embed_dim, self.head_dim
         attention_params = e * d * (2 * self.n_heads + 2 * self.n_kv_heads)
-        matmul_params = self.n_layers * (attention_params + self.active_mlp_params())
+        matmul_params = self.n_layers * attention_params + self.active_mlp_params()
         matmul_params += e * self.vocab_size
         attention_scores = 12 * self.n_layers * seq_len * self.n_heads * d
         return 6.0 * matmul_params + attention_scores

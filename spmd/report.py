@@ -38,8 +38,8 @@ PANELS = (  # (record kind, field, axis label, scale applied to the values)
 # a panel each, a line per layer, where some train record holds them (the dropped fraction
 # only where some layer drops a choice): (field, axis label)
 LAYER_PANELS = (
-    ("expert_load_max_over_mean_by_layer", "expert load max / mean, per layer"),
-    ("dropped_fraction_by_layer", "dropped fraction, per layer"),
+    ("expert_load_max_over_mean_by_layer", "expert load max / mean, per sparse layer"),
+    ("dropped_fraction_by_layer", "dropped fraction, per sparse layer"),
 )
 MARKERS = {"resume": ("grey", ":"), "rollback": ("red", "--")}  # kind -> (colour, line style)
 

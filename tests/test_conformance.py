@@ -134,6 +134,15 @@ TABLE = (
             training=((THREE_D, "auto"), (THREE_D, "explicit")),
             planner=((EP, 3), ("dp=2,ep=4", 1)), flops=(ONE, "auto"),
             dry_run=ONE, dry_run_echo=("compiled vs", "(x1.000)")),
+    # layer groups: dense MLPs in layers 0, 1, 4, 5 (their own stack), experts in 2 and 3
+    Fixture("hf_qwen3_moe_dense", "qwen3_moe",
+            dict(n_layers=6, dense_layers="0-1,4-5", n_experts=4, mlp_dim=40, expert_dim=24),
+            meshes=(ONE, EP), depends_on=({"dense_layers": "0-1,4"},),
+            shards=((EP, "dense_blocks/mlp/w_gate", (4, 8, 20)),),
+            greedy=EP, round_trip=(ONE, EP), n_tensors=4 * 11 + 2 * 21 + 3,
+            same_in_config=(*ROPE_KEYS, "moe_intermediate_size", "intermediate_size"),
+            training=((EP, "explicit"), (THREE_D, "auto")),
+            planner=((EP, 3),), flops=(ONE, "auto"), dry_run=ONE),
     Fixture("hf_olmo2", "olmo2",
             dict(tie_embeddings=False, n_heads=4, n_kv_heads=2, head_dim=8, embed_dim=16),
             # the norm scales split with the heads: [layers, heads / tp, head_dim]

@@ -66,8 +66,12 @@ UNSUPPORTED = {
                           "rope type 'linear' of the sliding_attention layers"),
     },
     "hf_qwen3_moe": {
-        "sparse-step": ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
-        "mlp-only": ({"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
+        # dense layers are read (hf_qwen3_moe_dense); a config that makes a layer dense whose
+        # tensors are experts names the dense tensor it lacks
+        "mlp-only": ({"mlp_only_layers": [1]}, "no tensor model.layers.1.mlp.gate_proj.weight"),
+        "all-dense": ({"decoder_sparse_step": 3}, "leave no sparse layer"),
+        "sparse-step": ({"decoder_sparse_step": 0}, "decoder_sparse_step = 0"),
+        "mlp-only-range": ({"mlp_only_layers": [2]}, "mlp_only_layers = [2] must name layers"),
         "no-experts": ({"num_experts": 0}, "num_experts = 0"),
         "window": ({"use_sliding_window": True}, "use_sliding_window / layer_types"),
         "bias": ({"attention_bias": True}, "attention_bias = True"),

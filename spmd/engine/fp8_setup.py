@@ -12,6 +12,7 @@ from flax import nnx
 
 from spmd.engine import precision
 from spmd.errors import UsageError
+from spmd.model_shape import STACKS
 from spmd.parallel import fp8_context
 from spmd.parallel.layout import Layout
 
@@ -105,10 +106,19 @@ def block_matmuls(
 
 
 def _layers(names: Any, shapes: Any) -> int:
-    """The stacked layers of the model: the leading dim of its params named `layers`."""
-    leaves = zip(jax.tree.leaves(names, is_leaf=_is_names), jax.tree.leaves(shapes), strict=True)
-    found = [shape.shape[0] for axes, shape in leaves if axes and axes[0] == "layers"]
-    return max(found, default=0)
+    """The stacked layers of the model: the leading dim of its params named `layers`, summed
+    over its stacks (an MoE's sparse and dense-MLP layers are two: models/layer_groups.py),
+    each found by the key above it in the params' paths."""
+    with_paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    per_stack: dict[str, int] = {}
+    for (path, shape), axes in zip(
+        with_paths, jax.tree.leaves(names, is_leaf=_is_names), strict=True
+    ):
+        if axes and axes[0] == "layers":
+            keys = [str(getattr(k, "key", "")) for k in path]
+            stack = next((k for k in keys if k in STACKS), STACKS[0])
+            per_stack[stack] = max(per_stack.get(stack, 0), shape.shape[0])
+    return sum(per_stack.values())
 
 
 def _is_names(x: Any) -> bool:

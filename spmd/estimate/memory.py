@@ -72,11 +72,11 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
     return out
 
 
-def _layer_elements(s: cost.Setup) -> dict[str, float]:
-    """Elements one layer keeps for the backward pass on one device, per remat policy, for a
-    micro-batch of b sequences of length t, of which a device holds T = b*t/cp tokens (context
-    parallelism; heads h, kv heads k, mlp width m divided by tensor; embed e and head_dim d
-    whole; r = tp under sequence parallelism, else 1):
+def _layer_elements(s: cost.Setup, dense: bool = False) -> dict[str, float]:
+    """Elements one layer (`dense`: one of an MoE's dense-MLP layers) keeps for the backward pass on
+    one device, per remat policy, for a micro-batch of b sequences of length t, of which a
+    device holds T = b*t/cp tokens (context parallelism; heads h, kv heads k, mlp width m
+    divided by tensor; embed e and head_dim d whole; r = tp under sequence parallelism, else 1):
       none: T*(4e/r + (h + 2k)*d + h*d + 3m) (block input, its two norms' inputs and
         outputs; q, k, v; attention output; gate, up and silu(gate) * up, whose backward
         recomputes silu(gate), models.layers.swiglu; under cp the ring's visiting key / value
@@ -97,7 +97,7 @@ def _layer_elements(s: cost.Setup) -> dict[str, float]:
     tokens, r = b * t / cp, long_sequence.residual_split(tensor, s.sequence_parallel)
     h, k, m = shape.n_heads / tensor, shape.n_kv_heads / tensor, shape.mlp_dim / tensor
     mlp_none, mlp_dots = 3 * m, 2 * m
-    if shape.n_experts:  # per token: the expert buffers' slots, not k
+    if shape.n_experts and not dense:  # per token: the expert buffers' slots, not k
         width = shape.expert_dim / tensor
         sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
         exchange = experts.exchange_of(s.sharding_mesh, b, s.sequence_parallel, s.precision)
@@ -141,6 +141,7 @@ def activation_bytes(s: cost.Setup) -> float:
     residual = tokens * e / long_sequence.residual_split(s.mesh["tensor"], s.sequence_parallel)
     per_layer = _layer_elements(s)
     live_layers = shape.n_layers // (s.mesh["pipeline"] * s.virtual)
+    kept = live_layers * per_layer[s.remat] + _dense_layers_difference(s, s.remat)
     replay = per_layer["none"] if s.remat != "none" else 0
     stash = pipeline_figures.stashed_inputs(s) * residual
     outside = 2 * residual * c + 2 * tokens * logit_columns(s) * 4
@@ -155,7 +156,17 @@ def activation_bytes(s: cost.Setup) -> float:
         stage_layers = shape.n_layers // s.mesh["pipeline"]
         blocks = cost.params_per_device(s, fsdp_shards=False, layers=True, experts=False)
         gathered = blocks / stage_layers * s.bytes_of("weights")
-    return (live_layers * per_layer[s.remat] + replay + stash) * c + outside + scores * 4 + gathered
+    return (kept + replay + stash) * c + outside + scores * 4 + gathered
+
+
+def _dense_layers_difference(s: cost.Setup, remat: str) -> float:
+    """What an MoE's dense-MLP layers keep beyond the sparse layers' figure that counts every
+    layer (their MLP's buffers in place of the experts'); 0 without such layers (a pipeline
+    never holds them: the layer groups run with pp = 1)."""
+    if not s.shape.dense_layers:
+        return 0.0
+    dense, sparse = _layer_elements(s, dense=True)[remat], _layer_elements(s)[remat]
+    return s.shape.dense_layers * (dense - sparse)
 
 
 def logit_columns(s: cost.Setup) -> float:
@@ -176,7 +187,8 @@ def offloaded_activation_bytes(s: cost.Setup) -> float:
     if s.remat != "offload":
         return 0.0
     live_layers = s.shape.n_layers // (s.mesh["pipeline"] * s.virtual)
-    return live_layers * _layer_elements(s)["dots_saveable"] * s.bytes_of("compute")
+    kept = live_layers * _layer_elements(s)["dots_saveable"]
+    return (kept + _dense_layers_difference(s, "dots_saveable")) * s.bytes_of("compute")
 
 
 def memory(

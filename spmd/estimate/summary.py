@@ -71,7 +71,7 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
         "expert_params_per_device": cost.params_per_device(s, True, experts=True),
         "expert_bytes_per_device": round(mem["experts"]),
         "all_to_all_bytes_per_layer": moved.get("bytes_per_layer", 0),
-        "all_to_all_count_per_layer": moved.get("count", 0) // shape.n_layers,
+        "all_to_all_count_per_layer": moved.get("count", 0) // shape.sparse_layers,
     }
 
 

@@ -42,7 +42,7 @@ def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
     shape = s.shape
     scale = s.n_params / shape_params(shape)
     attention = shape.embed_dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
-    active = shape.n_layers * (attention + shape.active_mlp_params())
+    active = shape.n_layers * attention + shape.active_mlp_params()
     return {
         "blocks": 2 * active * scale,
         "attention": 4 * shape.n_layers * s.seq_len * shape.n_heads * shape.head_dim,
@@ -83,7 +83,9 @@ def executed_flops(s: cost.Setup) -> float:
     sorted_rows = experts.sorted_dispatch(s.sharding_mesh, s.sequence_parallel, s.precision)
     exchange = experts.exchange_of(s.sharding_mesh, s.micro_batch, s.sequence_parallel, s.precision)
     forward, backward = experts.padding_flops_per_token(s.shape, s.seq_len, sorted_rows, exchange)
-    replays += s.shape.n_layers * (forward * (1 + s.pipelined + (s.remat == "full")) + backward)
+    replays += s.shape.sparse_layers * (
+        forward * (1 + s.pipelined + (s.remat == "full")) + backward
+    )
     if s.lora_rank:  # the adapters' halves each tensor device runs whole, three passes
         replays += 3 * lora.tensor_replicated_flops(s) * (s.mesh.get("tensor", 1) - 1)
     return model_flops(s) + s.batch * s.seq_len * (replays - skipped)

@@ -175,8 +175,8 @@ def all_to_all(
         per_layer = calls * shape.n_experts * rows * capacity(shape, seq_len) * shape.embed_dim
         per_layer *= element_bytes
     return {
-        "count": calls * shape.n_layers,
-        "bytes": per_layer * shape.n_layers,
+        "count": calls * shape.sparse_layers,
+        "bytes": per_layer * shape.sparse_layers,
         "bytes_per_layer": per_layer,
         "group": ways,
     }
