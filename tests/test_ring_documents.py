@@ -1,6 +1,7 @@
 """Ring attention (spmd.parallel.ring_attention) with document masks and sliding windows
-against the dense one-device reference (models.attention.grouped_causal_attention): outputs
-and the gradients of q, k and v within 1e-5 (fp32) at cp=2 and cp=4 under shard_map, the
+against the dense one-device reference (models.attention.grouped_causal_attention), also
+with a query scale and soft-capping (Gemma's): outputs and the gradients of q, k and v within
+1e-5 (fp32) at cp=2 and cp=4 under shard_map, the
 inputs laid out in the ring's load-balanced order; and the rotary positions that restart per
 document, computed from the balanced-order ids, equal the one-device ones."""
 
@@ -17,12 +18,13 @@ from tests import trainer
 
 LENGTH = 48  # 2 x cp chunks of 12 (cp=2) or 6 (cp=4) positions
 
-# (cp, documents, window, kv heads of 4 query heads)
+# (cp, documents, window, kv heads of 4 query heads, scale (None: d ** -0.5), soft-cap)
 CASES = [
-    (2, True, 0, 2),
-    (4, True, 0, 1),
-    (4, False, 7, 2),  # a window shorter than a chunk: far blocks wholly masked
-    (4, True, 15, 4),
+    (2, True, 0, 2, None, 0.0),
+    (4, True, 0, 1, None, 0.0),
+    (4, False, 7, 2, None, 0.0),  # a window shorter than a chunk: far blocks wholly masked
+    (4, True, 15, 4, None, 0.0),
+    (2, True, 7, 2, 0.9, 1.5),  # Gemma 2's: documents, a window, its scale and soft-cap
 ]
 
 
@@ -49,9 +51,9 @@ def grads_and_output(kernel, q, k, v, weights, segments):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
-@pytest.mark.parametrize("cp, documents, window, kv_heads", CASES)
+@pytest.mark.parametrize("cp, documents, window, kv_heads, scale, cap", CASES)
 def test_ring_with_documents_and_windows_equals_the_dense_reference(
-    cp, documents, window, kv_heads
+    cp, documents, window, kv_heads, scale, cap
 ):
     q, k, v, weights, segments = inputs(documents, kv_heads)
     mesh = ring_mesh(cp)
@@ -64,7 +66,9 @@ def test_ring_with_documents_and_windows_equals_the_dense_reference(
         ids = None if segments is None else jnp.take(segments, order, axis=1)
         specs = (spec,) * (3 if ids is None else 4)
         out = jax.shard_map(
-            lambda q, k, v, *ids: ring_attention(q, k, v, "context", cp, *ids, window=window),
+            lambda q, k, v, *ids: ring_attention(
+                q, k, v, "context", cp, *ids, window=window, scale=scale, softcap=cap
+            ),
             mesh=mesh,
             in_specs=specs,
             out_specs=spec,
@@ -73,7 +77,7 @@ def test_ring_with_documents_and_windows_equals_the_dense_reference(
         return jnp.take(out, jnp.argsort(order), axis=1)  # back in the natural order
 
     def dense(q, k, v, segments):
-        return attention.grouped_causal_attention(q, k, v, segments, window)
+        return attention.grouped_causal_attention(q, k, v, segments, window, None, scale, cap)
 
     grads, out = grads_and_output(ring, q, k, v, weights, segments)
     want_grads, want = grads_and_output(dense, q, k, v, weights, segments)

@@ -125,13 +125,17 @@ def attention(
     v: jax.Array,
     local: Callable[..., jax.Array],
     segments: jax.Array | None = None,
-    window: int = 0,
+    window: int | jax.Array = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
     kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device. When it is
     split (context parallelism), by the layout's cp mode (traced_layout.context_attention):
     ring attention over the context axis, within the documents of `segments` [batch, length]
-    and a sliding `window` (static) as `local` does; or Ulysses (spmd.parallel.ulysses), which
+    and a sliding `window` (an int, or an int32 scalar traced in the layer scan: Gemma's), its
+    scores times `scale` (None: head_dim ** -0.5) and soft-capped by `softcap` (> 0), as
+    `local` computes them; or Ulysses (spmd.parallel.ulysses), which
     runs `local` itself on whole sequences of a share of the heads, passing it the whole
     sequences' ids as `segments=` where `segments` is given (so such a `local` takes them)."""
     mesh, axis, ways, manual = _context()
@@ -145,7 +149,14 @@ def attention(
         traced.note("attention", f"ulysses over {axis} ({traced.notes().get('attention')})")
         return out
     traced.note("attention", f"ring over {axis}{documents}")
-    ring = functools.partial(ring_attention.ring_attention, axis=axis, ways=ways, window=window)
+    ring = functools.partial(
+        ring_attention.ring_attention,
+        axis=axis,
+        ways=ways,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+    )
     return _per_context_device(ring, mesh, axis, manual, q, k, v, segments)
 
 
