@@ -1,7 +1,7 @@
 """Ring attention (spmd.parallel.ring_attention) with document masks and sliding windows
 against the dense one-device reference (models.attention.grouped_causal_attention), also
-with a query scale and soft-capping (Gemma's): outputs and the gradients of q, k and v within
-1e-5 (fp32) at cp=2 and cp=4 under shard_map, the
+with a query scale and soft-capping (Gemma's) and a v head dim unlike q's (MLA's): outputs
+and the gradients of q, k and v within 1e-5 (fp32) at cp=2 and cp=4 under shard_map, the
 inputs laid out in the ring's load-balanced order; and the rotary positions that restart per
 document, computed from the balanced-order ids, equal the one-device ones."""
 
@@ -18,21 +18,24 @@ from tests import trainer
 
 LENGTH = 48  # 2 x cp chunks of 12 (cp=2) or 6 (cp=4) positions
 
-# (cp, documents, window, kv heads of 4 query heads, scale (None: d ** -0.5), soft-cap)
+# (cp, documents, window, kv heads of 4 query heads, scale (None: d ** -0.5), soft-cap, v's
+# head dim (q's and k's: 8))
 CASES = [
-    (2, True, 0, 2, None, 0.0),
-    (4, True, 0, 1, None, 0.0),
-    (4, False, 7, 2, None, 0.0),  # a window shorter than a chunk: far blocks wholly masked
-    (4, True, 15, 4, None, 0.0),
-    (2, True, 7, 2, 0.9, 1.5),  # Gemma 2's: documents, a window, its scale and soft-cap
+    (2, True, 0, 2, None, 0.0, 8),
+    (4, True, 0, 1, None, 0.0, 8),
+    (4, False, 7, 2, None, 0.0, 8),  # a window shorter than a chunk: far blocks wholly masked
+    (4, True, 15, 4, None, 0.0, 8),
+    (2, True, 7, 2, 0.9, 1.5, 8),  # Gemma 2's: documents, a window, its scale and soft-cap
+    (4, True, 0, 2, None, 0.0, 6),  # MLA's v head dim unlike q's and k's
 ]
 
 
-def inputs(documents: bool, kv_heads: int) -> tuple:
+def inputs(documents: bool, kv_heads: int, dv: int = 8) -> tuple:
     rng = np.random.default_rng(kv_heads)
     q = jnp.asarray(rng.normal(size=(2, LENGTH, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, kv_heads, 8)), jnp.float32) for _ in "kv")
-    weights = jnp.asarray(rng.normal(size=(2, LENGTH, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, LENGTH, kv_heads, 8)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, LENGTH, kv_heads, dv)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(2, LENGTH, 4, dv)), jnp.float32)
     # several documents per sequence, some shorter than a chunk, one spanning chunks
     segments = np.sort(rng.integers(0, 7, (2, LENGTH)), axis=1) if documents else None
     return q, k, v, weights, None if segments is None else jnp.asarray(segments, jnp.int32)
@@ -51,11 +54,11 @@ def grads_and_output(kernel, q, k, v, weights, segments):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
-@pytest.mark.parametrize("cp, documents, window, kv_heads, scale, cap", CASES)
+@pytest.mark.parametrize("cp, documents, window, kv_heads, scale, cap, dv", CASES)
 def test_ring_with_documents_and_windows_equals_the_dense_reference(
-    cp, documents, window, kv_heads, scale, cap
+    cp, documents, window, kv_heads, scale, cap, dv
 ):
-    q, k, v, weights, segments = inputs(documents, kv_heads)
+    q, k, v, weights, segments = inputs(documents, kv_heads, dv)
     mesh = ring_mesh(cp)
     spec = PartitionSpec(None, "context")
     order = jnp.asarray(balanced_order(LENGTH, cp))
