@@ -183,6 +183,7 @@ def ring_attention(
     window: int | jax.Array = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of this device's queries q [b, 2c, h, d] over the whole sequence whose
     keys and values [b, 2c, kv_heads, d_v] are spread over the `ways` devices of mesh axis
@@ -191,8 +192,10 @@ def ring_attention(
     only keys of its document: the key blocks' ids travel round the ring with them; with
     `window` > 0 (an int or an int32 scalar) only keys less than `window` positions before
     it (by global position); scores times `scale` (None: d ** -0.5) and soft-capped by
-    `softcap` (> 0; Gemma 2) before the masks. Returns the output [b, 2c, h, d_v] in q's
-    dtype. Call inside a shard_map manual over `axis`."""
+    `softcap` (> 0; Gemma 2) before the masks; `sinks` [h] (attention sinks: a logit per
+    query head in every row's denominator, no value; None: none) folded in once, after the
+    ring, as one more partial result of output 0 and log-sum-exp the sink. Returns the output
+    [b, 2c, h, d_v] in q's dtype. Call inside a shard_map manual over `axis`."""
     logit = (scale, float(softcap))
     rank = lax.axis_index(axis)
     band = None if isinstance(window, int) and window == 0 else jnp.asarray(window, jnp.int32)
@@ -212,4 +215,7 @@ def ring_attention(
         k_pos = None if band is None else order[(rank - step) % ways]
         mine, theirs = (segments, positions), (k_seg, k_pos, band)
         acc = _combine(acc, _visiting_block(q, k, v, rank >= step, mine, theirs, logit))
+    if sinks is not None:  # the sink's share of each row's denominator, with no value
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32), acc[1].shape)
+        acc = _combine(acc, (jnp.zeros_like(acc[0]), sink))
     return acc[0].astype(q.dtype)
