@@ -169,7 +169,7 @@ def _per_context_device(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
     axis: str,
     manual: bool,
-    operands: tuple[jax.Array | None, ...],
+    operands: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None],
     per_device: bool = False,
 ) -> jax.Array:
     """`run(q, k, v, segments=..., sinks=...)` of `operands` (q, k, v, segments or None, sinks
@@ -182,7 +182,7 @@ def _per_context_device(
     q, k, v, segments, sinks = operands
     if manual:
         return run(q, k, v, segments=segments, sinks=sinks)
-    args = (q, k, v) + (() if segments is None else (segments,))
+    args: tuple[jax.Array, ...] = (q, k, v) + (() if segments is None else (segments,))
     if per_device:
         assert mesh is not None  # the auto executor's
         _, table, _ = traced.activations() or (None, {}, None)
