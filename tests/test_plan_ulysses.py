@@ -79,3 +79,14 @@ def test_heads_that_ulysses_cannot_split_exit_2_with_one_line(capsys):
     assert plan.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --cp-mode ulysses with cp=16") and err.count("\n") == 1
+
+
+def test_recommend_plans_ulysses_and_its_command_runs_it():
+    """--recommend --cp-mode ulysses: the cp layouts are planned with Ulysses, the reasons
+    name its all-to-alls and the train command carries the flag."""
+    args = ["--params", "1e9", "--devices", "16", "--devices-per-node", "16", "--seq-len"]
+    out = planned(*args, "131072", "--batch", "1", "--recommend", "--cp-mode", "ulysses")
+    chosen = out["recommendation"]
+    assert "cp=" in chosen["mesh_text"]  # one sequence of 131,072 tokens: only cp splits it
+    assert any("Ulysses'" in line and "all-to-alls" in line for line in chosen["reasons"])
+    assert "--cp-mode ulysses" in chosen["train_command"]
