@@ -7,7 +7,9 @@ Runs each item as its own process under its own timeout, most important first, a
 what no longer fits in --budget seconds: the 1b bench (bf16, batch 8 x 2048) at remat none
 with the fused loss and without it (the GPU's default follows), at remat full, batch 16 and
 2 x 8192; the training loop's median and p90 step against the bench's, with a profile and
-its kernels by category; PyTorch eager and torch.compile when torch and transformers import;
+its kernels by category; packed documents, a Gemma 2 shape and an MoE shape; --cp-mode
+ulysses at cp=1 beside bench_long (and the ring against Ulysses over every GPU where there
+are several); PyTorch eager and torch.compile when torch and transformers import;
 --offload optimizer, --remat offload, fp8 when `--precision fp8` exists, --prefetch and
 --bucket-mb where there are several devices; generation tokens/s against transformers'
 generate. A failed item prints the tail of its output and the check goes on. It writes one
@@ -155,6 +157,7 @@ def gpu_count() -> int:
 def gpu_items() -> list[Item]:
     """The GPU check's items, most important first."""
     devices = [f"fsdp={gpu_count()}"]
+    long = ["--remat", "none", "--batch", "2", "--seq-len", "8192"]  # bench_long's step
     return [
         bench_item("bench_none", ["--remat", "none"]),
         bench_item("bench_none_unfused", ["--remat", "none", "--loss-chunk", "0"]),
@@ -165,7 +168,7 @@ def gpu_items() -> list[Item]:
         bench_item("bench_unrolled", ["--remat", "none", "--scan-layers", "false"], 100),
         bench_item("bench_slice_fusion", ["--remat", "none"],
                    env={"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}),
-        bench_item("bench_long", ["--remat", "none", "--batch", "2", "--seq-len", "8192"]),
+        bench_item("bench_long", long),
         bench_item("bench_batch16", ["--remat", "full", "--batch", "16"], 90),
         # issue 58 item 5: packed documents (the kernel the run records), Gemma 2's soft-cap and
         # per-layer windows; issue 57 item 6: fine-grained MoE (the grouped kernel recorded)
@@ -178,6 +181,14 @@ def gpu_items() -> list[Item]:
             sys.executable, "-m", "spmd.bench", *QWEN3_MOE_4L, "--steps", "6", "--rounds", "2",
             "--json", str(w / "bench_qwen3_moe.json")], 150,
             bench_item("bench_qwen3_moe", []).read),
+        # issue 58 item 5: --cp-mode ulysses on one device, a sanity check (cp=1 leaves the
+        # length whole, so its step should time as bench_long's); with several GPUs, the
+        # length split over all of them by the ring and by Ulysses
+        bench_item("bench_long_ulysses", [*long, "--mesh", "cp=1", "--cp-mode", "ulysses"]),
+        bench_item("bench_cp_ring", [*long, "--mesh", f"cp={gpu_count()}", "--cp-mode", "ring"],
+                   needs="devices"),
+        bench_item("bench_cp_ulysses", [*long, "--mesh", f"cp={gpu_count()}",
+                                        "--cp-mode", "ulysses"], needs="devices"),
         Item("torch_eager", lambda w: [*TORCH, str(BENCHMARKS / "torch_gpu.py")], 90,
              read_json_line, "torch"),
         Item("torch_compile", lambda w: [*TORCH, str(BENCHMARKS / "torch_gpu.py"), "--compile"],

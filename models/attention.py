@@ -14,11 +14,14 @@ A sliding window of w tokens lets query position i see key positions j with i - 
 take it as an int (a constant of the program: also each of Gemma's local and global layers,
 models.gemma2.static_window) or as a traced int32 scalar (a window picked by a traced layer
 index, as Gemma's decoder does; 0: no window).
-Their other general options: `scale`, the factor of q k^T (None: head_dim ** -0.5; Gemma:
-query_pre_attn_scalar ** -0.5), and `softcap`, logit soft-capping cap * tanh(logits / cap)
-of the scaled logits before the mask (0: none; Gemma 2). cuDNN's kernel computes neither a
-traced window nor soft-capping: those run the blockwise or XLA kernel, `causal_attention`
-says which in its note.
+Their other general options: `scale`, the factor of q k^T (None: q's head_dim ** -0.5;
+Gemma: query_pre_attn_scalar ** -0.5), `softcap`, logit soft-capping cap * tanh(logits / cap)
+of the scaled logits before the mask (0: none; Gemma 2), and `sinks` [heads], attention
+sinks (GPT-OSS): one learned logit per query head in every row's softmax denominator, with
+no value (None: none). v's head dim may differ from q's and k's (MLA: DeepSeek-V3's 192 for
+q and k, 128 for v). cuDNN's kernel as jax reaches it computes none of a traced window,
+soft-capping, sinks or unequal head dims, nor Pallas' kernel: those run the blockwise or XLA
+kernel, `causal_attention` says which in its note.
 """
 
 from __future__ import annotations
@@ -175,12 +178,13 @@ def causal_attention(
     window: int | jax.Array = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal grouped-query attention: q [batch, length, heads, head_dim], k and v [batch,
-    length, kv_heads, head_dim] -> [batch, length, heads, head_dim]; softmax in fp32. With
-    `segments` [batch, length] (document ids), a position attends only within its document;
-    with `window` > 0 only to itself and the window - 1 positions before it. `scale` and
-    `softcap`: the module docstring's options.
+    """Causal grouped-query attention: q [batch, length, heads, d_qk], k [batch, length,
+    kv_heads, d_qk] and v [batch, length, kv_heads, d_v] -> [batch, length, heads, d_v];
+    softmax in fp32. With `segments` [batch, length] (document ids), a position attends only
+    within its document; with `window` > 0 only to itself and the window - 1 positions before
+    it. `scale`, `softcap` and `sinks` [heads]: the module docstring's options.
 
     On a GPU, cuDNN's fused flash-attention kernel (jax.nn.dot_product_attention with
     implementation="cudnn") where it takes the shapes and dtype (16-bit inputs, head_dim a
@@ -194,7 +198,7 @@ def causal_attention(
     `chunked_causal_attention` (5/8 of the scores by its query chunks, faster on a CPU,
     docs/speed.md), whose backward pass also recomputes. The choice is recorded with
     `note("attention", ...)` for the run's report: "cudnn", "blockwise (document mask)", "xla
-    (soft-capping)", ..."""
+    (soft-capping)", "blockwise (sinks)", "blockwise (MLA head dims)", ..."""
     # jax's local window (left, right): key j visible from query i when i - left <= j <= i + right
     static = isinstance(window, int)
     band = (window - 1, 0) if isinstance(window, int) and window else None
@@ -202,6 +206,10 @@ def causal_attention(
         reason = "soft-capping"
     elif not static:  # nor a window known only inside the layer scan
         reason = "per-layer window"
+    elif sinks is not None:  # nor sinks (jax.nn.dot_product_attention takes none), nor Pallas'
+        reason = "sinks"
+    elif v.shape[-1] != q.shape[-1]:  # jax's cuDNN path and Pallas' kernel: one head dim
+        reason = "MLA head dims"
     elif segments is not None:  # nor document masks: on a GPU, Pallas' kernel takes them
         reason = "document mask"
         gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -227,9 +235,9 @@ def causal_attention(
         reason = ""
     if q.shape[1] > BLOCK_K:  # more than one key block: the blockwise kernel, linear memory
         note("attention", f"blockwise ({reason})" if reason else "blockwise")
-        return blockwise_attention(q, k, v, segments, window, scale, softcap)
+        return blockwise_attention(q, k, v, segments, window, scale, softcap, sinks=sinks)
     note("attention", f"xla ({reason})" if reason else "xla")
-    return chunked_causal_attention(q, k, v, segments, window, scale, softcap)
+    return chunked_causal_attention(q, k, v, segments, window, scale, softcap, sinks)
 
 
 def chunked_causal_attention(
@@ -240,6 +248,7 @@ def chunked_causal_attention(
     window: int | jax.Array = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`grouped_causal_attention` with the queries split along length into n equal chunks
     (spmd.model_shape.query_chunks: 4 or 2 of at least 32 positions), chunk i attending to
@@ -251,7 +260,7 @@ def chunked_causal_attention(
     static = isinstance(window, int)  # a traced window travels as data, an int as a constant
     traced, fixed = (None, window) if static else (window, 0)
     outs = [
-        recomputed_attention(q, k, v, segments, traced, fixed, i, chunks, scale, softcap)
+        recomputed_attention(q, k, v, segments, traced, fixed, i, chunks, scale, softcap, sinks)
         for i in range(chunks)
     ]
     return jnp.concatenate(outs, axis=1)
@@ -269,6 +278,7 @@ def recomputed_attention(
     chunks: int,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`grouped_causal_attention` of query chunk `chunk` of `chunks` over the keys it can see,
     whose backward pass recomputes the probabilities from q and k instead of keeping batch x
@@ -290,6 +300,7 @@ def recomputed_attention(
         jnp.arange(start, end),
         scale,
         softcap,
+        sinks,
     )
 
 
@@ -331,6 +342,7 @@ def grouped_causal_attention(
     positions: jax.Array | None = None,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """`causal_attention` written out: logits and softmax in fp32, matmul inputs in q's dtype.
     `positions` [batch, t] or [t]: where the queries sit among k's positions (decoding over a
@@ -366,7 +378,13 @@ def grouped_causal_attention(
     if softcap:  # squashed into (-softcap, softcap) before the mask, as Gemma 2 does
         logits = softcap * jnp.tanh(logits / softcap)
     logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    else:  # each row's head's sink as one more column of the softmax, then dropped: no value
+        sink = jnp.repeat(sinks.astype(jnp.float32).reshape(kv_heads, groups), t, axis=1)
+        column = jnp.broadcast_to(sink[None, :, :, None], (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, column], -1), -1)[..., :-1]
+        probs = probs.astype(v.dtype)
     out = jnp.einsum("bkms,bksd->bkmd", probs, values)
     dv = v.shape[-1]  # may differ from q's and k's (MLA)
     return out.reshape(b, kv_heads, groups, t, dv).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dv)

@@ -19,9 +19,16 @@ the log-sum-exp per row kept by the forward pass; it keeps only the output and t
 log-sum-exp (FlashAttention-2's backward: one loop over key blocks, each over the query
 blocks that see it, accumulating dq in place).
 
+Attention sinks (GPT-OSS): a learned logit per query head that joins every row's softmax
+denominator and carries no value, so a row may put weight on "nothing". The online softmax
+starts each row from it (running max the sink, running sum 1, output 0), and the backward
+pass gives its gradient from the kept log-sum-exp alone: d sink_h = -sum over rows of
+exp(sink_h - lse) * D, D = sum_d dO * O (the sink's probability times the row's correction).
+
 Shapes: q [batch, length, heads, d_qk], k [batch, length, kv_heads, d_qk], v [batch, length,
-kv_heads, d_v] -> [batch, length, heads, d_v]; query head h reads kv head h // (heads /
-kv_heads). Scores and softmax in fp32, matmul inputs in q's dtype.
+kv_heads, d_v] -> [batch, length, heads, d_v] (d_v may differ from d_qk: MLA's 192 / 128);
+query head h reads kv head h // (heads / kv_heads). Scores and softmax in fp32, matmul inputs
+in q's dtype.
 """
 
 from __future__ import annotations
@@ -51,12 +58,15 @@ def blockwise_attention(
     softcap: float = 0.0,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of q over k, v (the module docstring's shapes), within
     documents where `segments` [batch, length] (document ids) is given, within a sliding
     window of `window` positions when it is > 0 (an int, or a traced int32 scalar; query i
     sees keys j with i - window < j <= i), logits scaled by `scale` (None: d_qk ** -0.5) and
-    soft-capped to softcap * tanh(logits / softcap) when `softcap` > 0."""
+    soft-capped to softcap * tanh(logits / softcap) when `softcap` > 0, and with `sinks`
+    [heads] (one logit per query head, any float dtype; None: none) in every row's softmax
+    denominator (the module docstring)."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     bq, bk = min(block_q, t), min(block_k, t)
@@ -71,7 +81,10 @@ def blockwise_attention(
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     band = jnp.asarray(window, jnp.int32)
     factor = d**-0.5 if scale is None else scale
-    out = _attend(rows, keys, values, segments, band, factor, float(softcap), bq, bk)
+    # sinks head-major as the rows are: [kv_heads, g], fp32 as the scores
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, h // kv_heads)
+    out = _attend(rows, keys, values, segments, band, sink, factor, float(softcap), bq, bk)
+
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, padded, h, v.shape[-1])
     return out[:, :t]
 
@@ -115,21 +128,22 @@ def _block(x: jax.Array, index, size: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attend(q, k, v, segments, window, scale, softcap, bq, bk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attend(q, k, v, segments, window, sinks, scale, softcap, bq, bk):
     """Head-major attention: q [b, kv_heads, g, t, d], k [b, kv_heads, t, d], v [b, kv_heads,
-    t, d_v] -> [b, kv_heads, g, t, d_v] (t a multiple of bq and bk)."""
-    return _forward(q, k, v, segments, window, scale, softcap, bq, bk)[0]
+    t, d_v], sinks [kv_heads, g] fp32 or None -> [b, kv_heads, g, t, d_v] (t a multiple of bq
+    and bk)."""
+    return _forward(q, k, v, segments, window, sinks, scale, softcap, bq, bk)[0]
 
 
-def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
+def _forward(q, k, v, segments, window, sinks, scale, softcap, bq, bk):
     """(output [b, kv_heads, g, t, d_v] in q's dtype, log-sum-exp [nq, b, kv_heads, g, bq]
-    fp32 per query row)."""
+    fp32 per query row, the sink's term included)."""
     b, kv_heads, g, t, _ = q.shape
     dv, nk = v.shape[-1], t // bk
     # inside the explicit executor's shard_map, loop carries started from constants must vary
     # over the mesh axes the inputs do
-    inputs = [x for x in (q, k, v, segments) if x is not None]
+    inputs = [x for x in (q, k, v, segments, sinks) if x is not None]
 
     def query_block(i):
         qi = _block(q, i, bq, axis=3)
@@ -154,11 +168,12 @@ def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
 
             return lax.cond(seen.any(), fold, lambda carry: carry, carry)
 
-        start = (
-            jnp.full((b, kv_heads, g, bq), -jnp.inf, jnp.float32),
-            jnp.zeros((b, kv_heads, g, bq), jnp.float32),
-            jnp.zeros((b, kv_heads, g, bq, dv), jnp.float32),
-        )
+        rows = (b, kv_heads, g, bq)
+        if sinks is None:  # no key seen yet: max -inf, sum 0
+            top, total = jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32)
+        else:  # the sink seen first: max the sink, sum exp(0), no value
+            top, total = jnp.broadcast_to(sinks[..., None], rows), jnp.ones(rows, jnp.float32)
+        start = (top, total, jnp.zeros((*rows, dv), jnp.float32))
         start = tuple(vary_like(x, *inputs) for x in start)
         first, end = _key_range(i, window, bq, bk, nk)
         top, total, acc = lax.fori_loop(first, end, step, start)
@@ -172,15 +187,15 @@ def _forward(q, k, v, segments, window, scale, softcap, bq, bk):
     return out, lse
 
 
-def _forward_rule(q, k, v, segments, window, scale, softcap, bq, bk):
-    out, lse = _forward(q, k, v, segments, window, scale, softcap, bq, bk)
-    return out, (q, k, v, segments, window, out, lse)
+def _forward_rule(q, k, v, segments, window, sinks, scale, softcap, bq, bk):
+    out, lse = _forward(q, k, v, segments, window, sinks, scale, softcap, bq, bk)
+    return out, (q, k, v, segments, window, sinks, out, lse)
 
 
 def _backward_rule(scale, softcap, bq, bk, kept, d_out):
-    """Gradients of q, k and v, the probabilities of each visible block recomputed from q, k
-    and the kept log-sum-exp. None for the segment ids and the window (integers)."""
-    q, k, v, segments, window, out, lse = kept
+    """Gradients of q, k, v and the sinks, the probabilities of each visible block recomputed
+    from q, k and the kept log-sum-exp. None for the segment ids and the window (integers)."""
+    q, k, v, segments, window, sinks, out, lse = kept
     b, kv_heads, g, t, d = q.shape
     nq = t // bq
     d_out = d_out.astype(q.dtype)
@@ -235,7 +250,11 @@ def _backward_rule(scale, softcap, bq, bk, kept, d_out):
     dq, (dks, dvs) = lax.scan(key_block, dq, jnp.arange(t // bk))
     dk = jnp.moveaxis(dks, 0, 2).reshape(k.shape)
     dv = jnp.moveaxis(dvs, 0, 2).reshape(v.shape)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    d_sinks = None
+    if sinks is not None:  # -sum over rows of p_sink * D; padded rows have dO = 0, so D = 0
+        p_sink = jnp.exp(sinks[None, None, :, :, None] - lse)  # [nq, b, kv_heads, g, bq]
+        d_sinks = -jnp.sum(p_sink * rowdot, axis=(0, 1, 4))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
 
 
 _attend.defvjp(_forward_rule, _backward_rule)

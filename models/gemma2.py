@@ -31,8 +31,10 @@ single layers (their remat, ZeRO-3's gathering and prefetch) are unchanged. A pi
 the pattern's period when every pipeline chunk holds a whole number of periods, so
 `check_layout` refuses a pipeline whose stages do not (n_layers / pp a multiple of
 global_every) and `apply_blocks` refuses, while tracing, any other slice that is not a whole
-number of periods (an interleaved schedule's chunks). Context parallelism's ring attention
-computes plain softmax attention (no window, scale or soft-cap): refused.
+number of periods (an interleaved schedule's chunks). Under context parallelism the layer's
+attention goes through `hooks.attention` with its document ids, window (traced in the scan),
+scale and soft-cap: the ring computes all four per block; Ulysses runs the one-device kernel
+(the same `static_window` branches) on whole sequences of a share of the heads.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     attention,
     constrain,
+    document_positions,
     scan_layers,
     token_positions,
     tp_enter,
@@ -158,15 +161,8 @@ def check(cfg: Gemma2Config) -> None:
 
 
 def check_layout(cfg: Gemma2Config, mesh: Any, executor: str) -> None:
-    """UsageError for layouts the model cannot run: context parallelism (ring attention has
-    no per-layer window, soft-cap or query scale) and a pipeline whose stages do not each hold
+    """UsageError for a layout the model cannot run: a pipeline whose stages do not each hold
     a whole number of local / global periods (each stage counts its layers from 0)."""
-    if mesh.shape["context"] > 1:
-        raise UsageError(
-            f"cp={mesh.shape['context']} with a {cfg.family} model: ring attention computes "
-            f"neither Gemma's per-layer sliding window (--sliding-window {cfg.sliding_window} "
-            f"on its local layers), soft-capping nor query_pre_attn_scalar scale; use cp=1"
-        )
     stages = mesh.shape["pipeline"]
     if stages > 1 and (cfg.n_layers % stages or (cfg.n_layers // stages) % cfg.period):
         raise UsageError(
@@ -247,13 +243,16 @@ class GemmaAttention(Attention):
         x = constrain(tp_enter(x, "heads"), WHOLE)  # column-parallel q, k, v: local heads
         q, k, v = self.rotated(x, positions, inv_freq)
 
-        def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        # (Ulysses runs `local` on whole sequences: it passes their ids as `segments`)
+        def local(q: jax.Array, k: jax.Array, v: jax.Array, segments: Any = segments) -> jax.Array:
             def attend(window: int) -> jax.Array:
                 return causal_attention(q, k, v, segments, window, self.scale, self.softcap)
 
             return static_window(self.cfg, window, attend)
 
-        out = dense(attention(q, k, v, local), weight(self, "wo"), inputs=2)
+        # the ring (length split over `context`) takes the window as it comes, traced or not
+        out = attention(q, k, v, local, segments, window, self.scale, self.softcap)
+        out = dense(out, weight(self, "wo"), inputs=2)
         return constrain(tp_reduce(out, "heads"), RESIDUAL)  # row-parallel: sum the heads
 
     def cached_at(
@@ -349,7 +348,10 @@ class Gemma(llama.Llama):
                 f"multiple of --global-every {self.cfg.period}: its local / global layers would "
                 f"be counted wrongly; pick pp / --pp-virtual so that each chunk holds a multiple"
             )
-        positions = token_positions(x) if segments is None else segment_positions(segments)
+        if segments is None:
+            positions = token_positions(x)  # global positions, also under CP
+        else:  # restarting per document, from the ids in natural order under CP too
+            positions = document_positions(segments, segment_positions)
         block_def, block_state = nnx.split(self.blocks)
 
         def layer(carry: tuple, state: nnx.State) -> tuple[tuple, None]:

@@ -6,8 +6,8 @@ jax.nn.dot_product_attention, which takes sequence lengths but no document ids; 
 runs the packed case instead: a fused forward pass (online softmax over key blocks, the causal
 and document masks applied per block) and its own fused backward pass, with memory linear in
 length. It has no grouped-query form, so the kv heads are repeated to the query heads (the
-keys and values grow by heads / kv_heads, still linear in length), and no soft-cap or
-window: those stay with the blockwise kernel.
+keys and values grow by heads / kv_heads, still linear in length), and no soft-cap, window,
+sinks or v head dim unlike q's: those stay with the blockwise kernel.
 """
 
 from __future__ import annotations

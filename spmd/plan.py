@@ -182,6 +182,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: ModelConfig, plan
         virtual=cfg.parallel.pp_virtual,
         sync_every=cfg.parallel.sync_every if cfg.parallel.dcn_sync == "diloco" else 0,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        cp_mode="ulysses" if cfg.parallel.cp_mode == "ulysses" else "ring",  # auto: the ring
         offload=cfg.parallel.offload,
         **lora_base.planner_fields(model_cfg, cfg.lora),  # LoRA: a frozen base, adapters trained
         fp8_all_gather=cfg.precision.fp8_all_gather,

@@ -113,7 +113,6 @@ CASES = [
     # what context parallelism still does not compose with (documents and windows it does);
     # refused by the builder, once the mesh exists
     Case("train", "--model moe-tiny --mesh cp=2", TRAIN, mesh=True, says="an MoE model"),
-    Case("train", "--family gemma2 --mesh cp=2", TRAIN, mesh=True, says="cp=2 with a gemma2"),
     # Ulysses splits the heads over cp: heads it cannot split (spmd.estimate.long_sequence)
     *(
         Case("train", f"--mesh cp=4 --cp-mode ulysses {h}", TRAIN, mesh=True, says=says)

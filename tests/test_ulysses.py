@@ -2,13 +2,14 @@
 the auto executor's layout, traced_layout.context_attention("ulysses")) against the dense
 one-device reference: outputs and the gradients of q, k and v within 1e-5 (fp32) at cp=2
 and cp=4, with document masks, a static or a traced (per-layer) window, soft-capping and a
-query scale (what the ring computes only in part), and with fewer kv heads than cp (each
-repeated). The tokens arrive in the ring's load-balanced order, as split_sequences lays
-them. In training, dp=2,cp=2,tp=2 with sequence parallelism (explicit) equals one device
-over 20 steps (fp32; measured 2.5e-7 loss, 1.9e-7 params), and the compiled all-to-alls are
-theory's (spmd.estimate.context_theory), count and bytes, there and at cp=4 under auto with
-2 kv heads repeated to 4 and --remat full. Also the refusals of the head counts Ulysses
-cannot split. (Documents at cp=4, 10 steps: tests/test_context_parallel_documents.py.)"""
+query scale, and with fewer kv heads than cp (each repeated); attention sinks at cp=2,tp=2,
+each device's kernel given its heads' share. The tokens arrive in the ring's load-balanced
+order, as split_sequences lays them. In training, dp=2,cp=2,tp=2 with sequence parallelism
+(explicit) equals one device over 20 steps (fp32; measured 2.5e-7 loss, 1.9e-7 params), and
+the compiled all-to-alls are theory's (spmd.estimate.context_theory), count and bytes, there
+and at cp=4 under auto with 2 kv heads repeated to 4 and --remat full. Also the refusals of
+the head counts Ulysses cannot split. (Documents at cp=4, 10 steps:
+tests/test_context_parallel_documents.py.)"""
 
 import dataclasses
 import functools
@@ -22,6 +23,7 @@ from models import attention
 from spmd.estimate import hlo, long_sequence, theory
 from spmd.parallel import hooks, traced_layout
 from spmd.parallel.ring_attention import balanced_order
+from tests import test_ring_documents as ring_documents
 from tests import trainer
 from tests.test_ring_documents import LENGTH, inputs  # the same q, k, v and documents
 
@@ -42,22 +44,23 @@ def grads_and_output(kernel, q, k, v, weights, segments, window):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, window)
 
 
-def under_ulysses(local, mesh, cp: int, q, k, v, segments):
+def under_ulysses(local, mesh, cp: int, q, k, v, segments, sinks=None):
     """hooks.attention under an auto layout of `mesh` in Ulysses mode, with `local(q, k, v,
-    segments)` as the one-device kernel: the inputs laid out in the balanced order the run
-    gives them, the output put back in natural order."""
+    segments)` as the one-device kernel (`local(q, k, v, segments, sinks)` with its heads'
+    share of `sinks` where given): the inputs laid out in the balanced order the run gives
+    them, the output put back in natural order."""
     order = jnp.asarray(balanced_order(LENGTH, cp))
     ins = [jnp.take(x, order, axis=1) for x in (q, k, v)]
     ids = None if segments is None else jnp.take(segments, order, axis=1)
 
-    def kernel(q, k, v, segments=ids):
-        return local(q, k, v, segments)
+    def kernel(q, k, v, segments=ids, sinks=None):
+        return local(q, k, v, segments) if sinks is None else local(q, k, v, segments, sinks)
 
     with (
         traced_layout.activation_layout(mesh, 3),
         traced_layout.context_attention("ulysses"),
     ):
-        out = hooks.attention(*ins, kernel, ids, 0)
+        out = hooks.attention(*ins, kernel, ids, 0, sinks=sinks)
     return jnp.take(out, jnp.argsort(order), axis=1)
 
 
@@ -80,6 +83,31 @@ def test_ulysses_equals_the_dense_reference(cp, documents, window, traced, softc
     grads, out = grads_and_output(ulysses, q, k, v, weights, segments, band)
     want_grads, want = grads_and_output(dense, q, k, v, weights, segments, band)
     assert hooks.notes()["attention"].startswith("ulysses over context (")
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        atol = 1e-5 * max(1.0, float(jnp.abs(expected).max()))
+        np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
+
+
+def test_ulysses_hands_each_device_its_heads_sinks():
+    """Attention sinks through hooks.attention under Ulysses at cp=2,tp=2 (auto): the heads
+    split over tensor and then over cp, each device's kernel gets its one head's sink; the
+    outputs and the gradients of q, k, v and the sinks equal the dense reference's."""
+    q, k, v, weights, segments = inputs(True, 2)
+    sinks = jnp.asarray([1.0, -0.5, 2.0, 0.0], jnp.float32)
+    mesh = trainer.layout("cp=2,tp=2").mesh
+
+    def ulysses(q, k, v, segments, sinks):
+        def local(q, k, v, segments, sinks):
+            return attention.causal_attention(q, k, v, segments, sinks=sinks)
+
+        return under_ulysses(local, mesh, 2, q, k, v, segments, sinks)
+
+    def dense(q, k, v, segments, sinks):
+        return attention.grouped_causal_attention(q, k, v, segments, sinks=sinks)
+
+    grads, out = ring_documents.grads_and_output(ulysses, q, k, v, weights, segments, sinks)
+    want_grads, want = ring_documents.grads_and_output(dense, q, k, v, weights, segments, sinks)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         atol = 1e-5 * max(1.0, float(jnp.abs(expected).max()))

@@ -60,13 +60,15 @@ def program(
     executor: str = "auto",
     pipeline: Pipeline | None = None,
     prefetch: bool = True,
+    spec: builder.ModelSpec | None = None,
     **model_overrides: object,
 ) -> Program:
-    """The tiny model's program on `lay`, built by spmd.run.builder's road for BATCH x SEQ_LEN
-    batches; `pipeline` pipelines it; `prefetch` as StepOptions' (explicit ZeRO-3)."""
+    """The tiny model's program on `lay` (`spec`: another model's, e.g. a Gemma's), built by
+    spmd.run.builder's road for BATCH x SEQ_LEN batches; `pipeline` pipelines it; `prefetch`
+    as StepOptions' (explicit ZeRO-3)."""
     train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=2, lr=3e-3)
     options = StepOptions(accum=accum, executor=executor, pipeline=pipeline, prefetch=prefetch)
-    spec = model_spec(**model_overrides)
+    spec = spec or model_spec(**model_overrides)
     built = builder.build(spec, builder.optimizer(train), lay, options, None, BATCH, SEQ_LEN)
     assert isinstance(built, Program)
     return built

@@ -74,9 +74,7 @@ def collectives(s: Setup) -> list[Comm]:
         if s.lora_rank:  # each adapter's low-rank partial sums
             size, calls = lora.tensor_traffic(s, executions, layers)
             out.append(Comm("all-reduce", ("tensor",), tensor, size, calls, "adapter activations"))
-    block, sends = ring_traffic(s)
-    if sends:
-        out.append(Comm("collective-permute", ("context",), s.context, block, sends, "ring k, v"))
+    out += context_collectives(s)
     out += expert_collectives(s)
     if s.pipelined:
         sends, sent = volumes.stage_sends(
@@ -260,6 +258,25 @@ def activation_bytes(s: Setup) -> float:
     """Bytes of one device's [micro-batch, length / cp, embed] residual-stream activation in the
     compute dtype: what a tensor-parallel all-reduce or a pipeline send moves."""
     return device_tokens(s) * s.shape.embed_dim * s.bytes_of("compute")
+
+
+def context_collectives(s: Setup) -> list[Comm]:
+    """Context parallelism's attention traffic (none at cp = 1): the ring's key and value
+    sends (`ring_traffic`), or under --cp-mode ulysses its all-to-alls of q, k, v and the
+    output, 4 per micro-batch, layer of the stage and pass (the ring's passes), each the
+    average of the four's result bytes (spmd.estimate.volumes.ulysses_layer_bytes)."""
+    if s.context == 1:
+        return []
+    if s.cp_mode != "ulysses":
+        block, sends = ring_traffic(s)
+        return [Comm("collective-permute", ("context",), s.context, block, sends, "ring k, v")]
+    per_layer = volumes.ulysses_layer_bytes(
+        s.shape, s.micro_batch, s.seq_len, s.context, s.mesh["tensor"], s.bytes_of("compute")
+    )
+    layers = s.shape.n_layers // s.mesh["pipeline"]
+    calls = s.micro_steps * layers * volumes.ring_passes(s.remat != "none", s.pipelined)
+    purpose = "ulysses q, k, v, out"
+    return [Comm("all-to-all", ("context",), s.context, per_layer / 4, 4 * calls, purpose)]
 
 
 def ring_traffic(s: Setup) -> tuple[float, int]:

@@ -40,6 +40,8 @@ from spmd.parallel import schedules
 # in the step time: spmd.estimate.offload) last
 # --offload: the state kept in host memory between steps (spmd.engine.offload)
 OFFLOADS = engine_offload.OFFLOADS
+# --cp-mode as the Layout holds it (spmd.parallel.layout; the run's auto is the ring)
+CP_MODES = ("ring", "ulysses")
 SEARCHED_REMATS = REMATS  # --remat offload in the search's host pass (spmd.estimate.search)
 
 
@@ -69,6 +71,9 @@ class Setup:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     fp8_all_gather: bool = False  # ZeRO-3 gathers the blocks' params in e4m3 (--precision fp8)
+    # how attention crosses the context split (cp > 1; --cp-mode): ring (key / value blocks
+    # passed round) or ulysses (all-to-alls to whole sequences of heads / cp heads each)
+    cp_mode: str = "ring"
 
     @property
     def devices(self) -> int:
@@ -164,6 +169,14 @@ def check_setup(s: Setup) -> None:
     split = long_sequence.split_error(s.seq_len, s.context, s.mesh["tensor"], s.sequence_parallel)
     if split:
         raise UsageError(split)
+    if s.cp_mode not in CP_MODES:
+        raise UsageError(f"--cp-mode {s.cp_mode!r} is not one of {', '.join(CP_MODES)}")
+    if s.context > 1 and s.cp_mode == "ulysses":
+        heads = long_sequence.ulysses_error(
+            s.shape.n_heads, s.shape.n_kv_heads, s.mesh["tensor"], s.context
+        )
+        if heads:
+            raise UsageError(heads)
     if s.shape.n_experts and (s.context > 1 or s.sequence_parallel):
         raise UsageError("an MoE model does not compose with cp > 1 or --sequence-parallel yet")
     pipeline = s.mesh["pipeline"]

@@ -9,6 +9,12 @@ the attention probabilities of one layer on one device are its own 2c x 2c block
 2cp) and cp − 1 visiting 2c x c blocks: 2c²(cp + 1) per head and sequence, seq_len² at cp = 1.
 The backward pass recomputes them block by block rather than keeping them.
 
+Under --cp-mode ulysses (spmd.parallel.ulysses) attention runs instead as the one-device
+kernel on whole sequences of heads / cp heads between all-to-alls: its scores are the
+one-device kernel's for heads / cp heads (the causal share, one key block at a time past
+ATTENTION_BLOCK), and it holds the gathered q, k, v and output (`ulysses_elements`) where
+the ring holds its visiting blocks (`ring_elements`).
+
 Sequence parallelism (Megatron-SP, `tensor` ways): the residual stream between the tensor-
 parallel matmuls (block input, the norms' inputs and outputs, the residual adds: 4 x embed per
 token; the embedding output and the final norm) is split along length over `tensor` as well;
@@ -76,6 +82,12 @@ def residual_split(tensor: int, sequence_parallel: bool) -> int:
     return tensor if sequence_parallel else 1
 
 
+def kernel_context(heads: float, context: int, mode: str) -> tuple[float, int]:
+    """(heads, context) as the attention kernel sees them: the ring's own under cp_mode ring;
+    under ulysses heads / cp heads of whole sequences (context 1)."""
+    return (heads / context, 1) if mode == "ulysses" else (heads, context)
+
+
 def score_elements(heads: float, seq_len: int, context: int) -> float:
     """Attention probabilities one device computes per sequence and layer (and recomputes in
     its backward pass): heads x 2c²(cp + 1), c = seq_len / 2cp; at cp = 1 the chunked causal
@@ -86,19 +98,22 @@ def score_elements(heads: float, seq_len: int, context: int) -> float:
     return heads * 2 * c * c * (context + 1)
 
 
-def live_score_elements(heads: float, seq_len: int, context: int) -> float:
+def live_score_elements(heads: float, seq_len: int, context: int, mode: str = "ring") -> float:
     """Attention probabilities one device holds at once per sequence and layer: past one key
-    block (cp = 1) the blockwise kernel's one [heads, block, block] block at a time, else all
-    it computes (score_elements)."""
+    block (cp = 1, or Ulysses' whole sequences: `mode` "ulysses") the blockwise kernel's one
+    [heads, block, block] block at a time, else all it computes (score_elements)."""
+    heads, context = kernel_context(heads, context, mode)
     if context == 1 and seq_len > ATTENTION_BLOCK:
         return heads * ATTENTION_BLOCK * ATTENTION_BLOCK
     return score_elements(heads, seq_len, context)
 
 
-def score_share(seq_len: int, context: int) -> float:
+def score_share(seq_len: int, context: int, mode: str = "ring") -> float:
     """The share of each sequence's length x length attention scores the devices compute
     together (score_elements over cp devices, per head): the causal kernel's at cp = 1
-    (spmd.model_shape.causal_score_share), (cp + 1) / 2cp for the ring's unmasked blocks."""
+    (spmd.model_shape.causal_score_share) and under Ulysses (`mode` "ulysses": that kernel on
+    whole sequences), (cp + 1) / 2cp for the ring's unmasked blocks."""
+    context = kernel_context(1, context, mode)[1]
     return score_elements(1, seq_len, context) * context / seq_len**2
 
 
@@ -110,3 +125,15 @@ def ring_elements(model: ModelShape, tokens: float, tensor: int, context: int) -
     heads, kv_heads = model.n_heads / tensor, max(model.n_kv_heads // tensor, 1)
     per_step = 2 * kv_heads + RING_STEP_BUFFERS * heads
     return (context - 1) * tokens * model.head_dim * per_step
+
+
+def ulysses_elements(model: ModelShape, tokens: float, tensor: int, context: int) -> float:
+    """What Ulysses holds per layer beyond the layer's own activations, for `tokens` tokens
+    held: the all-to-alls' results, q and the output of heads / cp heads and k and v of the
+    kv heads repeated to cp where fewer (spmd.estimate.volumes.ulysses_layer_bytes' shapes),
+    over whole sequences: as many elements as the local q, output, k and v; 0 at cp = 1."""
+    if context == 1:
+        return 0.0
+    heads, kv_heads = model.n_heads / tensor, max(model.n_kv_heads // tensor, 1)
+    kv_heads = context if kv_heads % context else kv_heads
+    return tokens * model.head_dim * 2 * (heads + kv_heads)

@@ -106,7 +106,10 @@ def _layer_elements(s: cost.Setup, dense: bool = False) -> dict[str, float]:
         shared = shape.shared_dim / tensor  # its gate, up, product as a Llama's
         mlp_none = slots * (2 * e + 3 * width + one_hots) + 3 * shared
         mlp_dots = slots * (e + 2 * width) + 2 * shared
-    attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
+    if s.cp_mode == "ulysses":  # the all-to-alls' whole sequences of a share of the heads
+        attention = long_sequence.ulysses_elements(shape, tokens, tensor, cp)
+    else:  # the ring's visiting blocks and merges
+        attention = long_sequence.ring_elements(shape, tokens, tensor, cp)
     # LoRA beside the matmul: each target's x A [tokens, r] too (whole over tensor); its x is
     # one the block keeps anyway, and the frozen W needs no other input for a gradient
     adapters = s.lora_rank * len(s.lora_targets)
@@ -149,7 +152,7 @@ def activation_bytes(s: cost.Setup) -> float:
     scores = (
         SCORE_COPIES
         * s.micro_batch
-        * long_sequence.live_score_elements(heads, s.seq_len, s.context)
+        * long_sequence.live_score_elements(heads, s.seq_len, s.context, s.cp_mode)
     )
     gathered = 0.0
     if s.zero == 3 and s.sharded_fsdp > 1:

@@ -132,12 +132,17 @@ def _mesh_lines(best: search.Scored, net: cost.Network) -> list[str]:
             f"{net.intra_bandwidth / 1e9:g} GB/s links"
         )
     if s.context > 1:
-        ring = [c for c in planned if c.kind == "collective-permute" and c.axes == ("context",)]
-        seconds = sum(comms.comm_time(s, c, net) for c in ring)
+        crossing = comms.context_collectives(s)  # the ring's sends or Ulysses' all-to-alls
+        seconds = sum(comms.comm_time(s, c, net) for c in crossing)
+        count = sum(c.count for c in crossing)
+        what = (
+            f"Ulysses' {count:g} all-to-alls of q, k, v and the output"
+            if s.cp_mode == "ulysses"
+            else f"ring attention's {count:g} key/value sends"
+        )
         lines.append(
             f"cp={s.context}: each device holds {s.seq_len // s.context} of the {s.seq_len} "
-            f"tokens of a sequence; ring attention's {sum(c.count for c in ring):g} key/value "
-            f"sends per step take {ms(seconds)}"
+            f"tokens of a sequence; {what} per step take {ms(seconds)}"
         )
     if s.pipelined:
         chunks = f", {s.virtual} chunks per stage" if s.virtual > 1 else ""
@@ -197,6 +202,8 @@ def train_flags(s: cost.Setup) -> list[str]:
         flags += ["--offload", s.offload]
     if s.sequence_parallel:
         flags += ["--sequence-parallel"]
+    if s.context > 1 and s.cp_mode == "ulysses":
+        flags += ["--cp-mode", "ulysses"]
     flags += ["--batch", str(s.batch), "--seq-len", str(s.seq_len)]
     if s.accum > 1:
         flags += ["--accum", str(s.accum)]

@@ -165,6 +165,7 @@ class Scored:
     def layout(self) -> str:
         """Mesh and ZeRO stage, e.g. "pp=4,tp=8 zero 1" (+ " SP", " offload optimizer")."""
         sp = " SP" if self.setup.sequence_parallel else ""
+        sp += " ulysses" if self.setup.context > 1 and self.setup.cp_mode == "ulysses" else ""
         host = f" offload {self.setup.offload}" if self.setup.offload != "none" else ""
         return f"{format_mesh(self.setup.mesh)} zero {self.setup.zero}{sp}{host}"
 

@@ -77,17 +77,24 @@ def expert_figures(s: cost.Setup, mem: dict) -> dict[str, Any]:
 
 def sequence_figures(s: cost.Setup) -> dict[str, Any]:
     """Context and sequence parallelism's figures: tokens of a sequence per device, the ring's
-    sends and bytes per layer per step (spmd.estimate.volumes, the formula theory checks
-    against compiled HLO), and the activations per device without either split."""
-    block, sends = comms.ring_traffic(s)
+    sends or Ulysses' all-to-alls (--cp-mode) and their bytes per layer per step
+    (spmd.estimate.volumes, the formulas theory checks against compiled HLO), and the
+    activations per device without either split."""
     layers = s.shape.n_layers // s.mesh["pipeline"]
     whole = dataclasses.replace(s, mesh={**s.mesh, "context": 1}, sequence_parallel=False)
+    traffic = {"collective-permute": (0.0, 0.0), "all-to-all": (0.0, 0.0)}
+    for c in comms.context_collectives(s):
+        traffic[c.kind] = (c.count, c.count * c.bytes)
+    (sends, ring), (calls, moved) = traffic["collective-permute"], traffic["all-to-all"]
     return {
         "context": s.context,
         "sequence_parallel": s.sequence_parallel,
+        "cp_mode": s.cp_mode,
         "tokens_per_device": s.seq_len // s.context,
-        "ring_count_per_layer": sends // layers,
-        "ring_bytes_per_layer": round(block * sends / layers),
+        "ring_count_per_layer": int(sends) // layers,
+        "ring_bytes_per_layer": round(ring / layers),
+        "ulysses_count_per_layer": int(calls) // layers,
+        "ulysses_bytes_per_layer": round(moved / layers),
         "activation_bytes_unsplit": round(memory.activation_bytes(whole)),
     }
 
@@ -97,7 +104,10 @@ def _sequence_lines(r: dict) -> list[str]:
         return []
     x, split = r["long_sequence"], []
     if x["context"] > 1:
-        split.append(f"cp={x['context']}: every activation holds {x['tokens_per_device']} tokens")
+        how = " (ulysses)" if x.get("cp_mode") == "ulysses" else ""
+        split.append(
+            f"cp={x['context']}{how}: every activation holds {x['tokens_per_device']} tokens"
+        )
     if x["sequence_parallel"]:
         split.append("SP: the residual stream split over tp too")
     lines = ["", f"long sequences: {'; '.join(split)}"]
@@ -109,6 +119,11 @@ def _sequence_lines(r: dict) -> list[str]:
         lines.append(
             f"  ring per layer           {si(x['ring_bytes_per_layer']):>12} per step "
             f"({x['ring_count_per_layer']} collective-permutes of a key or value block)"
+        )
+    if x.get("ulysses_count_per_layer"):
+        lines.append(
+            f"  ulysses per layer        {si(x['ulysses_bytes_per_layer']):>12} per step "
+            f"({x['ulysses_count_per_layer']} all-to-alls of q, k, v or the output)"
         )
     return lines
 

@@ -72,7 +72,7 @@ def executed_flops(s: cost.Setup) -> float:
     f = forward_flops_per_token(s)
     # the kernel computes only the causal share of the scores (its query chunks or key
     # blocks, the ring's blocks); model FLOPs count them whole, so the rest is taken off
-    attention = f["attention"] * long_sequence.score_share(s.seq_len, s.context)
+    attention = f["attention"] * long_sequence.score_share(s.seq_len, s.context, s.cp_mode)
     skipped = 3 * (f["attention"] - attention)
     layer = f["blocks"] + attention + f["adapters"]
     replays = layer * (s.pipelined + (s.remat == "full"))

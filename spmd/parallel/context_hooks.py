@@ -125,28 +125,43 @@ def attention(
     v: jax.Array,
     local: Callable[..., jax.Array],
     segments: jax.Array | None = None,
-    window: int = 0,
+    window: int | jax.Array = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length,
     kv_heads, head_dim]: `local(q, k, v)` when the length is whole on each device. When it is
     split (context parallelism), by the layout's cp mode (traced_layout.context_attention):
     ring attention over the context axis, within the documents of `segments` [batch, length]
-    and a sliding `window` (static) as `local` does; or Ulysses (spmd.parallel.ulysses), which
-    runs `local` itself on whole sequences of a share of the heads, passing it the whole
-    sequences' ids as `segments=` where `segments` is given (so such a `local` takes them)."""
+    and a sliding `window` (an int, or an int32 scalar traced in the layer scan: Gemma's), its
+    scores times `scale` (None: head_dim ** -0.5) and soft-capped by `softcap` (> 0), as
+    `local` computes them, with attention `sinks` [heads] (one logit per query head in every
+    row's softmax denominator, GPT-OSS's; None: none) folded in once; or Ulysses
+    (spmd.parallel.ulysses), which runs `local` itself on whole sequences of a share of the
+    heads, passing it the whole sequences' ids as `segments=` where `segments` is given and
+    its heads' share of the sinks as `sinks=` where `sinks` is (so such a `local` takes them;
+    on whole sequences `local` applies its own, as it closes over them)."""
     mesh, axis, ways, manual = _context()
     if axis is None:
         return local(q, k, v)
     documents = " (document mask)" if segments is not None else ""
     if traced.context_attention_mode() == "ulysses":
         run = functools.partial(ulysses.ulysses_attention, local=local, axis=axis, ways=ways)
-        out = _per_context_device(run, mesh, axis, manual, q, k, v, segments, per_device=True)
+        out = _per_context_device(run, mesh, axis, manual, (q, k, v, segments, sinks), True)
         # the kernel `local` picked on the whole sequences, as it noted while traced
         traced.note("attention", f"ulysses over {axis} ({traced.notes().get('attention')})")
         return out
     traced.note("attention", f"ring over {axis}{documents}")
-    ring = functools.partial(ring_attention.ring_attention, axis=axis, ways=ways, window=window)
-    return _per_context_device(ring, mesh, axis, manual, q, k, v, segments)
+    ring = functools.partial(
+        ring_attention.ring_attention,
+        axis=axis,
+        ways=ways,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+    )
+    return _per_context_device(ring, mesh, axis, manual, (q, k, v, segments, sinks))
 
 
 def _per_context_device(
@@ -154,21 +169,20 @@ def _per_context_device(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
     axis: str,
     manual: bool,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segments: jax.Array | None,
+    operands: tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None],
     per_device: bool = False,
 ) -> jax.Array:
-    """`run(q, k, v, segments=...)` on each device's chunks: directly where the hooks already
+    """`run(q, k, v, segments=..., sinks=...)` of `operands` (q, k, v, segments or None, sinks
+    [heads] or None) on each device's chunks: directly where the hooks already
     run per device (`manual`), else (the auto executor) in a shard_map manual over the context
     axis only, XLA partitioning the rest; `per_device`: manual also over the axes that split
     the batch and heads (kernel_shards.kernel_specs), `run` seeing no activation layout, so
     that a kernel it runs (Ulysses' one-device kernel, a Pallas call among them, which
     kernel_shards.per_shard cannot map again inside this shard_map) runs on its shard."""
+    q, k, v, segments, sinks = operands
     if manual:
-        return run(q, k, v, segments=segments)
-    args = (q, k, v) + (() if segments is None else (segments,))
+        return run(q, k, v, segments=segments, sinks=sinks)
+    args: tuple[jax.Array, ...] = (q, k, v) + (() if segments is None else (segments,))
     if per_device:
         assert mesh is not None  # the auto executor's
         _, table, _ = traced.activations() or (None, {}, None)
@@ -178,6 +192,9 @@ def _per_context_device(
         specs = tuple(PartitionSpec(s[0], axis, *s[2:]) for s in found)
     else:
         specs = (PartitionSpec(None, axis),) * len(args)
+    if sinks is not None:  # split as q's heads are (per device), else whole on every device
+        args += (sinks,)
+        specs += (PartitionSpec(specs[0][2]) if per_device else PartitionSpec(),)
     used = {axis} | {
         a
         for spec in specs
@@ -186,11 +203,13 @@ def _per_context_device(
         for a in ((part,) if isinstance(part, str) else part)
     }
 
-    def body(q: jax.Array, k: jax.Array, v: jax.Array, *ids: jax.Array) -> jax.Array:
+    def body(q: jax.Array, k: jax.Array, v: jax.Array, *rest: jax.Array) -> jax.Array:
+        ids = rest[0] if segments is not None else None
+        sink = rest[-1] if sinks is not None else None
         if not per_device:
-            return run(q, k, v, segments=ids[0] if ids else None)
+            return run(q, k, v, segments=ids, sinks=sink)
         with traced.no_activation_layout():
-            return run(q, k, v, segments=ids[0] if ids else None)
+            return run(q, k, v, segments=ids, sinks=sink)
 
     # per device: unchecked, as kernel_shards.per_shard's (a Pallas call's output carries no
     # varying-axes type); nothing in it sums over devices, whose transpose check_vma guards

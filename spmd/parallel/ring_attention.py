@@ -20,7 +20,8 @@ the keys and values (4 bytes per token per step, against 2 x kv_heads x head_dim
 bytes of the keys and values), and a window masks by the global positions of both sides
 (`balanced_order`'s block of each device). A row that sees no key of a block, as a query
 whose document starts after that block does, gets log-sum-exp EMPTY from it, so the block
-weighs nothing in the row's result.
+weighs nothing in the row's result. A query scale and Gemma 2's soft-cap apply to each
+block's scores before its masks, as the one-device kernels apply them.
 
 Everything here runs inside a `shard_map` that is manual over the ring's axis; the arrays are
 each device's local blocks [batch, 2c, heads, head_dim].
@@ -50,12 +51,14 @@ def balanced_order(seq_len: int, ways: int) -> np.ndarray:
     )
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,))
+@functools.partial(jax.checkpoint, static_argnums=(4, 5))
 def _block(
-    q: jax.Array, k: jax.Array, v: jax.Array, where: tuple, causal: bool
+    q: jax.Array, k: jax.Array, v: jax.Array, where: tuple, causal: bool, logit: tuple
 ) -> tuple[jax.Array, jax.Array]:
-    """Softmax attention of queries q [b, t, h, d] over keys/values [b, s, kv_heads, d]
-    (grouped-query): (output [b, t, h, d] fp32, log-sum-exp [b, t, h] fp32). `causal` masks
+    """Softmax attention of queries q [b, t, h, d] over keys/values [b, s, kv_heads, d_v]
+    (grouped-query): (output [b, t, h, d_v] fp32, log-sum-exp [b, t, h] fp32). `logit` =
+    (scale, softcap): the scores are q k^T times scale (None: d ** -0.5), then soft-capped
+    to softcap * tanh(scores / softcap) before the mask when softcap > 0. `causal` masks
     key j > query j; `where` = (query segments [b, t], key segments [b, s], query positions
     [t], key positions [s], window: an int32 scalar), each None where it does not mask (see
     `_seen`). A row that sees no key gets log-sum-exp EMPTY (and a finite output, the mean
@@ -69,7 +72,10 @@ def _block(
     kv_heads = k.shape[2]
     groups = q.reshape(b, t, kv_heads, h // kv_heads, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", groups, k, preferred_element_type=jnp.float32)
-    logits = logits * d**-0.5
+    scale, softcap = logit
+    logits = logits * (d**-0.5 if scale is None else scale)
+    if softcap:  # Gemma 2's, before the mask as the one-device kernels apply it
+        logits = softcap * jnp.tanh(logits / softcap)
     q_segments, k_segments, q_positions, k_positions, window = where
     seen = _seen(q_segments, k_segments, q_positions, k_positions, window, causal, t, k.shape[1])
     if seen is not None:
@@ -79,7 +85,7 @@ def _block(
     out = jnp.einsum(
         "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
-    return out.reshape(b, t, h, d), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
+    return out.reshape(b, t, h, v.shape[-1]), lse.transpose(0, 3, 1, 2).reshape(b, t, h)
 
 
 def _seen(
@@ -126,7 +132,13 @@ def _half(x: jax.Array | None, start: jax.Array | int, c: int, axis: int) -> jax
 
 
 def _visiting_block(
-    q: jax.Array, k: jax.Array, v: jax.Array, earlier: jax.Array, mine: tuple, theirs: tuple
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    earlier: jax.Array,
+    mine: tuple,
+    theirs: tuple,
+    logit: tuple,
 ) -> tuple:
     """(out, lse) of both local query chunks against a visiting device's key/value chunks:
     from an earlier device (`earlier`) every query sees the first visiting chunk; from a later
@@ -138,7 +150,8 @@ def _visiting_block(
     log-sum-exp EMPTY (output 0 where a case leaves them out, finite where masked).
     `mine` / `theirs`: (segments [b, 2c], positions [2c]) of the queries / the
     visiting keys, None where they do not mask; with a `window` (None: none) the blocks are
-    masked by position, with segments by document, otherwise not at all."""
+    masked by position, with segments by document, otherwise not at all. `logit`: `_block`'s
+    (scale, softcap)."""
     c = q.shape[1] // 2
     (q_seg, q_pos), (k_seg, k_pos), window = mine, theirs[:2], theirs[2]
     start = jnp.where(earlier, 0, c)
@@ -152,8 +165,8 @@ def _visiting_block(
         *(_half(q_seg, c, c, 1), _half(k_seg, start, c, 1)),
         *(_half(q_pos, c, c, 0), _half(k_pos, start, c, 0), window),
     )
-    first = _block(q_a, k[:, :c], v[:, :c], first_where, False)
-    second = _block(q[:, c:], k_a, v_a, second_where, False)
+    first = _block(q_a, k[:, :c], v[:, :c], first_where, False, logit)
+    second = _block(q[:, c:], k_a, v_a, second_where, False, logit)
     empty = (jnp.zeros_like(first[0]), jnp.full_like(first[1], EMPTY))
     to_first = jax.tree.map(lambda a, b: jnp.where(earlier, a, b), first, empty)
     to_second = _combine(jax.tree.map(lambda a, b: jnp.where(earlier, a, b), empty, first), second)
@@ -168,22 +181,29 @@ def ring_attention(
     ways: int,
     segments: jax.Array | None = None,
     window: int | jax.Array = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of this device's queries q [b, 2c, h, d] over the whole sequence whose
-    keys and values [b, 2c, kv_heads, d] are spread over the `ways` devices of mesh axis
+    keys and values [b, 2c, kv_heads, d_v] are spread over the `ways` devices of mesh axis
     `axis`, every device holding its two chunks in the order of `balanced_order`. With
     `segments` [b, 2c] (this device's tokens' document ids, in the same order) a query sees
     only keys of its document: the key blocks' ids travel round the ring with them; with
     `window` > 0 (an int or an int32 scalar) only keys less than `window` positions before
-    it (by global position). Returns the output [b, 2c, h, d] in q's dtype. Call inside a
-    shard_map manual over `axis`."""
+    it (by global position); scores times `scale` (None: d ** -0.5) and soft-capped by
+    `softcap` (> 0; Gemma 2) before the masks; `sinks` [h] (attention sinks: a logit per
+    query head in every row's denominator, no value; None: none) folded in once, after the
+    ring, as one more partial result of output 0 and log-sum-exp the sink. Returns the output
+    [b, 2c, h, d_v] in q's dtype. Call inside a shard_map manual over `axis`."""
+    logit = (scale, float(softcap))
     rank = lax.axis_index(axis)
     band = None if isinstance(window, int) and window == 0 else jnp.asarray(window, jnp.int32)
     order = jnp.asarray(balanced_order(q.shape[1] * ways, ways).reshape(ways, -1), jnp.int32)
     positions = None if band is None else order[rank]
     # Own chunks: chunk i precedes chunk 2cp-1-i, so the lower triangle over their
     # concatenation is exactly the global causal mask between them.
-    acc = _block(q, k, v, (segments, segments, positions, positions, band), True)
+    acc = _block(q, k, v, (segments, segments, positions, positions, band), True, logit)
     shift = [(j, (j + 1) % ways) for j in range(ways)]
     k_seg = segments
     for step in range(1, ways):
@@ -194,5 +214,8 @@ def ring_attention(
         # after `step` shifts the keys come from device rank - step, earlier iff rank >= step
         k_pos = None if band is None else order[(rank - step) % ways]
         mine, theirs = (segments, positions), (k_seg, k_pos, band)
-        acc = _combine(acc, _visiting_block(q, k, v, rank >= step, mine, theirs))
+        acc = _combine(acc, _visiting_block(q, k, v, rank >= step, mine, theirs, logit))
+    if sinks is not None:  # the sink's share of each row's denominator, with no value
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32), acc[1].shape)
+        acc = _combine(acc, (jnp.zeros_like(acc[0]), sink))
     return acc[0].astype(q.dtype)

@@ -55,11 +55,13 @@ def ulysses_attention(
     axis: str,
     ways: int,
     segments: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of this device's chunks q [b, n, heads, d], k and v [b, n, kv_heads,
     d] (n = L / ways, in the balanced order) by the one-device kernel `local(q, k, v)` (with
     `segments=` the whole sequences' document ids [b, L] in natural order when `segments`,
-    this device's ids [b, n], is given) run on whole sequences of heads / ways heads. Returns
+    this device's ids [b, n], is given, and with `sinks=` its heads' share of `sinks` [heads],
+    attention sinks, where given) run on whole sequences of heads / ways heads. Returns
     [b, n, heads, d_v]. Call inside a shard_map manual over `axis`."""
     why = check(q.shape[2], k.shape[2], ways)
     if why is not None:
@@ -77,6 +79,9 @@ def ulysses_attention(
     if segments is not None:
         gathered = lax.all_gather(segments, axis, axis=1, tiled=True)
         ids["segments"] = jnp.take(gathered, natural, axis=1)
+    if sinks is not None:  # device r receives the r-th block of the heads (split_axis=2)
+        share = q.shape[2] // ways
+        ids["sinks"] = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis) * share, share)
     out = local(whole(q), whole(k), whole(v), **ids)
     out = jnp.take(out, balanced, axis=1)
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 def layout_of(cfg: Config, mesh: jax.sharding.Mesh) -> Layout:
     """Where run `cfg` keeps its state and batches on `mesh`."""
     p = cfg.parallel
-    # auto: the ring (the models it refuses, Gemma's, are refused cp altogether)
+    # auto: the ring (it runs every head count and computes every family's attention)
     return Layout(
         mesh, p.zero, p.sequence_parallel, "ulysses" if p.cp_mode == "ulysses" else "ring"
     )

@@ -82,6 +82,7 @@ TRAIN_FLAGS: tuple[str, ...] = (
 )
 TRAIN_FLAGS += ("precision", "grad_reduce", "pp_schedule", "microbatches", "pp_virtual")
 TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parallel", "offload")
+TRAIN_FLAGS += ("cp_mode",)
 TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather", "optimizer")
 TRAIN_FLAGS += ("init_from_hf", "init_from_peft", "lora_rank", "lora_targets")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
