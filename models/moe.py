@@ -48,7 +48,6 @@ from models.moe_routing import top_k as top_k  # (re-exported: the router's stab
 from spmd.errors import UsageError
 from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
-    batch_mean,
     constrain,
     exchange_blocked,
     experts_split,
@@ -59,6 +58,7 @@ from spmd.parallel.hooks import (
     scan_layers,
     sequence_parallel,
     to_experts,
+    token_mean,
     token_positions,
     tp_enter,
     tp_reduce,
@@ -186,6 +186,12 @@ def check_layout(cfg: LlamaConfig, mesh: Any, executor: str) -> None:
     if not isinstance(cfg, MoEConfig) or not cfg.n_experts:  # dense: nothing more to check
         return
     check(cfg)
+    if mesh.shape["context"] > 1 and cfg.capacity_factor:
+        raise UsageError(
+            f"--capacity-factor {cfg.capacity_factor} with cp={mesh.shape['context']}: an "
+            f"expert's capacity counts a whole sequence's tokens, which cp splits; use "
+            f"--capacity-factor 0 (dropless) or cp=1"
+        )
     if mesh.shape["pipeline"] > 1 and cfg.dense_layers:
         raise UsageError(
             f"--mesh with pp={mesh.shape['pipeline']} cannot split a model whose layers are two "
@@ -230,7 +236,7 @@ class Experts(nnx.Module):
         probs, weights, top_experts = moe_routing.choose(self.cfg, logits, bias)
         if bias is not None and self.cfg.router_bias_rate:  # the load, as the bias's gradient
             per_expert = jax.nn.one_hot(top_experts, self.cfg.n_experts).sum(2).mean((0, 1))
-            weights = moe_routing.load_feedback(weights, bias, batch_mean(per_expert))
+            weights = moe_routing.load_feedback(weights, bias, token_mean(per_expert))
         return logits, probs, weights, top_experts
 
     def stats(
@@ -240,11 +246,11 @@ class Experts(nnx.Module):
         shape with one entry per (token, choice) pair: 1 where the pair was not dropped."""
         n = self.cfg.n_experts
         per_token = jax.nn.one_hot(top_experts, n, dtype=jnp.float32).sum(axis=2)  # [b, t, E]
-        share = batch_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
+        share = token_mean(per_token.mean(axis=(0, 1)))  # f_e, sums to k
         return {
             "aux_loss": moe_routing.balance_loss(self.cfg, per_token, probs, share),
             "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "dropped": jax.lax.stop_gradient(batch_mean(1.0 - kept.astype(jnp.float32).mean())),
+            "dropped": jax.lax.stop_gradient(token_mean(1.0 - kept.astype(jnp.float32).mean())),
             "load": jax.lax.stop_gradient(share),
         }
 

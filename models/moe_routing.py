@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd.errors import UsageError
-from spmd.parallel.hooks import batch_mean, sequence_sum
+from spmd.parallel.hooks import batch_mean, sequence_sum, token_mean
 
 if TYPE_CHECKING:
     from models.moe import MoEConfig
@@ -142,7 +142,7 @@ def balance_loss(
     parallelism sums its chunks' counts (sequence_sum), so every layout computes the same."""
     n = cfg.n_experts
     if cfg.aux_loss_scope == "batch":  # the ops of before the option, bit for bit
-        return n * jnp.sum(share * batch_mean(probs.mean(axis=(0, 1))))
+        return n * jnp.sum(share * token_mean(probs.mean(axis=(0, 1))))
     counts = sequence_sum(per_token.sum(axis=1))  # [b, E]: each sequence's choices per expert
     choices = counts.sum(axis=-1, keepdims=True)  # [b, 1]: k T
     f = jax.lax.stop_gradient(n * counts / choices)  # (counts carry no gradient anyway)

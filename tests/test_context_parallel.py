@@ -218,7 +218,8 @@ def test_bad_context_flags_name_the_value():
         check_sequence_split(36, {"context": 4}, False)
     check_sequence_split(64, {"context": 2, "pipeline": 2, "tensor": 2}, True)
     check_sequence_split(64, {"context": 4, "tensor": 2}, True)
+    check_sequence_split(64, {"context": 2}, False, moe=True)  # dropless MoE composes with cp
     with pytest.raises(UsageError, match="MoE model"):
-        check_sequence_split(64, {"context": 2}, False, moe=True)
+        check_sequence_split(64, {"tensor": 2}, True, moe=True)
     with pytest.raises(UsageError, match="--accum 2 with cp > 1 needs --collectives explicit"):
         trainer.program(trainer.layout("dp=2,cp=2"), 2, "auto")

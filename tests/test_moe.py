@@ -48,6 +48,9 @@ LAYOUTS = [
     ("ep=2,pp=2", "auto", "gpipe"),
     # experts whole on every device: the sorted dispatch, its experts' hidden dim split by tp
     ("dp=2,tp=2", "explicit", None),
+    # a sequence's chunks over context: the router's loads averaged over them too (token_mean)
+    ("cp=2", "explicit", None),
+    ("cp=2,ep=2", "auto", None),
 ]
 NO_ROUTER_LOSS = {"aux_loss_coef": 0.0, "z_loss_coef": 0.0}
 

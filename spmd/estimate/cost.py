@@ -177,8 +177,14 @@ def check_setup(s: Setup) -> None:
         )
         if heads:
             raise UsageError(heads)
-    if s.shape.n_experts and (s.context > 1 or s.sequence_parallel):
-        raise UsageError("an MoE model does not compose with cp > 1 or --sequence-parallel yet")
+    if s.shape.n_experts and s.sequence_parallel:
+        raise UsageError("an MoE model does not compose with --sequence-parallel yet")
+    if s.shape.n_experts and s.context > 1 and s.shape.capacity_factor:
+        raise UsageError(
+            f"--capacity-factor {s.shape.capacity_factor} with cp={s.context}: an expert's "
+            f"capacity counts a whole sequence's tokens, which cp splits; use --capacity-factor "
+            f"0 (dropless) or cp=1"
+        )
     pipeline = s.mesh["pipeline"]
     if s.pipelined:
         schedules.check_settings(s.schedule, pipeline, s.microbatches, s.virtual)

@@ -22,6 +22,8 @@ spmd but this module. Each hook is a no-op unless the step being traced opened a
                               the sorted MoE rows' all-to-all (spmd.parallel.expert_exchange)
     sequence_parallel(name)   whether tp_enter / tp_reduce over `name` gather / scatter length
     batch_mean(x)             mean over the data-parallel shards of a per-shard mean
+    token_mean(x)             mean over the shards of a per-shard mean over tokens: the
+                              data-parallel ones and, under cp, the sequences' chunks
     token_positions(x)        global positions of the tokens attention sees (SP, CP chunks)
     attention(q, k, v, local) causal attention: `local` unless the length is split over
                               `context`, then ring attention (spmd.parallel.ring_attention)
@@ -205,6 +207,14 @@ def batch_mean(x: jax.Array) -> jax.Array:
     adds it, the implicit cast to varying transposes to a psum, so its gradient comes out as on
     one device). Auto: `x` is already global."""
     axes = traced.split_axes("batch")
+    return lax.pmean(x, axes) if axes else x
+
+
+def token_mean(x: jax.Array) -> jax.Array:
+    """The mean over every shard of the tokens of `x`, a mean over this shard's tokens (each
+    holds as many): batch_mean's, and under context parallelism over the devices holding the
+    sequences' other chunks too. Auto: `x` is already global."""
+    axes = (*traced.split_axes("batch"), *traced.split_axes("length"))
     return lax.pmean(x, axes) if axes else x
 
 

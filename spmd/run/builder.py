@@ -97,7 +97,7 @@ class ModelSpec:
     loss: LossFn  # (model, batch) -> the mean loss of the batch
     # (mesh, executor) -> None, UsageError for a layout the model cannot run
     check_layout: Callable[[jax.sharding.Mesh, str], None] | None = None
-    moe: bool = False  # routed experts: no context or sequence parallelism yet
+    moe: bool = False  # routed experts: no sequence parallelism yet
     frozen: bool = False  # part of the model is frozen (LoRA's base): spmd.engine.frozen
     dropout: float = 0.0  # LoRA's dropout on the adapters' input (models/adapter.py)
     # (model, batch) -> figures a log record shows beside the loss (an MoE's router

@@ -337,14 +337,14 @@ def check_sequence_split(
     moe: bool = False,
 ) -> None:
     """UsageError when the mesh cannot split --seq-len: context parallelism cuts it in
-    2·cp chunks; --sequence-parallel needs tp > 1 and each device's length a multiple of tp.
-    Neither composes with an MoE model yet (document masks and sliding windows do: the ring
-    masks both)."""
+    2·cp chunks; --sequence-parallel needs tp > 1 and each device's length a multiple of tp,
+    and does not compose with an MoE model yet (context parallelism does where the model
+    drops no token: models.moe.check_layout)."""
     context, tensor = sizes.get("context", 1), sizes.get("tensor", 1)
-    if moe and (context > 1 or sequence_parallel):
+    if moe and sequence_parallel:
         raise UsageError(
-            "an MoE model (--n-experts) does not compose with cp > 1 or --sequence-parallel "
-            "yet: its router and expert dispatch see whole sequences; use cp=1 without SP"
+            "an MoE model (--n-experts) does not compose with --sequence-parallel yet: its "
+            "router and expert dispatch see whole rows of tokens; leave --sequence-parallel off"
         )
     split = long_sequence.split_error(seq_len, context, tensor, sequence_parallel)
     if split:
