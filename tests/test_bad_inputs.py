@@ -112,7 +112,20 @@ CASES = [
     *map(train, ["--mesh dp=0", "--devices -1", "--zero 4", "--collectives bogus"]),
     # what context parallelism still does not compose with (documents and windows it does);
     # refused by the builder, once the mesh exists
-    Case("train", "--model moe-tiny --mesh cp=2", TRAIN, mesh=True, says="an MoE model"),
+    Case(
+        "train",
+        "--model moe-tiny --mesh cp=2 --capacity-factor 1.25",
+        TRAIN,
+        mesh=True,
+        says="--capacity-factor 1.25 with cp=2",
+    ),
+    Case(
+        "train",
+        "--model moe-tiny --mesh tp=2 --sequence-parallel",
+        TRAIN,
+        mesh=True,
+        says="an MoE model",
+    ),
     # Ulysses splits the heads over cp: heads it cannot split (spmd.estimate.long_sequence)
     *(
         Case("train", f"--mesh cp=4 --cp-mode ulysses {h}", TRAIN, mesh=True, says=says)
