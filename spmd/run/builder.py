@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from models import family, finetune
-from spmd.engine import diloco, objectives, precision
+from spmd.engine import diloco, objectives, optimizers, precision
 from spmd.engine.diloco import AnyProgram
 from spmd.engine.optimizers import make_optimizer, with_sign_rule
 from spmd.engine.options import TOKENS, StepOptions
@@ -243,6 +243,10 @@ def program(
         if why is not None:
             raise UsageError(why)
     options = options_of(cfg, layout, batch_fields, train)
+    if train:  # the library's road skips spmd.run.checks: a whole-matrix rule on slices
+        optimizers.check_executor(
+            cfg.optimizer.optimizer, options.executor, dict(mesh.shape), layout.zero_stage
+        )
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)
     return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)
