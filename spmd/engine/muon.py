@@ -12,9 +12,10 @@ decay and schedule carry over. State: one fp32 momentum per matrix param, AdamW'
 per other param.
 
 The orthogonalisation reads the whole matrix, so Muon is not elementwise: under the auto
-executor the update runs on the global arrays (XLA gathers what it needs, exact); the explicit
-executor, which updates each device's slice, refuses it where a matrix is split
-(spmd.engine.optimizers.check_executor)."""
+executor the update runs on the global arrays (XLA gathers what it needs); the explicit
+executor, which updates each device's slice of an elementwise rule, gathers Muon's gradients,
+state and params whole for the update and keeps its slice (spmd.engine.explicit.whole_update).
+Both equal one device to fp32 rounding."""
 
 from __future__ import annotations
 

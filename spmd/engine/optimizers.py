@@ -6,7 +6,6 @@ no optimizer the engine cannot build.
 
     optimizers.get("adamw")                 the entry (UsageError naming the valid ones)
     optimizers.check_fields(cfg)            UsageError for another optimizer's flag
-    optimizers.check_executor(...)          UsageError for a whole-matrix rule on slices
     optimizers.make_optimizer(cfg, ...)     clipping, then the entry's update on the schedule
 """
 
@@ -84,25 +83,6 @@ def check_fields(cfg: OptimizerConfig) -> None:
     if cfg.muon_ns_steps < 1:
         raise UsageError(f"--muon-ns-steps {cfg.muon_ns_steps} must be 1 or more iterations")
     check_number("--muon-rms", cfg.muon_rms, 0.0, math.inf, "0 (unscaled) or a positive RMS")
-
-
-def check_executor(name: str, executor: str, mesh: dict[str, int], zero: int) -> None:
-    """UsageError for a non-elementwise optimizer under the explicit executor on a mesh that
-    splits a param's matrix dims (fsdp under ZeRO 1-3, tensor, expert): that executor updates
-    each device's slice alone, which would orthogonalise slices, not matrices."""
-    if get(name).elementwise or executor != "explicit":
-        return
-    split = [
-        f"{axis}={mesh.get(axis, 1)}"
-        for axis in ("fsdp", "tensor", "expert")
-        if mesh.get(axis, 1) != 1 and (axis != "fsdp" or zero > 0)
-    ]
-    if split:
-        raise UsageError(
-            f"--optimizer {name} needs whole matrices, and --collectives explicit updates "
-            f"slices of them on mesh {', '.join(split)}; use --collectives auto, or a mesh "
-            f"without fsdp, tensor and expert splits"
-        )
 
 
 def make_optimizer(

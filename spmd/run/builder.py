@@ -213,6 +213,7 @@ def options_of(
         batch_fields=batch_fields,
         # a program without an optimizer (loading, converting weights) has no state to offload
         offload_state=p.offload if train else "none",
+        elementwise=optimizers.get(cfg.optimizer.optimizer).elementwise,
     )
 
 
@@ -243,10 +244,6 @@ def program(
         if why is not None:
             raise UsageError(why)
     options = options_of(cfg, layout, batch_fields, train)
-    if train:  # the library's road skips spmd.run.checks: a whole-matrix rule on slices
-        optimizers.check_executor(
-            cfg.optimizer.optimizer, options.executor, dict(mesh.shape), layout.zero_stage
-        )
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)
     return build(spec, tx, layout, options, sync_of(cfg), cfg.run.batch, cfg.run.seq_len)

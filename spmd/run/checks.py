@@ -143,9 +143,6 @@ def check_parallel(cfg: Config) -> None:
     if p.dcn_mesh:
         check_dcn_mesh(p.mesh, p.dcn_mesh, processes_of(cfg))
     check_executor(p.collectives)
-    from spmd.engine import optimizers
-
-    optimizers.check_executor(cfg.optimizer.optimizer, p.collectives, sizes, p.zero)
     if p.pp_schedule not in schedules.SCHEDULES:
         raise UsageError(
             f"--pp-schedule {p.pp_schedule!r} is not one of {', '.join(schedules.SCHEDULES)}"
