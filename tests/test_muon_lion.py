@@ -135,6 +135,9 @@ def test_muon_splits_hidden_matrices_from_the_rest_and_scales_to_adamw_rms():
     assert router["moe"]["router"] is None
     experts = muon.split({"w_up": ("layers", "expert", "embed", "mlp")})
     assert experts["w_up"] == MuonDimensionNumbers((2,), (3,))
+    # the line the run prints: wq, wo, w_down on Muon; the embedding and the norm on AdamW
+    line = muon.describe(NAMES, _random_tree(0))
+    assert "muon on 1,280 params (3 stacked" in line and "adamw on 544 in 2 other" in line
     # Moonlight's scale: every matrix's update RMS near 0.2 x lr, whatever its shape
     cfg = dataclasses.replace(CFG, optimizer="muon", warmup=0, lr_schedule="constant")
     cfg = dataclasses.replace(cfg, weight_decay=0.0)

@@ -90,8 +90,8 @@ def describe(names_tree: Any, shapes: Any) -> str:
     total = sum(sizes)
     return (
         f"optimizer: muon on {on_muon:,} params ({arrays} stacked hidden matrices, each "
-        f"layer's orthogonalised apart), adamw on {total - on_muon:,} ({len(dims) - arrays} "
-        f"embeddings, heads, norms, biases, routers)"
+        f"layer's orthogonalised apart), adamw on {total - on_muon:,} in {len(dims) - arrays} "
+        f"other arrays (embeddings, head, norms, biases, routers)"
     )
 
 
