@@ -107,7 +107,9 @@ HELP = {
     "optimizer": "the update rule and its state per param beside the master weights: "
     + ", ".join(
         f"{o.name} {4 * o.state_slots} B"
-        + ("" if o.matrix_state_slots is None else f" ({4 * o.matrix_state_slots} B on matrices)")
+        if o.matrix_state_slots is None
+        else f"{o.name} {4 * o.matrix_state_slots} B on hidden matrices, {4 * o.state_slots} B "
+        "on the rest"
         for o in OPTIMIZERS.values()
     ),
     "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth, --inter-bandwidth, "
