@@ -3,7 +3,8 @@ and gradients (Lion: its update written out here; Muon: optax.contrib.muon on ea
 matrix alone, AdamW on the rest) within 1e-6 over 10 fp32 steps; sharded (fsdp=4 ZeRO-1 and
 ZeRO-3, dp=2,fsdp=2,tp=2) each trains the tiny model as one device does within 1e-5 over 10
 steps under both executors, and a Muon that updated the explicit executor's slices would not;
-a resume from a checkpoint is bitwise."""
+a resume from a checkpoint is bitwise; the planner's FLOPs hold Muon's Newton-Schulz matmuls
+as the compiled step has them."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
+from models import llama
+from spmd import plan
 from spmd.engine import muon, optimizers
 from spmd.engine.optim import lr_schedule
 from spmd.engine.options import TOKENS
+from spmd.estimate import cost, timing
+from spmd.estimate.flops import hlo_dot_flops
 from spmd.io import checkpoint, checkpoint_restore, data
+from spmd.parallel.mesh import MESH_AXES
 from spmd.run import builder
-from spmd.run.config import flat
+from spmd.run.config import build, flat, preset
 from spmd.sections import OptimizerConfig
 from tests import trainer
 
@@ -249,3 +255,18 @@ def test_a_resume_from_a_checkpoint_is_bitwise(optimizer, tmp_path):
     assert losses == expected
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(jax.device_get(a), jax.device_get(b))
+
+
+def test_the_planner_counts_muons_newton_schulz_flops_as_compiled():
+    # tiny, one device, remat none at 256 tokens: the planner's executed FLOPs are the
+    # compiled step's dots (tests/test_plan.py checks AdamW's so); Muon's add its matmuls
+    model = build(llama.LlamaConfig, {**preset("tiny"), "remat": "none"}, "tiny")
+    s = cost.Setup(model.shape(), model.n_params(), dict.fromkeys(MESH_AXES, 1), 1, "fp32",
+                   "muon", 1, 256, remat="none")  # fmt: skip
+    program, _ = plan.engine_program(s, model, jax.devices()[:1])
+    dots = hlo_dot_flops(program.compile_train_step(1, 256))
+    assert timing.executed_flops(s) == pytest.approx(dots, rel=1e-3)
+    added = timing.executed_flops(s) - timing.executed_flops(
+        dataclasses.replace(s, optimizer="adamw")
+    )
+    assert added == muon.newton_schulz_flops(model.shape()) > 0.1 * timing.model_flops(s)

@@ -26,6 +26,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from spmd.engine.optim import Optimizer, adamw
+from spmd.model_shape import ModelShape
 from spmd.sections import OptimizerConfig
 
 BATCH_DIMS = ("layers", "expert")  # stacked dims: one matrix per index
@@ -95,6 +96,33 @@ def describe(names_tree: Any, shapes: Any) -> str:
     )
 
 
+def hidden_matrices(shape: ModelShape) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) of the matrices `split` gives Muon in a model of `shape`, each
+    layer's and each expert's apart: per block wq, wk, wv, wo and the dense MLP's (or the
+    shared expert's) gate, up and down, and an MoE's routed experts' three each."""
+    e, layers, heads = shape.embed_dim, shape.n_layers, shape.head_dim * shape.n_heads
+    kv = shape.head_dim * shape.n_kv_heads
+    mlp = shape.shared_dim if shape.n_experts else shape.mlp_dim
+    out = [(layers, e, heads), (2 * layers, e, kv), (layers, heads, e)]
+    if mlp:
+        out.append((3 * layers, e, mlp))
+    if shape.n_experts:
+        out.append((3 * layers * shape.n_experts, e, shape.expert_dim))
+    return out
+
+
+def newton_schulz_flops(shape: ModelShape, ns_steps: int = OptimizerConfig.muon_ns_steps) -> float:
+    """FLOPs of one Muon update's orthogonalisations in a model of `shape`: optax's iteration
+    X <- a X + (b A + c A^2) X with A = X X^T, on each m x n matrix with m <= n (optax
+    transposes the taller ones), is 2m^2n + 2m^3 + 2m^2n FLOPs, ns_steps times. Independent of
+    the batch; the 1b preset's compiled step has exactly these dots beside AdamW's."""
+    total = 0.0
+    for count, rows, cols in hidden_matrices(shape):
+        m, n = min(rows, cols), max(rows, cols)
+        total += count * ns_steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 MUON = Optimizer(
     name="muon",
     make=muon,
@@ -102,4 +130,5 @@ MUON = Optimizer(
     matrix_state_slots=1,  # Muon's one momentum on the hidden matrices
     elementwise=False,
     fields=("muon_momentum", "muon_ns_steps", "muon_rms"),
+    update_flops=newton_schulz_flops,
 )

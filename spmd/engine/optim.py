@@ -49,6 +49,10 @@ class Optimizer:
     # the OptimizerConfig fields that only this optimizer reads (its flags): set with another
     # --optimizer they are refused (spmd.engine.optimizers.check_fields), never ignored
     fields: tuple[str, ...] = ()
+    # FLOPs of one update that the planner counts beside the model's (a function of the
+    # model's spmd.model_shape.ModelShape: Muon's Newton-Schulz matmuls); None: elementwise
+    # work, not counted
+    update_flops: Callable[[Any], float] | None = None
 
 
 def update_count(opt_state: Any) -> jax.Array | None:
