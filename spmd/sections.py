@@ -100,7 +100,7 @@ class OptimizerConfig:
     DiLoCo's outer optimizer."""
 
     # the update rule, an entry of spmd.engine.optimizers (momentum: SGD with heavy-ball
-    # momentum --beta1)
+    # momentum --beta1; muon: Muon on the hidden matrices, AdamW on the rest)
     optimizer: str = "adamw"
     lr: float = 3e-3  # peak learning rate (before the scaling rule)
     lr_scaling: Literal["none", "linear"] = "none"  # linear: lr * batch / ref_batch
@@ -117,6 +117,14 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.95  # AdamW's decay rate of the squared gradient's running mean, in [0, 1)
     grad_clip: float = 1.0  # global L2 norm; 0 disables
+    # lion: the rate that mixes the gradient into the sign's input, in [0, 1) (optax's b1)
+    lion_beta1: float = 0.9
+    lion_beta2: float = 0.99  # lion: the momentum's decay rate, in [0, 1) (optax's b2)
+    muon_momentum: float = 0.95  # muon: the matrices' momentum decay rate, in [0, 1)
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per orthogonalisation, >= 1
+    # muon: the matrices' update RMS, as Moonlight's 0.2 x sqrt(max(m, n)) scale gives AdamW's
+    # (so AdamW's LR transfers); 0: optax's unscaled update (orthogonal, RMS 1/sqrt(min(m, n)))
+    muon_rms: float = 0.2
     outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
 

@@ -107,6 +107,11 @@ CASES = [
     # the optimizer
     *map(train, ["--lr inf", "--lr 0", "--lr-scaling bogus", "--warmup -1"]),
     *map(train, ["--min-lr-ratio nan", "--beta1 1", "--outer-lr nan", "--outer-momentum 1.5"]),
+    train("--optimizer bogus", says="--optimizer 'bogus' is not one of adamw"),
+    train("--muon-ns-steps 3", says="--muon-ns-steps is --optimizer muon's"),  # with AdamW
+    train("--optimizer muon --lion-beta1 0.5", says="--lion-beta1 is --optimizer lion's"),
+    *map(train, ["--optimizer muon --muon-ns-steps 0", "--optimizer muon --muon-rms -1"]),
+    *map(train, ["--optimizer lion --lion-beta2 1", "--optimizer muon --muon-momentum nan"]),
     # the layout
     *map(train, ["--mesh dp=2,,tp=2", "--mesh dp=2,", "--mesh ''", "--mesh dp=1_6"]),
     *map(train, ["--mesh dp=0", "--devices -1", "--zero 4", "--collectives bogus"]),

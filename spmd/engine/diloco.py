@@ -264,7 +264,7 @@ def _abstract_state(
     master_abs = inner.abstract_master
     param_sh = _shardings(master_abs)
     outer_opt_shapes = jax.eval_shape(outer_tx.init, master_abs)
-    outer_opt_sh = optimizer_shardings(outer_tx, outer_opt_shapes, param_sh, layout.replicated)
+    outer_opt_sh = optimizer_shardings(outer_opt_shapes, param_sh, layout.replicated)
     outer_opt = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         outer_opt_shapes,

@@ -11,7 +11,8 @@ ran. Inside, each device sees its local blocks:
 2. with gradient accumulation, add up the local gradients of the micro-batches (a lax.scan);
 3. reduce the gradients once: pmean (DDP, ZeRO-1), psum_scatter (ZeRO-2) or psum over data
    (ZeRO-3), per leaf from its PartitionSpecs;
-4. slice params and grads down to the optimizer state's layout, update, all_gather back.
+4. slice params and grads down to the optimizer state's layout, update, all_gather back (an
+   optimizer that is not elementwise, Muon, updates them gathered whole and keeps the slice).
 """
 
 from __future__ import annotations
@@ -80,20 +81,25 @@ def sliced_update(
     grad_norm: jax.Array,
     specs: dict[str, Any],
     policy: precision.Policy,
+    whole: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(params, opt_state, loss_scale) after the optimizer update. Each rank updates only its
     slice of the master weights (the optimizer state's layout: under bf16 / fp16 the master
     copy lives there already; under fp32 ZeRO-1/2 slice the replicated params), writes back
     the slice in the working dtype and all_gathers it to the params' layout (16-bit bytes under
     bf16 / fp16). An fp16 step whose (already globally reduced) gradient norm is not finite
-    keeps every rank's slices as they were."""
+    keeps every rank's slices as they were. `whole`: the update reads whole params (Muon),
+    so it runs on them gathered (`whole_update`) and each rank keeps its slice."""
     take = collectives.take_slice
     loss_scale = precision.fp8_state.fold(loss_scale)  # delayed fp8: the step's amaxes
     master, inner = precision.split_opt_state(params, opt_state, policy)
     if not policy.has_master:
         master = jax.tree.map(take, params, specs["params"], specs["opt_per_param"])
     slice_grads = jax.tree.map(take, grads, specs["grads"], specs["opt_per_param"])
-    updates, new_inner = tx.update(slice_grads, inner, master)
+    if whole:
+        updates, new_inner = whole_update(tx, slice_grads, inner, master, specs, policy)
+    else:
+        updates, new_inner = tx.update(slice_grads, inner, master)
     new_master = optax.apply_updates(master, updates)
     if policy.loss_scaling:
         finite = jnp.isfinite(grad_norm)
@@ -105,6 +111,36 @@ def sliced_update(
     gather = collectives.gather_whole
     params = jax.tree.map(gather, working, specs["opt_per_param"], specs["params"])
     return params, precision.join_opt_state(new_master, new_inner, policy), loss_scale
+
+
+def whole_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    inner: Any,
+    master: Any,
+    specs: dict[str, Any],
+    policy: precision.Policy,
+) -> tuple[Any, Any]:
+    """(this rank's slice of the updates, its slice of the new optimizer state) of an update
+    that is not elementwise, from the slices of the gradients, the optimizer state `inner` and
+    the master weights: all three all_gathered whole (replicated over the whole mesh), updated
+    as on one device, then sliced back, so the result is one device's to the rounding of the
+    collectives. Every rank repeats the whole update (not spread over the fsdp ranks), and
+    holds a whole copy of the state while it runs."""
+    whole, per_param = PartitionSpec(), specs["opt_per_param"]
+    inner_specs = precision.split_opt_state(per_param, specs["opt_state"], policy)[1]
+    gather, take = collectives.gather_whole, collectives.take_slice
+
+    def gathered(tree: Any, tree_specs: Any) -> Any:
+        return jax.tree.map(lambda x, spec: gather(x, spec, whole), tree, tree_specs)
+
+    def sliced(tree: Any, tree_specs: Any) -> Any:
+        return jax.tree.map(lambda x, spec: take(x, whole, spec), tree, tree_specs)
+
+    updates, new_inner = tx.update(
+        gathered(grads, per_param), gathered(inner, inner_specs), gathered(master, per_param)
+    )
+    return sliced(updates, per_param), sliced(new_inner, inner_specs)
 
 
 def explicit_steps(
@@ -129,6 +165,7 @@ def explicit_steps(
     signature and the steps' are spmd.engine.auto.auto_steps's."""
     mesh, zero_stage, sequence_parallel = layout.mesh, layout.zero_stage, layout.sequence_parallel
     accum, policy, bucket_bytes = options.accum, options.policy, options.bucket_bytes
+    whole = not options.elementwise  # the update gathers whole params (sliced_update)
     specs = {
         "params": _specs(shardings["params"]),
         "grads": _specs(shardings["grads"]),
@@ -175,7 +212,7 @@ def explicit_steps(
             )
             grad_norm = collectives.global_norm(grads)
             params, opt_state, loss_scale = sliced_update(
-                tx, params, grads, opt_state, loss_scale, grad_norm, trained, policy
+                tx, params, grads, opt_state, loss_scale, grad_norm, trained, policy, whole
             )
             params = frozen.join(params, fixed)
             metrics = {

@@ -39,6 +39,20 @@ class Optimizer:
     # two moments: 2), beside the master copy: what the planner counts per param
     # (spmd.estimate.memory) and tests/test_optimizers.py checks against what optax allocates
     state_slots: int
+    # the values it keeps per param of a hidden matrix instead, where it treats those apart
+    # (Muon: one momentum there, AdamW's two moments elsewhere); None: state_slots everywhere
+    matrix_state_slots: int | None = None
+    # True when each param's update reads only that param's own elements (AdamW, Lion, SGD):
+    # then a device may update its slice of a param alone (spmd.engine.explicit under ZeRO).
+    # False for a rule over whole matrices (Muon's orthogonalisation).
+    elementwise: bool = True
+    # the OptimizerConfig fields that only this optimizer reads (its flags): set with another
+    # --optimizer they are refused (spmd.engine.optimizers.check_fields), never ignored
+    fields: tuple[str, ...] = ()
+    # FLOPs of one update that the planner counts beside the model's (a function of the
+    # model's spmd.model_shape.ModelShape: Muon's Newton-Schulz matmuls); None: elementwise
+    # work, not counted
+    update_flops: Callable[[Any], float] | None = None
 
 
 def update_count(opt_state: Any) -> jax.Array | None:

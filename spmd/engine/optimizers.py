@@ -5,24 +5,28 @@ the planner (spmd.estimate.memory) counts its state from the same entry, so the 
 no optimizer the engine cannot build.
 
     optimizers.get("adamw")                 the entry (UsageError naming the valid ones)
+    optimizers.check_fields(cfg)            UsageError for another optimizer's flag
     optimizers.make_optimizer(cfg, ...)     clipping, then the entry's update on the schedule
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.engine import sgd
-from spmd.engine.optim import ADAMW, Optimizer, clip_by_global_norm, lr_schedule
+from spmd.engine import lion, muon, sgd
+from spmd.engine.optim import ADAMW, Optimizer, check_number, clip_by_global_norm, lr_schedule
 from spmd.errors import UsageError
 from spmd.sections import OptimizerConfig
 
 # The registry: one line per optimizer.
-OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (ADAMW, sgd.MOMENTUM, sgd.SGD)}
+OPTIMIZERS: dict[str, Optimizer] = {
+    o.name: o for o in (ADAMW, sgd.MOMENTUM, sgd.SGD, lion.LION, muon.MUON)
+}
 
 
 def get(name: str) -> Optimizer:
@@ -44,11 +48,41 @@ def check_resume(name: str, saved: dict[str, Any], where: str) -> None:
         )
 
 
-def state_bytes(name: str, value_bytes: int) -> int:
+def state_bytes(name: str, value_bytes: int, matrix_share: float = 0.0) -> float:
     """Bytes of state optimizer `name` keeps per trained param, beside the master copy, when
-    each of its values takes `value_bytes` (the master weights' dtype): what the planner
-    counts."""
-    return get(name).state_slots * value_bytes
+    each of its values takes `value_bytes` (the master weights' dtype) and `matrix_share` of
+    the trained params are hidden matrices (which an optimizer with `matrix_state_slots`
+    treats apart): what the planner counts, the mean over the params."""
+    entry = get(name)
+    if entry.matrix_state_slots is None or matrix_share == 0:
+        return entry.state_slots * value_bytes  # whole bytes: an int, printed as one
+    matrices = matrix_share * entry.matrix_state_slots
+    return (matrices + (1.0 - matrix_share) * entry.state_slots) * value_bytes
+
+
+def check_fields(cfg: OptimizerConfig) -> None:
+    """UsageError for a flag of another optimizer than --optimizer's, set away from its
+    default (a Muon flag with AdamW would otherwise be ignored), and for bad values of the
+    chosen optimizer's own flags."""
+    chosen = get(cfg.optimizer)
+    defaults = OptimizerConfig()
+    for entry in OPTIMIZERS.values():
+        for field in entry.fields:
+            if entry is not chosen and getattr(cfg, field) != getattr(defaults, field):
+                flag = "--" + field.replace("_", "-")
+                raise UsageError(
+                    f"{flag} is --optimizer {entry.name}'s; this run's --optimizer is "
+                    f"{cfg.optimizer} (drop {flag}, or use --optimizer {entry.name})"
+                )
+    for flag, beta in (
+        ("--lion-beta1", cfg.lion_beta1),
+        ("--lion-beta2", cfg.lion_beta2),
+        ("--muon-momentum", cfg.muon_momentum),
+    ):
+        check_number(flag, beta, 0.0, 1.0 - math.ulp(1.0), "a decay rate in [0, 1)")
+    if cfg.muon_ns_steps < 1:
+        raise UsageError(f"--muon-ns-steps {cfg.muon_ns_steps} must be 1 or more iterations")
+    check_number("--muon-rms", cfg.muon_rms, 0.0, math.inf, "0 (unscaled) or a positive RMS")
 
 
 def make_optimizer(

@@ -35,6 +35,9 @@ class StepOptions:
     - batch_fields: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields).
     - offload_state: "none", "optimizer" (optimizer state and master weights in host memory
       between steps) or "params" (the params too); spmd.engine.offload.
+    - elementwise: the optimizer's update of each element reads only that element (AdamW,
+      Lion; spmd.engine.optim.Optimizer.elementwise); False (Muon): the explicit executor
+      updates whole params, gathered, instead of each device's slice.
     - exclude_axes: mesh axes the auto executor's activation rules leave to an enclosing vmap
       (spmd.engine.diloco sets them; `Program.train_fn` is then the step to vmap).
     """
@@ -49,6 +52,7 @@ class StepOptions:
     batch_fields: tuple[str, ...] = TOKENS
     offload_state: str = "none"
     exclude_axes: tuple[str, ...] = ()
+    elementwise: bool = True
 
     def pipelined(self, mesh: Any) -> bool:
         """Whether a pipeline schedule runs on `mesh`: one is given and pp > 1."""

@@ -67,23 +67,40 @@ def opt_state_shardings(
     shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
     per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
     _, inner_shapes = precision.split_opt_state(master, shapes, policy)
-    inner = optimizer_shardings(tx, inner_shapes, per_param, layout.replicated)
+    inner = optimizer_shardings(inner_shapes, per_param, layout.replicated)
     return shapes, precision.join_opt_state(per_param, inner, policy)
 
 
-def optimizer_shardings(
-    tx: optax.GradientTransformation, opt_shapes: Any, per_param: Any, replicated: Any
-) -> Any:
-    """Shardings of `tx`'s state `opt_shapes`: its param-shaped leaves (e.g. Adam's m and v)
-    take the param's sharding from `per_param`, the rest (step counts) `replicated`."""
-    return optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        opt_shapes,
-        per_param,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+def optimizer_shardings(opt_shapes: Any, per_param: Any, replicated: Any) -> Any:
+    """Shardings of an optimizer state `opt_shapes`: a param-shaped leaf (Adam's m and v, Muon's
+    momentum) takes the sharding in `per_param` of the param it copies, the rest (step counts,
+    Muon's Newton-Schulz coefficients) `replicated`. A state leaf copies a param when its key
+    path ends with the param's and the shapes agree: optax keeps each param-shaped tree whole
+    under a field of its state, however deep partitions and masks nest it (optax's own
+    tree_map_params needs an init that takes one placeholder for the whole tree, which
+    optax.contrib.muon's does not)."""
+    by_path = {
+        tuple(path): sharding
+        for path, sharding in jax.tree_util.tree_flatten_with_path(
+            per_param, is_leaf=lambda x: isinstance(x, NamedSharding)
+        )[0]
+    }
+    depths = sorted({len(path) for path in by_path}, reverse=True)
+
+    def sharding_of(path: tuple, leaf: Any) -> Any:
+        for depth in depths:  # the longest param path that ends the leaf's
+            sharding = by_path.get(tuple(path[len(path) - depth :])) if depth <= len(path) else None
+            if sharding is not None and _fits(sharding, leaf):
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(sharding_of, opt_shapes)
+
+
+def _fits(sharding: NamedSharding, leaf: Any) -> bool:
+    """Whether `leaf` has as many dims as `sharding` names (a param-shaped leaf, not a scalar
+    at the same key)."""
+    return len(getattr(leaf, "shape", ())) >= len(sharding.spec) and getattr(leaf, "ndim", 0) > 0
 
 
 def sharded_bytes(abstract: Any) -> int:

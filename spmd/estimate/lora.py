@@ -171,12 +171,12 @@ def tensor_replicated_flops(s: Any) -> float:
     )
 
 
-def state_words(per_param: dict[str, int], adapters: float) -> str:
+def state_words(per_param: dict[str, float], adapters: float) -> str:
     """What a LoRA run keeps per parameter, from spmd.estimate.memory.bytes_per_param's
     `per_param` and the `adapters`' scalar count: the frozen base's params alone (no
     gradients, master weights or moments: spmd.engine.frozen), the adapters' all of them."""
-    terms = " + ".join(str(per_param[role]) for role in ("params", "grads", "optimizer"))
+    terms = " + ".join(f"{per_param[role]:g}" for role in ("params", "grads", "optimizer"))
     return (
         f"the frozen base {per_param['params']} B/param, the {si(adapters, '').strip()} adapter "
-        f"params {terms} = {sum(per_param.values())} B/param"
+        f"params {terms} = {sum(per_param.values()):g} B/param"
     )

@@ -254,7 +254,7 @@ def state_against_formula(
     per_param = memory.bytes_per_param(s)
     line = (
         f"state per device against the ZeRO formula ({per_param['params']} + "
-        f"{per_param['grads']} + {per_param['optimizer']} B/param, stage {zero}): "
+        f"{per_param['grads']} + {per_param['optimizer']:g} B/param, stage {zero}): "
         + "; ".join(parts)
     )
     if offload == "none" or by_memory is None:

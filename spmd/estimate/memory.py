@@ -39,14 +39,27 @@ OFF_DEVICE_IN_STEP = ("optimizer",)
 SCORE_COPIES = 3
 
 
-def bytes_per_param(s: cost.Setup) -> dict[str, int]:
-    """Unsharded bytes per parameter: working params, gradients, master copy + moments."""
+def bytes_per_param(s: cost.Setup) -> dict[str, float]:
+    """Unsharded bytes per parameter: working params, gradients, master copy + moments (the
+    mean over the params for an optimizer that keeps more state on some: Muon)."""
     master = s.policy.itemsize("master") if s.policy.has_master else 0
+    state = optimizers.state_bytes(s.optimizer, s.policy.itemsize("master"), matrix_share(s))
     return {
         "params": s.bytes_of("weights"),
         "grads": s.bytes_of("grads"),
-        "optimizer": master + optimizers.state_bytes(s.optimizer, s.policy.itemsize("master")),
+        "optimizer": master + state,
     }
+
+
+def matrix_share(s: cost.Setup) -> float:
+    """The share of the trained params that are hidden matrices (spmd.engine.muon's split: the
+    blocks' attention and MLP matrices, an MoE's experts; not the embedding, head, norms,
+    biases or routers). Under LoRA 0: the planner counts the adapters at the other params'
+    rate, AdamW's for Muon (an upper bound: some adapters are matrices Muon updates)."""
+    if s.lora_rank:
+        return 0.0
+    counts = s.shape.param_counts()
+    return (counts["matrices"] + counts.get("experts", 0)) / sum(counts.values())
 
 
 def model_state_bytes(s: cost.Setup) -> dict[str, float]:

@@ -79,7 +79,7 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
     ddp = dataclasses.replace(s, mesh={**dict.fromkeys(mesh, 1), "data": s.devices}, zero=0)
     state = memory.model_state_bytes(ddp)["model_state"] + cluster.overhead
     per_param = memory.bytes_per_param(s)
-    kept = f"{sum(per_param.values())} B/param"
+    kept = f"{sum(per_param.values()):g} B/param"
     if s.lora_rank:  # a frozen base (its params only) and the adapters' whole state
         kept = lora.state_words(per_param, lora.adapter_params(s))
     verdict = "over" if state > mem["hbm"] else "within"

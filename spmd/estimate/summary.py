@@ -298,8 +298,8 @@ def _header(r: dict) -> list[str]:
 def _memory_lines(r: dict) -> list[str]:
     per_param = r["bytes_per_param"]
     kept = (
-        f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']} = "
-        f"{sum(per_param.values())} B/param"
+        f"{per_param['params']} + {per_param['grads']} + {per_param['optimizer']:g} = "
+        f"{sum(per_param.values()):g} B/param"
     )
     if "lora" in r:
         kept = state_words(per_param, r["lora"]["adapter_params"])

@@ -9,7 +9,9 @@ replay attention only (the weight matmuls' outputs are kept), and a pipeline sta
 chunk's forward inside every backward slot (spmd.parallel.pipeline stashes chunk inputs only);
 an MoE's fixed-shape routing runs every capacity slot. Under --precision fp8 the blocks' weight
 matmuls run at flops.FP8_MATMUL_SPEEDUP times the sustained rate (Hopper's fp8 tensor cores),
-the rest (attention, the head, recomputed attention) at it. Units: FLOPs, seconds, FLOP/s.
+the rest (attention, the head, recomputed attention) at it. An optimizer whose update does
+matmuls (Muon's Newton-Schulz iterations, its registry entry's update_flops) adds them once
+per step, whatever the batch. Units: FLOPs, seconds, FLOP/s.
 
 Under LoRA (Setup.lora_rank) the frozen base has no weight gradients: its weight matmuls
 (blocks and head) run forward and the activations' backward only, two times their forward
@@ -22,6 +24,7 @@ parallelism the adapter halves on the unsplit `embed` side run whole on every te
 
 from __future__ import annotations
 
+from spmd.engine import optimizers
 from spmd.estimate import (
     comms,
     cost,
@@ -88,7 +91,15 @@ def executed_flops(s: cost.Setup) -> float:
     )
     if s.lora_rank:  # the adapters' halves each tensor device runs whole, three passes
         replays += 3 * lora.tensor_replicated_flops(s) * (s.mesh.get("tensor", 1) - 1)
-    return model_flops(s) + s.batch * s.seq_len * (replays - skipped)
+    return model_flops(s) + s.batch * s.seq_len * (replays - skipped) + update_flops(s)
+
+
+def update_flops(s: cost.Setup) -> float:
+    """FLOPs of the optimizer's update per step beyond elementwise work (Muon's Newton-Schulz
+    matmuls: spmd.engine.optimizers' entry), counted once over all devices; 0 under LoRA,
+    whose adapters' few small matrices it leaves out."""
+    make = optimizers.get(s.optimizer).update_flops
+    return 0.0 if make is None or s.lora_rank else make(s.shape)
 
 
 def fp8_flops(s: cost.Setup) -> float:

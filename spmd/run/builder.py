@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from models import family, finetune
-from spmd.engine import diloco, objectives, precision
+from spmd.engine import diloco, objectives, optimizers, precision
 from spmd.engine.diloco import AnyProgram
 from spmd.engine.optimizers import make_optimizer, with_sign_rule
 from spmd.engine.options import TOKENS, StepOptions
@@ -213,6 +213,7 @@ def options_of(
         batch_fields=batch_fields,
         # a program without an optimizer (loading, converting weights) has no state to offload
         offload_state=p.offload if train else "none",
+        elementwise=optimizers.get(cfg.optimizer.optimizer).elementwise,
     )
 
 

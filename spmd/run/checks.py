@@ -31,10 +31,11 @@ def check_choices(cfg: Config) -> None:
     check_counts(cfg)
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
-    from spmd.engine import precision
+    from spmd.engine import optimizers, precision
     from spmd.engine.optim import check_hyperparameters, lr_schedule
 
     check_hyperparameters(cfg.optimizer)
+    optimizers.check_fields(cfg.optimizer)  # another optimizer's flag; Lion's, Muon's numbers
     # UsageError for --lr-scaling, --ref-batch, --lr-schedule and a WSD decay that cannot fit
     lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
     precision.from_section(cfg.precision)  # UsageError naming the valid values

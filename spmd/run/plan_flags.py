@@ -106,7 +106,13 @@ HELP = {
     "tokens / --seq-len sequences, rounded to a multiple of the data-parallel size",
     # from the registry entries (fp32 values of state per param)
     "optimizer": "the update rule and its state per param beside the master weights: "
-    + ", ".join(f"{o.name} {4 * o.state_slots} B" for o in OPTIMIZERS.values()),
+    + ", ".join(
+        f"{o.name} {4 * o.state_slots} B"
+        if o.matrix_state_slots is None
+        else f"{o.name} {4 * o.matrix_state_slots} B on hidden matrices, {4 * o.state_slots} B "
+        "on the rest"
+        for o in OPTIMIZERS.values()
+    ),
     "gpu": f"{', '.join(search.GPUS)}: sets --hbm, --tflops, --bandwidth, --inter-bandwidth, "
     "--host-bandwidth and --host-memory to that GPU's node's (flags given beside it win); "
     "default: an H100 node",

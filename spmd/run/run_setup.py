@@ -43,6 +43,11 @@ def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
         device = fp8_setup.device_line(mesh, policy.fp8, matmuls)
         if device is not None:
             say(device)
+    if cfg.optimizer.optimizer == "muon":  # which params Muon updates, which AdamW
+        from spmd.engine import frozen, muon
+
+        names, shapes = frozen.trainable(program.names), frozen.trainable(program.abstract_params)
+        say(muon.describe(names, shapes))
     report = builder.pipeline_report(cfg, layout)
     if report is not None:
         say(
