@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models import lora, peft
+from models import layer_groups, lora, peft
 from models.contract import Family, ModelConfig
 from models.family import hf_of, of
 
@@ -43,7 +43,8 @@ def save_peft(
 ) -> list[Path]:
     """Write `adapters` (host arrays) of a model `cfg` as a peft LoRA folder (models/peft.py)
     for base `base`; UsageError for a family with no Hugging Face Linear names."""
-    return peft.save(adapters, spec, hf_of(cfg).tensors, directory, base)
+    dense = layer_groups.dense_of(cfg)
+    return peft.save(adapters, spec, hf_of(cfg).tensors, directory, base, dense)
 
 
 def peft_targets(adapter: peft.Adapter, cfg: ModelConfig) -> str:
@@ -57,4 +58,4 @@ def peft_targets(adapter: peft.Adapter, cfg: ModelConfig) -> str:
 def load_peft(directory: str, spec: lora.Spec, cfg: ModelConfig, like: dict[str, Any]) -> dict:
     """The adapters (fp32 host arrays shaped as `like`'s) of peft folder `directory` for a
     model `cfg` and adapters `spec`."""
-    return peft.load(directory, spec, hf_of(cfg).tensors, like)
+    return peft.load(directory, spec, hf_of(cfg).tensors, like, layer_groups.dense_of(cfg))

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,8 @@ def open_checkpoint(
     tensors = _read_tensors(folder)
     found = entries(param_shapes(create, cfg), table, layer_groups.dense_of(cfg))
     _check_tensors(tensors, found, cfg, folder, raw)
+    if skipped := skipped_prediction_tensors(tensors, raw):
+        print(f"{folder}: {skipped}", file=sys.stderr)
     return HFCheckpoint(folder, cfg, tensors, raw, family, table)
 
 
@@ -158,6 +161,7 @@ def _check_tensors(
         if name not in wanted
         and not name.endswith(IGNORED_SUFFIXES)
         and not (name == "lm_head.weight" and getattr(cfg, "tie_embeddings", False))
+        and not prediction_layer(name, raw)
     )
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
@@ -166,6 +170,30 @@ def _check_tensors(
             f"{folder} holds tensor {extra[0]}{more}, which a {architecture} with this "
             f"config.json does not have; is it another architecture?"
         )
+
+
+def prediction_layer(name: str, raw: dict[str, Any]) -> bool:
+    """Whether tensor `name` belongs to a multi-token-prediction layer of a release
+    (`num_nextn_predict_layers` of them after the decoder's: DeepSeek-V3's, GLM-4.5's), which
+    transformers skips on load and spmd does not train."""
+    extra, layers = raw.get("num_nextn_predict_layers") or 0, raw.get("num_hidden_layers")
+    if not (isinstance(extra, int) and isinstance(layers, int) and extra > 0):
+        return False
+    prefix = "model.layers."
+    index = name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else ""
+    return index.isdigit() and layers <= int(index) < layers + extra
+
+
+def skipped_prediction_tensors(tensors: dict[str, Any], raw: dict[str, Any]) -> str:
+    """The line that says a folder's multi-token-prediction tensors are skipped ("" if none)."""
+    skipped = [name for name in tensors if prediction_layer(name, raw)]
+    if not skipped:
+        return ""
+    return (
+        f"skipping {len(skipped)} tensors of the {raw['num_nextn_predict_layers']} "
+        f"multi-token-prediction layer(s) (num_nextn_predict_layers): spmd trains the "
+        f"next-token head only"
+    )
 
 
 # --- loading onto a mesh ----------------------------------------------------------------

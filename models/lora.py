@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import adapter
-from models.hf_tensors import DENSE_STACK, STACKED, Rule
+from models import adapter, layer_groups
+from models.hf_tensors import DENSE_STACK, STACKED, STACKS, Rule
 from spmd.errors import UsageError
 from spmd.parallel.hooks import chunk_inputs, first_layer, training, training_step
 
@@ -106,6 +106,40 @@ def spec_of(
     return Spec(rank, float(alpha) if alpha > 0 else 2.0 * rank, chosen, float(dropout))
 
 
+# The name of a target's adapters on a model's second stack of layers (its dense-MLP layers,
+# models/layer_groups.py): "q" adapts blocks/attn/wq, "q@dense" dense_blocks/attn/wq.
+TWIN = "@dense"
+
+
+def with_dense_twins(
+    targets: dict[str, tuple[tuple[str, ...], ...]], state: Any
+) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """`targets` and, on a model whose params hold a second stack (DENSE_STACK), each stacked
+    target's twin on it (TWIN), where that stack has the target's weights: one A and B per
+    stack, as each stack's layers are their own Linears."""
+    out = dict(targets)
+    if DENSE_STACK not in state:
+        return out
+    for name, paths in targets.items():
+        twins = tuple((DENSE_STACK, *p[1:]) for p in paths if p[0] == STACKED)
+        if twins and len(twins) == len(paths) and all(_has(state, p) for p in twins):
+            out[name + TWIN] = twins
+    return out
+
+
+def stacked_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    """A param path with its stack named as the tensor tables name every stack's (STACKED)."""
+    return (STACKED, *path[1:]) if path[0] in STACKS else path
+
+
+def _has(tree: Any, path: tuple[str, ...]) -> bool:
+    for key in path:
+        if key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
 def in_dims_of(tensors: tuple[Rule, ...], path: tuple[str, ...]) -> int:
     """How many leading dims (after `layers`) of the param at `path` are its input: the HF
     table's in_dims (1 where the table does not name it)."""
@@ -127,20 +161,21 @@ class LoraModel(nnx.Module):
     ):
         self.frozen, self.cfg, self.dtype = base, base.cfg, base.dtype
         self.scale, self.rate, self.seed = spec.scale, spec.dropout, seed
-        self.targets = nnx.static(dict(spec.targets))
-        self.in_dims = nnx.static(
-            {p: in_dims_of(tensors, p) for ps in spec.targets.values() for p in ps}
-        )
         state = nnx.state(base)
+        targets = with_dense_twins(spec.targets, state)
+        self.targets = nnx.static(targets)
+        self.in_dims = nnx.static(
+            {p: in_dims_of(tensors, stacked_path(p)) for ps in targets.values() for p in ps}
+        )
         adapters = {}
-        for name, paths in spec.targets.items():
+        for name, paths in targets.items():
             adapters[name] = self._adapter(state, paths, spec.rank, rngs)
         self.lora = nnx.data(adapters)
 
     def _adapter(self, state: Any, paths: tuple, rank: int, rngs: nnx.Rngs) -> dict:
         first = _get(state, paths[0])
         names = first.get_metadata().get("out_sharding") or (None,) * first.ndim
-        lead = 1 if paths[0][0] == STACKED else 0
+        lead = 1 if paths[0][0] in STACKS else 0
         ins = lead + self.in_dims[paths[0]]
         fan_in = math.prod(first.shape[lead:ins])
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)) on a [r, fan_in] Linear
@@ -165,10 +200,10 @@ class LoraModel(nnx.Module):
         model = nnx.merge(graphdef, state)
         for number, (name, paths) in enumerate(self.targets.items()):
             a = self.lora[name]["a"]
-            stacked = paths[0][0] == STACKED
+            stacked = paths[0][0] in STACKS
             layers = None
             if self.rate and stacked:  # each layer's global index, for its own dropout masks
-                index = jnp.arange(a[...].shape[0]) + first_layer()
+                index = self._layer_numbers(paths[0][0], a[...].shape[0]) + first_layer()
                 layers = nnx.Variable(index.astype(jnp.float32))
             for path in paths:
                 module = model
@@ -179,6 +214,14 @@ class LoraModel(nnx.Module):
                 setattr(module, path[-1] + adapter.SUFFIX, site)
         return model
 
+    def _layer_numbers(self, stack: str, rows: int) -> jax.Array:
+        """The model's index of each of a stack's `rows` layers (its rows in order where the
+        model has one stack; models/layer_groups.py where it has two)."""
+        dense = layer_groups.dense_of(self.cfg)
+        if not dense:
+            return jnp.arange(rows)
+        return jnp.asarray(layer_groups.stack_layers(dense, self.cfg.n_layers, stack != STACKED))
+
     def merged(self) -> Any:
         """The base model with every target's weight W + scale * A @ B (in W's dtype)."""
         graphdef, state = nnx.split(self.frozen)
@@ -187,7 +230,7 @@ class LoraModel(nnx.Module):
             adapter = self.lora[name]
             for path in paths:
                 parent = _get(pure, path[:-1])
-                lead = 1 if path[0] == STACKED else 0
+                lead = 1 if path[0] in STACKS else 0
                 b = adapter["b"][path[-1]][...]
                 w = parent[path[-1]]
                 parent[path[-1]] = merge_weight(w, adapter["a"][...], b, self.scale, lead)
@@ -251,13 +294,6 @@ def adapted_metrics(metrics: Callable[[Any, dict], dict]) -> Callable[[Any, dict
 
 
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
-    """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros); UsageError for
-    a base whose layers are two stacks (an MoE's dense-MLP layers), which the targets' paths
-    into `blocks` alone would adapt only in part."""
-    if hasattr(base, DENSE_STACK):
-        raise UsageError(
-            f"--lora-rank {spec.rank}: LoRA on a model with dense-MLP layers (--dense-layers "
-            f"{base.cfg.dense_layers}) is not supported yet; train it in full"
-        )
+    """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
     with nnx.use_eager_sharding(False):
         return LoraModel(base, spec, tensors, nnx.Rngs(seed + 1), seed)

@@ -126,6 +126,7 @@ class MoEConfig(LlamaConfig):
             shared_expert_mlp_dim=self.shared_expert_mlp_dim,
             capacity_factor=self.capacity_factor,
             router_bias_rate=self.router_bias_rate if self.router_bias else 0.0,
+            router_bias=self.router_bias,
             dense_layers=len(self.dense_layer_set()) if self.n_experts else 0,
             # a pipeline slices one stack: a model of two (dense_layers) runs with pp = 1
             pipelines=not router_losses and not self.dense_layers,

@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from models import layer_groups
 from models.hf_tensors import STACKED, Rule
-from models.lora import Spec
+from models.lora import TWIN, Spec
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
 
@@ -50,18 +51,43 @@ def modules(
     return out
 
 
-def peft_tensors(adapters: dict[str, Any], spec: Spec, tensors: tuple[Rule, ...]) -> dict:
-    """{peft tensor name: fp32 numpy array} of spmd adapters (a pure dict of host arrays)."""
+def stacks_of(adapters: dict[str, Any], name: str, dense: tuple[int, ...]) -> list:
+    """(key in `adapters`, the model's layer of each of its rows) of target `name`'s adapters:
+    one stack's, or with `dense` (a model's dense-MLP layers) the sparse stack's and its twin's
+    on the dense stack (models/lora.TWIN), each row numbered by its model layer."""
+    twin = name + TWIN
+    rows = {key: np.shape(adapters[key]["a"])[0] for key in (name, twin) if key in adapters}
+    if len(rows) == 1:
+        return [(name, list(range(rows[name])))]
+    total = sum(rows.values())
+    return [
+        (name, layer_groups.stack_layers(dense, total, False)),
+        (twin, layer_groups.stack_layers(dense, total, True)),
+    ]
+
+
+def peft_tensors(
+    adapters: dict[str, Any], spec: Spec, tensors: tuple[Rule, ...], dense: tuple[int, ...] = ()
+) -> dict:
+    """{peft tensor name: fp32 numpy array} of spmd adapters (a pure dict of host arrays);
+    `dense`: the dense-MLP layers of a model of two stacks."""
     out = {}
     for name, module in modules(spec.targets, tensors).items():
-        a = np.asarray(adapters[name]["a"], np.float32)
-        bs = [np.asarray(adapters[name]["b"][p[-1]], np.float32) for p in spec.targets[name]]
-        for layer in range(a.shape[0]):
-            key = PREFIX + module.format(layer)
-            out[f"{key}.lora_A.weight"] = a[layer].reshape(-1, spec.rank).T
-            b = np.concatenate([b[layer].reshape(spec.rank, -1) for b in bs], axis=1)
-            out[f"{key}.lora_B.weight"] = b.T
-    return out
+        for key, layers in stacks_of(adapters, name, dense):
+            a = np.asarray(adapters[key]["a"], np.float32)
+            bs = [np.asarray(adapters[key]["b"][p[-1]], np.float32) for p in spec.targets[name]]
+            for row, layer in enumerate(layers):
+                hf = PREFIX + module.format(layer)
+                out[f"{hf}.lora_A.weight"] = a[row].reshape(-1, spec.rank).T
+                b = np.concatenate([b[row].reshape(spec.rank, -1) for b in bs], axis=1)
+                out[f"{hf}.lora_B.weight"] = b.T
+    return dict(sorted(out.items(), key=lambda item: _layer_key(item[0])))
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    """Sort key of a peft tensor name: its layer, then the name (peft lists them by layer)."""
+    digits = name.removeprefix(PREFIX + "model.layers.").split(".", 1)[0]
+    return (int(digits) if digits.isdigit() else -1, name)
 
 
 def save(
@@ -70,13 +96,16 @@ def save(
     tensors: tuple[Rule, ...],
     directory: str,
     base: str,
+    dense: tuple[int, ...] = (),
 ) -> list[Path]:
-    """Write a peft LoRA folder of `adapters` for base model `base` (a path or Hub id)."""
+    """Write a peft LoRA folder of `adapters` for base model `base` (a path or Hub id);
+    `dense`: the dense-MLP layers of a model of two stacks."""
     folder = Path(directory)
     if (folder / CONFIG).exists() or folder.is_file():
         raise UsageError(f"--to-peft {directory} already holds an adapter or is a file")
     folder.mkdir(parents=True, exist_ok=True)
-    values = {k: np.ascontiguousarray(v) for k, v in peft_tensors(adapters, spec, tensors).items()}
+    found = peft_tensors(adapters, spec, tensors, dense)
+    values = {k: np.ascontiguousarray(v) for k, v in found.items()}
     entries = [(k, v.shape, v.dtype) for k, v in values.items()]
     safetensors_io.write(folder / WEIGHTS, entries, values.__getitem__, {"format": "pt"})
     targets = sorted({short_name(m) for m in modules(spec.targets, tensors).values()})
@@ -103,34 +132,42 @@ def save(
     return [folder / WEIGHTS, folder / CONFIG]
 
 
-def load(directory: str, spec: Spec, tensors: tuple[Rule, ...], like: dict[str, Any]) -> dict:
+def load(
+    directory: str,
+    spec: Spec,
+    tensors: tuple[Rule, ...],
+    like: dict[str, Any],
+    dense: tuple[int, ...] = (),
+) -> dict:
     """spmd adapters (a pure dict of fp32 numpy arrays shaped as `like`'s: arrays or
-    ShapeDtypeStructs) from a peft folder. UsageError for a missing or misshapen tensor, or
-    one that is no adapter of `spec`'s targets."""
+    ShapeDtypeStructs) from a peft folder; `dense`: the dense-MLP layers of a model of two
+    stacks. UsageError for a missing or misshapen tensor, or one that is no adapter of
+    `spec`'s targets."""
     found, _ = safetensors_io.read_header(Path(directory) / WEIGHTS)
     names = {k.replace(".default.", "."): v for k, v in found.items()}
     used: set[str] = set()
     out: dict[str, Any] = {}
     for name, module in modules(spec.targets, tensors).items():
-        a_like, b_like = like[name]["a"], like[name]["b"]
-        a = np.zeros(a_like.shape, np.float32)
-        bs = {k: np.zeros(v.shape, np.float32) for k, v in b_like.items()}
-        width = sum(math.prod(b.shape[2:]) for b in bs.values())  # B [layers, r, *out]
-        for layer in range(a.shape[0]):
-            key = PREFIX + module.format(layer)
-            a_name, b_name = f"{key}.lora_A.weight", f"{key}.lora_B.weight"
-            a[layer] = _tensor(
-                names, a_name, (spec.rank, a[layer].size // spec.rank), directory
-            ).T.reshape(a.shape[1:])
-            b = _tensor(names, b_name, (width, spec.rank), directory).T  # [r, out]
-            used.update((a_name, b_name))
-            start = 0
-            for path in spec.targets[name]:
-                part = bs[path[-1]][layer]
-                size = part[0].size
-                part[...] = b[:, start : start + size].reshape(part.shape)
-                start += size
-        out[name] = {"a": a, "b": bs}
+        for key, layers in stacks_of(like, name, dense):
+            a_like, b_like = like[key]["a"], like[key]["b"]
+            a = np.zeros(a_like.shape, np.float32)
+            bs = {k: np.zeros(v.shape, np.float32) for k, v in b_like.items()}
+            width = sum(math.prod(b.shape[2:]) for b in bs.values())  # B [layers, r, *out]
+            for row, layer in enumerate(layers):
+                hf = PREFIX + module.format(layer)
+                a_name, b_name = f"{hf}.lora_A.weight", f"{hf}.lora_B.weight"
+                a[row] = _tensor(
+                    names, a_name, (spec.rank, a[row].size // spec.rank), directory
+                ).T.reshape(a.shape[1:])
+                b = _tensor(names, b_name, (width, spec.rank), directory).T  # [r, out]
+                used.update((a_name, b_name))
+                start = 0
+                for path in spec.targets[name]:
+                    part = bs[path[-1]][row]
+                    size = part[0].size
+                    part[...] = b[:, start : start + size].reshape(part.shape)
+                    start += size
+            out[key] = {"a": a, "b": bs}
     extra = sorted(set(names) - used)
     if extra:
         raise UsageError(

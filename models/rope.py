@@ -51,6 +51,9 @@ class Rope:
     short_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors up to L positions
     long_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors beyond L positions
     attention_factor: float = 1.0  # longrope: scales cos and sin (q . k by its square)
+    # the share of each head's features that rotate, the first ones (GLM-4.5: 0.5); the
+    # rest pass through unrotated
+    rotary_fraction: float = 1.0
 
     @classmethod
     def of(cls, cfg: LlamaConfig) -> Rope:
@@ -65,6 +68,7 @@ class Rope:
             short_factors=factors(getattr(cfg, "rope_short_factors", "")),
             long_factors=factors(getattr(cfg, "rope_long_factors", "")),
             attention_factor=getattr(cfg, "rope_attention_factor", 1.0),
+            rotary_fraction=getattr(cfg, "partial_rotary_factor", 1.0),
         )
 
     def inv_freq(self, head_dim: int) -> jax.Array:
@@ -91,7 +95,13 @@ class Rope:
         return jnp.where(between, blended, scaled)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [batch, length, heads, head_dim] rotated at `positions` [batch, length]."""
+        """x [batch, length, heads, head_dim] rotated at `positions` [batch, length] (its first
+        rotary_fraction x head_dim features; the frequencies those features' own, as
+        transformers' partial rotary computes them)."""
+        rotated = rotary_dims(x.shape[-1], self.rotary_fraction)
+        if rotated < x.shape[-1]:
+            whole = dataclasses.replace(self, rotary_fraction=1.0)
+            return jnp.concatenate([whole(x[..., :rotated], positions), x[..., rotated:]], -1)
         inv_freq = self.inv_freq(x.shape[-1])
         if self.scaling == "longrope":
             # over every row of the forward pass, as transformers' max(position_ids): the
@@ -118,6 +128,11 @@ def rotate(
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def rotary_dims(head_dim: int, fraction: float) -> int:
+    """The features of a head that rotate: int(head_dim x fraction), as transformers rounds."""
+    return int(head_dim * fraction)
 
 
 def factors(text: str) -> tuple[float, ...]:

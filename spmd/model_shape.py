@@ -21,6 +21,10 @@ from typing import Literal, get_args
 # The keys of a model's params whose leaves are stacked layers (a leading `layers` dim): the
 # decoder blocks, and an MoE's dense-MLP layers where it has them (models/layer_groups.py).
 STACKS = ("blocks", "dense_blocks")
+# Kinds of ModelShape.param_counts that are no params of the model's count (n_params) but
+# are carried, optimized by a rule of their own and checkpointed like them: an MoE's router
+# correction bias (models/moe.py's RouterBias).
+BUFFERS = ("router_bias",)
 Remat = Literal["none", "dots_saveable", "full", "offload"]
 REMATS: tuple[str, ...] = get_args(Remat)
 
@@ -50,6 +54,7 @@ class ModelShape:
     # the step moves the router's correction bias by this x sign(its gradient), outside the
     # optimizer (auxiliary-loss-free balancing, models/moe_routing.py); 0: no such rule
     router_bias_rate: float = 0.0
+    router_bias: bool = False  # each sparse block's per-expert correction bias [E]
     # False when the training loss needs what a pipeline cannot pass between its stages (an
     # MoE's router losses): the planner then keeps pp = 1.
     pipelines: bool = True
@@ -85,8 +90,8 @@ class ModelShape:
         n_params, the planner's groups in spmd.estimate.shape): "matrices" (every block's
         attention and dense MLP, or its shared expert), "norms" (every block's RMSNorm scales),
         "tables" (embedding, and the head unless tied), "final_norm"; and only where the model
-        has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "router"
-        and "experts" (the routed ones)."""
+        has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "router",
+        "experts" (the routed ones) and "router_bias" (their correction biases)."""
         e, d, layers, sparse = self.embed_dim, self.head_dim, self.n_layers, self.sparse_layers
         # a sparse layer's shared expert (if any) is a dense MLP of shared_dim
         mlps = (layers - sparse) * 3 * e * self.mlp_dim + sparse * 3 * e * self.shared_dim
@@ -105,11 +110,14 @@ class ModelShape:
         if self.n_experts:  # each sparse block's router [embed, experts], then its experts
             counts["router"] = sparse * e * self.n_experts
             counts["experts"] = sparse * self.n_experts * 3 * e * self.expert_dim
+        if self.n_experts and self.router_bias:  # [E] per sparse block, no embed dim
+            counts["router_bias"] = sparse * self.n_experts
         return counts
 
     def n_params(self) -> int:
-        """Parameters of the model (scalars; every expert included)."""
-        return sum(self.param_counts().values())
+        """Parameters of the model (scalars; every expert included; not the buffers the step
+        carries beside them, BUFFERS, which the gradient does not train)."""
+        return sum(n for kind, n in self.param_counts().items() if kind not in BUFFERS)
 
     def n_active_params(self) -> int:
         """Parameters one token uses: all but the E - k routed experts it skips in every

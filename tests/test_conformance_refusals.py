@@ -39,6 +39,18 @@ UNSUPPORTED = {
     },
     "hf_mistral": {"window-0": ({"sliding_window": 0},
                                 "sliding_window = 0 must be a positive integer")},
+    "hf_glm4_moe": {
+        "dense-first": ({"first_k_dense_replace": 3}, "first_k_dense_replace = 3 must be"),
+        "top-k": ({"num_experts_per_tok": 5}, "num_experts_per_tok 5"),
+        "rotary-share": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.1}},
+                         "rotates 0 features"),
+        "yarn": ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                                      "partial_rotary_factor": 0.5}}, "rope type 'yarn'"),
+        "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        "shared": ({"n_shared_experts": -1}, "n_shared_experts = -1"),
+        "qk-norm": ({"use_qk_norm": "yes"}, "use_qk_norm = 'yes' must be true or false"),
+    },
     "hf_mixtral": {
         "jitter": ({"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1"),
         "sliding-window": ({"sliding_window": 4096}, "sliding_window = 4096"),

@@ -97,3 +97,36 @@ def test_dense_layers_need_experts_and_one_stack_per_stage():
     expert = 3 * TINY.embed_dim * TINY.expert_dim
     per_sparse = TINY.embed_dim * TINY.n_experts + TINY.n_experts * expert
     assert all_sparse.n_params() - TINY.n_params() == 2 * (per_sparse - dense_mlp)
+
+
+def test_lora_adapts_both_stacks_and_peft_numbers_them_by_model_layer(tmp_path):
+    """LoRA on a model of two stacks: each target gets an adapter on each stack (its twin on
+    the dense one); the adapted model equals the merged one; peft's tensors are numbered by
+    the model's layers and read back to the same adapters."""
+    from models import family, lora, peft
+
+    tensors = family.hf_of(TINY).tensors
+    spec = lora.Spec(
+        rank=2, alpha=4.0, targets={"q": lora.ATTENTION["q"], "o": lora.ATTENTION["o"]}
+    )
+    model = lora.wrap(moe.create(TINY, 0), spec, tensors, seed=0)
+    adapters = nnx.to_pure_dict(nnx.state(model.lora))
+    assert set(adapters) == {"q", "q@dense", "o", "o@dense"}
+    assert adapters["q"]["a"].shape[0] == 3 and adapters["q@dense"]["a"].shape[0] == 2
+    rng = np.random.default_rng(0)  # B starts at zero: draw every value so the layers differ
+    adapters = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), adapters)
+    nnx.replace_by_pure_dict(nnx.state(model.lora), adapters)
+    tokens = jnp.arange(24).reshape(2, 12) % 64
+    np.testing.assert_allclose(model(tokens), model.merged()(tokens), rtol=2e-5, atol=2e-5)
+
+    dense = TINY.dense_layer_set()
+    found = peft.peft_tensors(adapters, spec, tensors, dense)
+    q = "base_model.model.model.layers.{}.self_attn.q_proj.lora_A.weight"
+    assert [k for k in found if k.endswith("q_proj.lora_A.weight")] == [
+        q.format(i) for i in range(5)
+    ]
+    np.testing.assert_array_equal(found[q.format(3)], adapters["q@dense"]["a"][1].reshape(-1, 2).T)
+    np.testing.assert_array_equal(found[q.format(4)], adapters["q"]["a"][2].reshape(-1, 2).T)
+    peft.save(adapters, spec, tensors, str(tmp_path / "adapter"), "base", dense)
+    back = peft.load(str(tmp_path / "adapter"), spec, tensors, adapters, dense)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)

@@ -33,7 +33,7 @@ def param_groups(shape: ModelShape) -> list[tuple[int, tuple[str, ...]]]:
     except an MoE's routed experts (EXPERT_AXES: split over expert and fsdp at ZeRO 1-3). The
     embedding and head stay whole over pipeline (spmd.parallel.pipeline keeps them on every
     stage). The q, k, v biases and q, k norms have no `embed` dim: ZeRO leaves them whole
-    (NO_FSDP). The counts add up to the shape's n_params()."""
+    (NO_FSDP). The counts add up to the shape's n_params() and its BUFFERS."""
     return [(count, PARAM_AXES[kind]) for kind, count in shape.param_counts().items()]
 
 
@@ -56,6 +56,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "whole_qk_norm": ("tensor", "pipeline", NO_FSDP),
     "router": ("pipeline",),
     "experts": EXPERT_AXES,
+    "router_bias": ("pipeline", NO_FSDP),  # [layers, experts]: whole but for the layers
 }
 
 
