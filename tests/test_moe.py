@@ -307,3 +307,14 @@ def test_unsupported_moe_settings_exit_2(tmp_path, capsys, args, message):
     argv = ["--model", "moe-tiny", "--data", str(text), "--data-cache", str(tmp_path)]
     assert train.main([*argv, "--batch", "16", "--seq-len", "16", "--dry-run", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bf16_experts_split_beside_data_replicas_compile():
+    """moe-tiny dp=2,ep=2 in bf16: the sum of the experts' weight gradients over `data` once
+    aborted XLA:CPU's compile (its all-reduce promotion rejects the reduction jax emits for it,
+    spmd.parallel.expert_exchange.varying); a real process, as that abort kills its process."""
+    from tests.cli import run
+
+    args = ["--model", "moe-tiny", "--mesh", "dp=2,ep=2", "--zero", "0", "--precision", "bf16"]
+    result = run("spmd.train", *args, "--batch", "8", "--seq-len", "32", "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]

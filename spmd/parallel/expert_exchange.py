@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -148,13 +149,26 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
         spec(expert, tensor, None),
     )
 
+    # the axes that split the rows but not the weights: the weights are invariant over them,
+    # and the gradient of an invariant operand is summed over them (a psum). Cast varying
+    # here, once, that sum comes after the kernel; left to the kernel's loop, where each block
+    # of rows meets its expert's weights, it was one all-reduce of every expert's weight
+    # gradients per block (moe-tiny dp=2,ep=2: 257 per layer and step)
+    replicated = tuple(a for a in batch if a not in expert and a not in tensor)
+    sum_in_fp32 = _platform(mesh) == "cpu"
+
     def local(*local_args: jax.Array) -> jax.Array:
+        *rows, w_gate, w_up, w_down = local_args
+        if replicated:
+            w_gate, w_up, w_down = (
+                varying(w, replicated, sum_in_fp32) for w in (w_gate, w_up, w_down)
+            )
         with (
             traced.no_activation_layout(),
             # the explicit hooks read the mesh's axis names and sizes, an abstract mesh's too
             traced.explicit_layout(cast(jax.sharding.Mesh, mesh), 0, sp, prefetch=False),
         ):
-            return fn(*local_args)
+            return fn(*rows, w_gate, w_up, w_down)
 
     mapped = jax.shard_map(
         local,
@@ -165,3 +179,21 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
         check_vma=True,
     )
     return mapped(*args)
+
+
+def varying(w: jax.Array, axes: tuple[str, ...], sum_in_fp32: bool) -> jax.Array:
+    """`w` cast varying over `axes` (inside a shard_map with check_vma), so that its gradient
+    is summed over them there, once. `sum_in_fp32`: a bf16 / fp16 `w` crosses the cast in
+    fp32, so that the sum runs in fp32: what XLA:CPU's all-reduce promotion would make of it,
+    except that the pass aborts the compile on the reduction jax emits for this sum (its root
+    a copy: moe-tiny dp=2,ep=2 --precision bf16 crashed in AllReducePromotion)."""
+    if not (sum_in_fp32 and w.dtype in (jnp.bfloat16, jnp.float16)):
+        return lax.pcast(w, axes, to="varying")
+    return lax.pcast(w.astype(jnp.float32), axes, to="varying").astype(w.dtype)
+
+
+def _platform(mesh: Any) -> str:
+    """The platform of a mesh's devices (an abstract mesh's too)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return mesh.abstract_device.platform
+    return mesh.devices.flat[0].platform
