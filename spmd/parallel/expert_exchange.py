@@ -124,10 +124,11 @@ def exchange_axes() -> tuple[str, ...]:
 
 
 def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
-    """fn(x, experts, kept, w_gate, w_up, w_down) -> [batch, pairs, embed] run on each device's
-    own sequences (x [batch, length, embed], experts and kept [batch, pairs]) and its own block
-    of the experts' weights ([E, embed, mlp] twice, [E, mlp, embed]), where `exchange` moves
-    rows between the devices that split the experts."""
+    """fn(x, experts, kept, w_gate, w_up, w_down[, b_gate, b_up, b_down]) -> [batch, pairs,
+    embed] run on each device's own sequences (x [batch, length, embed], experts and kept
+    [batch, pairs]) and its own block of the experts' weights ([E, embed, mlp] twice, [E, mlp,
+    embed]) and biases where given ([E, mlp] twice, [E, embed]: GPT-OSS's), where `exchange`
+    moves rows between the devices that split the experts."""
     if traced.explicit() is not None:
         return fn(*args)
     auto = traced.activations()
@@ -146,6 +147,7 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
         spec(expert, None, tensor),
         spec(expert, None, tensor),
         spec(expert, tensor, None),
+        *(spec(expert, tensor), spec(expert, tensor), spec(expert, None))[: len(args) - 6],
     )
 
     def local(*local_args: jax.Array) -> jax.Array:
