@@ -56,6 +56,11 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "whole_qk_norm": ("tensor", "pipeline", NO_FSDP),
     "router": ("pipeline",),
     "experts": EXPERT_AXES,
+    "sinks": ("tensor", "pipeline", NO_FSDP),  # [heads], split with the heads
+    "o_bias": ("pipeline",),  # [embed], as a norm's scale
+    "router_bias": ("pipeline", NO_FSDP),  # [experts], whole
+    "expert_bias": EXPERT_AXES,  # [experts, 2 x mlp]: as the experts' matrices
+    "expert_out_bias": ("fsdp", "expert", "pipeline"),  # [experts, embed]: the embed whole
 }
 
 
