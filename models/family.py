@@ -26,6 +26,7 @@ from typing import Any
 from models import (
     gemma2,
     gemma3,
+    gpt_oss,
     hf_config,
     hf_io,
     hf_mixtral,
@@ -86,6 +87,7 @@ FAMILIES: dict[str, Family] = {
         phi3.FAMILY,
         qwen3_moe.FAMILY,
         olmo2.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 

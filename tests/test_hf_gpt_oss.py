@@ -1,0 +1,83 @@
+"""What only GPT-OSS has (tests/test_conformance.py runs the common checks on its fixture):
+YaRN's frequencies against transformers', and the experts' biases and clamped SwiGLU through
+every dispatch kernel against the one-hot reference."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import gpt_oss, moe_dispatch
+from models.gpt_oss_layers import BiasedExperts
+from models.rope import Rope
+from tests.hf_fixtures import FIXTURES, reference
+
+
+def fixture_config() -> gpt_oss.GptOssConfig:
+    raw = json.loads((FIXTURES / "hf_gpt_oss" / "config.json").read_text())
+    return gpt_oss.config_from_hf(raw, "hf_gpt_oss")
+
+
+def test_yarn_frequencies_equal_transformers():
+    cfg = fixture_config()
+    got = np.asarray(Rope.of(cfg).inv_freq(cfg.head_dim))
+    np.testing.assert_allclose(got, reference("hf_gpt_oss")["inv_freq"], rtol=1e-6)
+    plain = np.asarray(Rope(cfg.rope_theta).inv_freq(cfg.head_dim))
+    ratio = got / plain  # 1: kept, 1 / factor: interpolated, between: blended
+    assert np.isclose(ratio[-1], 1 / cfg.rope_factor) and (ratio[:3] > 1 / cfg.rope_factor).all()
+    assert cfg.rope_attention_factor == 0.1 * np.log(4.0) + 1  # transformers' default for it
+
+
+def biased_experts(capacity_factor: float) -> tuple[BiasedExperts, jax.Array]:
+    """The fixture's experts layer (clamp 0.8) with random biases and router, and an input."""
+    cfg = dataclasses.replace(fixture_config(), capacity_factor=capacity_factor)
+    graph, state = nnx.split(gpt_oss.FAMILY.create(cfg, 0).blocks)
+    experts = nnx.merge(graph, jax.tree.map(lambda a: a[0], state)).experts  # layer 0's
+    assert isinstance(experts, BiasedExperts)
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    for name in ("router_logit_bias", "b_gate_up", "b_down"):
+        param = getattr(experts, name)
+        param[...] = jax.random.normal(next(keys), param.shape)
+    experts.w_gate_up[...] = experts.w_gate_up[...] * 40  # pre-activations past the clamp
+    return experts, jax.random.normal(next(keys), (2, 16, cfg.embed_dim))
+
+
+def test_sorted_dispatch_with_biases_equals_the_one_hot_reference():
+    for capacity_factor in (0.0, 1.0):  # dropless, and with dropped pairs
+        experts, x = biased_experts(capacity_factor)
+        want, want_stats = experts.reference(x)
+        got, got_stats = experts.sort_dispatch(x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+        assert float(got_stats["dropped"]) == float(want_stats["dropped"])
+    assert float(want_stats["dropped"]) > 0
+    (gate, up, _), (b_gate, b_up, _) = experts.expert_weights()
+    hidden = x @ gate[0] + b_gate[0], x @ up[0] + b_up[0]
+    assert float(jnp.max(hidden[0])) > 0.8 and float(jnp.min(hidden[1])) < -0.8  # clamped
+
+
+def test_the_gpu_kernel_path_with_biases_equals_the_cpu_one():
+    """ragged_swiglu (GPU / TPU) and blocked_swiglu (CPU) with the experts' biases and the
+    clamped SwiGLU: values and gradients for every weight and bias."""
+    experts, x = biased_experts(1.0)
+    _, _, _, top = experts.choose(x)
+    pairs = top.reshape(x.shape[0], -1)
+    cfg = experts.cfg
+    kept = moe_dispatch.kept_pairs(pairs, cfg.n_experts, cfg.capacity(x.shape[1]), x.shape[1])
+    matrices, biases = experts.expert_weights()
+    probe = jax.random.normal(jax.random.key(3), (*pairs.shape, cfg.embed_dim))
+
+    def loss(kernel, params):
+        out = kernel(x, pairs, kept, *params, act=experts.activation)
+        return jnp.sum(out * probe)
+
+    (want, want_grads), (got, got_grads) = (
+        jax.value_and_grad(loss, argnums=1)(kernel, (*matrices, *biases))
+        for kernel in (moe_dispatch.blocked_swiglu, moe_dispatch.ragged_swiglu)
+    )
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    for w, g in zip(want_grads, got_grads, strict=True):
+        assert float(jnp.abs(w).max()) > 0
+        assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
