@@ -13,7 +13,10 @@ config.json both ways and the tensor table.
     mlp.experts.down_proj_bias                  [E, hid]          experts/b_down
 
 (the experts' matrices are stored [in, out], unlike a Linear), and the norms, embedding and
-head as a Llama's.
+head as a Llama's. Released checkpoints hold each expert matrix as MXFP4 `_blocks` and
+`_scales` (config.json's quantization_config, quant_method mxfp4), which models/hf_io.py
+reads as the fp32 matrix (models/mxfp4.py); the export writes floats and no
+quantization_config.
 
 config.json fields:
 
@@ -32,7 +35,8 @@ config.json fields:
     the rest (sizes, rms_norm_eps, rope_theta, tie_word_embeddings)   as a Llama's
 
 Refused, naming the field: attention_bias false (GPT-OSS always has them), a hidden_act other
-than silu (the experts' clamped SwiGLU is fixed), attention_dropout, layer types that do not alternate so, a rope
+than silu (the experts' clamped SwiGLU is fixed), attention_dropout, a quantization_config
+other than mxfp4, layer types that do not alternate so, a rope
 type other than yarn and default, YaRN's mscale / mscale_all_dim (DeepSeek's), a
 partial_rotary_factor.
 """
@@ -168,6 +172,12 @@ def config_fields(hf: dict[str, Any], where: str, remat: str = "none") -> dict[s
                 f"{where}: {key} = {hf[key]!r} is not supported for {ARCHITECTURE}; spmd "
                 f"computes {wanted!r}"
             )
+    quantized = hf.get("quantization_config") or {}
+    if not isinstance(quantized, dict) or quantized.get("quant_method", "mxfp4") != "mxfp4":
+        raise UsageError(
+            f"{where}: quantization_config = {quantized!r} is not supported; spmd reads "
+            f"GPT-OSS's MXFP4 experts (quant_method 'mxfp4', dequantized on import)"
+        )
     if hf.get("attention_dropout") not in (None, 0, 0.0):
         raise UsageError(
             f"{where}: attention_dropout = {hf['attention_dropout']!r} is not supported; spmd's "

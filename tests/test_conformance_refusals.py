@@ -88,6 +88,8 @@ UNSUPPORTED = {
         "rope-type": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
                       "rope type 'llama3'"),
         "mscale": ({"rope_parameters": GPT_OSS_YARN | {"mscale": 1.0}}, "mscale = 1.0"),
+        "quantization": ({"quantization_config": {"quant_method": "gptq"}},
+                         "quantization_config = {'quant_method': 'gptq'}"),
         "experts": ({"num_local_experts": 8}, "router.weight " + SHAPE.format("4, 16", "8, 16")),
     },
     "hf_olmo2": {

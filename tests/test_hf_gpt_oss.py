@@ -1,6 +1,6 @@
 """What only GPT-OSS has (tests/test_conformance.py runs the common checks on its fixture):
 YaRN's frequencies against transformers', and the experts' biases and clamped SwiGLU through
-every dispatch kernel against the one-hot reference."""
+every dispatch kernel against the one-hot reference, and MXFP4 experts on import."""
 
 import dataclasses
 import json
@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import gpt_oss, moe_dispatch
+from models import gpt_oss, moe_dispatch, mxfp4
 from models.gpt_oss_layers import BiasedExperts
 from models.rope import Rope
-from tests.hf_fixtures import FIXTURES, reference
+from spmd.io import safetensors_io
+from spmd.run import weights
+from tests import trainer
+from tests.hf_fixtures import FIXTURES, ONE, reference, save_random_params
 
 
 def fixture_config() -> gpt_oss.GptOssConfig:
@@ -81,3 +84,37 @@ def test_the_gpu_kernel_path_with_biases_equals_the_cpu_one():
     for w, g in zip(want_grads, got_grads, strict=True):
         assert float(jnp.abs(w).max()) > 0
         assert float(jnp.abs(g - w).max()) <= 1e-5 * float(jnp.abs(w).max())
+
+
+def test_an_mxfp4_checkpoint_reads_as_its_dequantized_experts(tmp_path):
+    """A release's layout: each expert matrix as MXFP4 `_blocks` and `_scales` (random codes
+    and scales around 1) and config.json's quantization_config; the import reads them as
+    models.mxfp4.dequantize gives them (itself checked against transformers' in
+    tests/test_mxfp4.py), the rest as stored."""
+    cfg = dataclasses.replace(fixture_config(), embed_dim=32, mlp_dim=32, expert_mlp_dim=32)
+    saved, _ = save_random_params(cfg, ONE, tmp_path, 1 << 30)
+    path = tmp_path / "model.safetensors"
+    stored = {n: np.array(t.read()) for n, t in safetensors_io.read_header(path)[0].items()}
+    rng, tensors = np.random.default_rng(59), {}
+    for name, value in stored.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = value
+            continue
+        experts, inner, out = value.shape  # [E, in, out]: blocks of 32 along `in`
+        tensors[name + "_blocks"] = rng.integers(0, 256, (experts, out, inner // 32, 16), np.uint8)
+        tensors[name + "_scales"] = rng.integers(120, 135, (experts, out, inner // 32), np.uint8)
+    safetensors_io.write(path, [(n, v.shape, v.dtype) for n, v in tensors.items()], tensors.get)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+
+    params = weights.from_hf(str(tmp_path), trainer.layout(ONE)).params
+    experts = params["blocks"]["experts"]
+    for layer in range(cfg.n_layers):
+        for param, hf in (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj")):
+            name = f"model.layers.{layer}.mlp.experts.{hf}"
+            want = mxfp4.dequantize(tensors[name + "_blocks"], tensors[name + "_scales"])
+            np.testing.assert_array_equal(np.asarray(experts[param])[layer], want)
+    np.testing.assert_array_equal(
+        np.asarray(experts["b_down"]), np.asarray(saved["blocks"]["experts"]["b_down"])
+    )
