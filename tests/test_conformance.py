@@ -187,7 +187,7 @@ TABLE = (
             greedy=EP, round_trip=(ONE, EP), n_tensors=2 * 17 + 3,
             same_in_config=(*GEMMA_KEYS, "sliding_window", "swiglu_limit", "swiglu_alpha"),
             training=((THREE_D, "auto"), (EP, "explicit")),
-            planner=((EP, 3),), flops=(ONE, "auto"), init_from_hf="dp=-1,ep=4", dry_run=ONE),
+            planner=((EP, 3),), flops=(ONE, "auto"), dry_run=ONE),
 )  # fmt: skip
 CONTRACT = {row.family: row for row in reversed(TABLE)}  # each family's first row
 
