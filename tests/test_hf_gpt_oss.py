@@ -4,15 +4,18 @@ every dispatch kernel against the one-hot reference, and MXFP4 experts on import
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from models import gpt_oss, moe_dispatch, mxfp4
 from models.gpt_oss_layers import BiasedExperts
 from models.rope import Rope
+from spmd.errors import UsageError
 from spmd.io import safetensors_io
 from spmd.run import weights
 from tests import trainer
@@ -118,3 +121,17 @@ def test_an_mxfp4_checkpoint_reads_as_its_dequantized_experts(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(experts["b_down"]), np.asarray(saved["blocks"]["experts"]["b_down"])
     )
+
+
+def test_layouts_that_would_split_a_gate_up_pair_or_a_window_period_are_refused():
+    def mesh(**sizes: int) -> types.SimpleNamespace:
+        axes = dict.fromkeys(("data", "pipeline", "fsdp", "expert", "context", "tensor"), 1)
+        return types.SimpleNamespace(shape=axes | sizes)
+
+    cfg = dataclasses.replace(fixture_config(), aux_loss_coef=0.0, z_loss_coef=0.0)
+    gpt_oss.check_layout(cfg, mesh(tensor=8), "auto")  # 24 columns of gate and of up: 3 each
+    with pytest.raises(UsageError, match="tp=16 must divide --expert-mlp-dim 24"):
+        gpt_oss.check_layout(cfg, mesh(tensor=16), "auto")
+    with pytest.raises(UsageError, match="multiple of --global-every 2"):
+        gpt_oss.check_layout(cfg, mesh(pipeline=2), "auto")  # a sliding and a full stage
+    gpt_oss.check_layout(dataclasses.replace(cfg, n_layers=4), mesh(pipeline=2), "explicit")
