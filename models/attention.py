@@ -154,18 +154,30 @@ class Attention(nnx.Module):
         return constrain(tp_reduce(out, "heads"), RESIDUAL)
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        keys: jax.Array,
+        values: jax.Array,
+        window: int | jax.Array | None = None,
+        sinks: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Self-attention of x [b, t, embed] over one layer's key / value cache ([b, length,
         kv_heads, head_dim]) for generation: (output, keys, values) with this call's keys and
-        values written at `positions` [b, t] (models/llama_decode.py)."""
+        values written at `positions` [b, t] (models/llama_decode.py). `window`: the layer's
+        (None: the config's); `sinks` [heads]: as `causal_attention`'s."""
         dtype = x.dtype
         q, k, v = self.project(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
         keys = constrain(keys.at[rows, positions].set(k.astype(keys.dtype)), CACHE_NAMES)
         values = constrain(values.at[rows, positions].set(v.astype(values.dtype)), CACHE_NAMES)
         out = grouped_causal_attention(
-            q, keys.astype(dtype), values.astype(dtype), window=self.window, positions=positions
+            q,
+            keys.astype(dtype),
+            values.astype(dtype),
+            window=self.window if window is None else window,
+            positions=positions,
+            sinks=sinks,
         )
         return dense(out, weight(self, "wo"), inputs=2), keys, values
 

@@ -27,6 +27,7 @@ from models import (
     gemma2,
     gemma3,
     glm4_moe,
+    gpt_oss,
     hf_config,
     hf_io,
     hf_mixtral,
@@ -88,6 +89,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe.FAMILY,
         olmo2.FAMILY,
         glm4_moe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 

@@ -206,6 +206,20 @@ def static_window(
     return lax.cond(window == 0, lambda: attend(0), lambda: attend(cfg.sliding_window))
 
 
+def check_whole_periods(blocks: nnx.Module, cfg: Any) -> None:
+    """UsageError, while tracing, for a stack `blocks` that is a slice of the model's layers
+    (a pipeline chunk) holding no whole number of periods of the pattern of layers that differ
+    by index (`cfg.period` layers: Gemma's local / global, GPT-OSS's sliding / full): its
+    layers count from 0, so they would take the wrong kind."""
+    held = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+    if held != cfg.n_layers and held % cfg.period:
+        raise UsageError(
+            f"a pipeline chunk of {held} layers of a {cfg.family} model is not a multiple of "
+            f"--global-every {cfg.period}: its kinds of layer would be counted wrongly; pick "
+            f"pp / --pp-virtual so that each chunk holds a multiple"
+        )
+
+
 class GemmaAttention(Attention):
     """models.attention.Attention's projections (no biases) with Gemma's window and rotary
     base by layer, query scale, soft-cap and (Gemma 3) (1 + w) per-head q / k norms."""
@@ -341,13 +355,7 @@ class Gemma(llama.Llama):
     def apply_blocks(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """Every block in `self.blocks`, in order, each told its index from 0 (a pipeline chunk
         must hold whole periods of the local / global pattern: see the module docstring)."""
-        held = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0]
-        if held != self.cfg.n_layers and held % self.cfg.period:
-            raise UsageError(
-                f"a pipeline chunk of {held} layers of a {self.cfg.family} model is not a "
-                f"multiple of --global-every {self.cfg.period}: its local / global layers would "
-                f"be counted wrongly; pick pp / --pp-virtual so that each chunk holds a multiple"
-            )
+        check_whole_periods(self.blocks, self.cfg)
         if segments is None:
             positions = token_positions(x)  # global positions, also under CP
         else:  # restarting per document, from the ids in natural order under CP too

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import layer_groups
+from models import layer_groups, mxfp4
 from models.hf_tensors import Entry, Rule, entries, get, param_shapes, put
 from spmd.errors import UsageError
 from spmd.io import safetensors_io
@@ -128,7 +128,7 @@ def _read_tensors(folder: Path) -> dict[str, safetensors_io.TensorInfo]:
     for tensor, file in (weight_map or {}).items():
         if tensor not in tensors or tensors[tensor].path.name != file:
             raise UsageError(f"{index} places tensor {tensor} in {file}, which does not hold it")
-    return tensors
+    return mxfp4.unpacked(tensors)  # MXFP4 pairs (GPT-OSS's experts) read as their floats
 
 
 def _check_tensors(

@@ -228,11 +228,24 @@ class Experts(nnx.Module):
             self.router_bias = RouterBias(jnp.zeros((n,), jnp.float32), out_sharding=(None,))
         self.cfg = cfg
 
+    def expert_weights(self) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple]:
+        """((w_gate [E, embed, mlp], w_up, w_down [E, mlp, embed]) gathered, and the experts'
+        biases of gate, up and down ([E, mlp] twice, [E, embed]), none here: what the
+        dispatch kernels multiply and add (models/moe_dispatch.py)."""
+        return (gather(self.w_gate), gather(self.w_up), gather(self.w_down)), ()
+
+    def activation(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The experts' hidden units of their gate and up projections: SwiGLU."""
+        return swiglu(gate, up)
+
+    def router_logits(self, x: jax.Array) -> jax.Array:
+        """fp32 [b, t, E]: the router's logit of each expert for each token of x [b, t, embed]."""
+        return jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
+
     def choose(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """(logits [b, t, E] fp32, probabilities [b, t, E], the top k's weights [b, t, k] and
         experts [b, t, k], largest first): models/moe_routing.py's choice."""
-        logits = jnp.einsum("bte,en->btn", x.astype(jnp.float32), gather(self.router))
-        logits = constrain(logits, ("batch", "length", None))
+        logits = constrain(self.router_logits(x), ("batch", "length", None))
         bias = self.router_bias[...] if self.cfg.router_bias else None
         probs, weights, top_experts = moe_routing.choose(self.cfg, logits, bias)
         if bias is not None and self.cfg.router_bias_rate:  # the load, as the bias's gradient
@@ -283,11 +296,16 @@ class Experts(nnx.Module):
         buffer = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x)
         buffer = to_experts(buffer)  # [E_local, tokens' rows, capacity, embed]
         buffer = tp_enter(buffer, "mlp")  # column-parallel gate and up inside each expert
-        gate = expert_dense(buffer, gather(self.w_gate))
-        up = expert_dense(buffer, gather(self.w_up))
-        hidden = constrain(swiglu(gate, up), ("expert", "batch", None, "mlp"))
-        out = expert_dense(hidden, gather(self.w_down))
-        out = from_experts(tp_reduce(out, "mlp"))  # row-parallel sum, then back to the tokens
+        (w_gate, w_up, w_down), biases = self.expert_weights()
+        gate, up = expert_dense(buffer, w_gate), expert_dense(buffer, w_up)
+        if biases:  # each expert's, on every slot (empty slots' combine weights are 0)
+            gate = gate + biases[0][:, None, None].astype(dtype)
+            up = up + biases[1][:, None, None].astype(dtype)
+        hidden = constrain(self.activation(gate, up), ("expert", "batch", None, "mlp"))
+        out = tp_reduce(expert_dense(hidden, w_down), "mlp")  # row-parallel sum
+        if biases:  # after the sum: once
+            out = out + biases[2][:, None, None].astype(dtype)
+        out = from_experts(out)  # back to the tokens
         y = jnp.einsum("btnc,nbce->bte", combine.astype(dtype), out)
         if self.cfg.shared_expert:
             y = y + self.shared(x)
@@ -302,10 +320,13 @@ class Experts(nnx.Module):
         logits, probs, weights, top_experts = self.choose(x)
         experts = top_experts.reshape(b, -1)  # [b, t x k], token-major
         kept = moe_dispatch.kept_pairs(experts, cfg.n_experts, cfg.capacity(t), t)
-        kernel = moe_dispatch.grouped_swiglu
+        kernel = functools.partial(moe_dispatch.grouped_swiglu, act=self.activation)
         if exchanged:
-            kernel = functools.partial(moe_all_to_all.exchanged_swiglu, capacity=cfg.capacity(t))
-        out = kernel(x, experts, kept, gather(self.w_gate), gather(self.w_up), gather(self.w_down))
+            kernel = functools.partial(
+                moe_all_to_all.exchanged_swiglu, capacity=cfg.capacity(t), act=self.activation
+            )
+        matrices, biases = self.expert_weights()
+        out = kernel(x, experts, kept, *matrices, *biases)
         mix = (weights.reshape(b, -1) * kept).astype(x.dtype)  # a dropped pair adds nothing
         y = jnp.einsum("bp,bpe->bpe", mix, out).reshape(b, t, -1, x.shape[-1]).sum(axis=2)
         y = constrain(y, ("batch", "length", "embed"))
@@ -370,7 +391,8 @@ class MoELlama(llama.Llama):
         also `self.dense_blocks`, llama.Block's stacked (models/layer_groups.py)."""
         assert isinstance(cfg, MoEConfig)
         dense = cfg.dense_layer_set()
-        self.blocks = llama.stacked_blocks(Block, cfg, cfg.n_layers - len(dense), rngs)
+        sparse = cfg.n_layers - len(dense)
+        self.blocks = llama.stacked_blocks(type(self).block_type, cfg, sparse, rngs)
         if dense:
             self.dense_blocks = llama.stacked_blocks(llama.Block, cfg, len(dense), rngs)
 

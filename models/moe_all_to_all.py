@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from models import moe_dispatch
+from models.layers import swiglu
 from spmd.model_shape import moe_peer_block_rows as peer_block_rows
 from spmd.parallel.hooks import exchange, exchange_ways, on_expert_devices
 
@@ -38,14 +39,17 @@ def exchanged_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    *biases: jax.Array,
     capacity: int,
+    act: moe_dispatch.Activation = swiglu,
 ) -> jax.Array:
     """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
-    [b, t x k, d] (zero for a dropped pair), the experts being split over devices. Weights as
-    models.moe_dispatch.grouped_swiglu's, whole (the executors hand each device its block)."""
-    local = functools.partial(_local_exchange, capacity=capacity)
+    [b, t x k, d] (zero for a dropped pair), the experts being split over devices. Weights,
+    biases and `act` as models.moe_dispatch.grouped_swiglu's, whole (the executors hand each
+    device its block)."""
+    local = functools.partial(_local_exchange, capacity=capacity, act=act)
     kernel = moe_dispatch.kernel(w_gate.shape[1], w_gate.shape[2], x.dtype)
-    return on_expert_devices(local, kernel, x, experts, kept, w_gate, w_up, w_down)
+    return on_expert_devices(local, kernel, x, experts, kept, w_gate, w_up, w_down, *biases)
 
 
 def _local_exchange(
@@ -55,8 +59,9 @@ def _local_exchange(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
-    *,
+    *biases: jax.Array,
     capacity: int,
+    act: moe_dispatch.Activation,
 ) -> jax.Array:
     """`exchanged_swiglu` on one device: its sequences, its block of the experts."""
     b, t, d = x.shape
@@ -92,7 +97,9 @@ def _local_exchange(
         w_gate,
         w_up,
         w_down,
+        *biases,
         record=False,
+        act=act,
     )
     back = exchange(out.reshape(ways, block, d)).reshape(ways * block, d)
     # each sorted pair's slot: its peer's block, its rank there; dropped: the zero row

@@ -31,6 +31,9 @@ The grouped matmul, chosen while tracing and recorded with `note("moe_dispatch",
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +42,10 @@ from models.layers import swiglu
 from spmd.model_shape import MOE_BLOCK_ROWS as BLOCK_ROWS
 from spmd.model_shape import moe_grouped_rows
 from spmd.parallel.hooks import note, per_shard, tp_enter, tp_reduce
+
+# the experts' activation: (gate, up) [..., mlp] -> hidden [..., mlp]; models.layers.swiglu,
+# or GPT-OSS's clamped one (models/gpt_oss_experts.py)
+Activation = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def kept_pairs(experts: jax.Array, n_experts: int, capacity: int, length: int) -> jax.Array:
@@ -81,28 +88,32 @@ def grouped_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    *biases: jax.Array,
     record: bool = True,
+    act: Activation = swiglu,
 ) -> jax.Array:
     """x [b, t, d]; experts, kept [b, t x k] (token-major pairs) -> each pair's expert output
-    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d].
-    `record`: note the kernel as the run's dispatch (the all-to-all dispatch notes its own)."""
+    [b, t x k, d] (zero for a dropped pair). Weights [E, d, m], [E, d, m], [E, m, d]; `biases`
+    none, or each expert's of gate, up and down ([E, m], [E, m], [E, d]: GPT-OSS's); `act` the
+    activation of (gate, up). `record`: note the kernel as the run's dispatch (the all-to-all
+    dispatch notes its own)."""
     # (a param may hold a numpy array outside jit, which a traced index cannot index)
     w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    biases = tuple(jnp.asarray(b) for b in biases)
     chosen = kernel(w_gate.shape[1], w_gate.shape[2], x.dtype)
     if record:
         note("moe_dispatch", f"sorted, {chosen}")
     if chosen.startswith("blocked"):
-        return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
+        return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down, *biases, act=act)
     # per device under the auto executor: XLA can partition neither the batch-wide sort nor a
     # Pallas call, and would run the global batch on every device (under auto with tp the
     # experts' weights arrive whole, each device running all of their hidden dim)
     tokens, pairs, whole = ("batch", None, None), ("batch", None), (None, None, None)
     return per_shard(
-        ragged_swiglu,
-        *(x, experts, kept, w_gate, w_up, w_down),
-        names=(tokens, pairs, pairs, whole, whole, whole),
+        functools.partial(ragged_swiglu, act=act),
+        *(x, experts, kept, w_gate, w_up, w_down, *biases),
+        names=(tokens, pairs, pairs, whole, whole, whole, *[(None, None)] * len(biases)),
     )
-    return blocked_swiglu(x, experts, kept, w_gate, w_up, w_down)
 
 
 def ragged_swiglu(
@@ -112,9 +123,12 @@ def ragged_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    *biases: jax.Array,
+    act: Activation = swiglu,
 ) -> jax.Array:
     """The grouped kernel of GPU / TPU (models.grouped_matmul): the batch's pairs sorted by
-    expert (dropped pairs last, outside every group), one grouped matmul per weight."""
+    expert (dropped pairs last, outside every group), one grouped matmul per weight (each
+    row's expert's biases added after it, where there are biases)."""
     b, t, d = x.shape
     n = w_gate.shape[0]
     pairs = experts.shape[1]
@@ -124,9 +138,13 @@ def ragged_swiglu(
     tokens = (order // pairs) * t + (order % pairs) // (pairs // t)
     rows = tp_enter(x.reshape(b * t, d)[tokens], "mlp")
     dt = x.dtype
-    gate = grouped_matmul.matmul(rows, w_gate.astype(dt), sizes)
-    up = grouped_matmul.matmul(rows, w_up.astype(dt), sizes)
-    out = tp_reduce(grouped_matmul.matmul(swiglu(gate, up), w_down.astype(dt), sizes), "mlp")
+    b_gate, b_up, b_down = (
+        [b[jnp.minimum(key[order], n - 1)].astype(dt) for b in biases] if biases else (0, 0, 0)
+    )
+    gate = grouped_matmul.matmul(rows, w_gate.astype(dt), sizes) + b_gate
+    up = grouped_matmul.matmul(rows, w_up.astype(dt), sizes) + b_up
+    out = tp_reduce(grouped_matmul.matmul(act(gate, up), w_down.astype(dt), sizes), "mlp")
+    out = out + b_down  # after the row-parallel sum: once
     out = jnp.where((key[order] < n)[:, None], out, 0)  # rows past the groups: dropped pairs
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
     return out[back].reshape(b, pairs, d)
@@ -139,9 +157,12 @@ def blocked_swiglu(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    *biases: jax.Array,
+    act: Activation = swiglu,
 ) -> jax.Array:
     """The CPU kernel: per sequence, each pair gets a slot in a buffer where every expert's
-    group starts on a block boundary; a scan over blocks runs each with its expert's weights."""
+    group starts on a block boundary; a scan over blocks runs each with its expert's weights
+    (and biases, where there are: grouped_swiglu's)."""
     b, t, d = x.shape
     n = w_gate.shape[0]
     pairs = experts.shape[1]
@@ -185,12 +206,18 @@ def blocked_swiglu(
         rows, expert = xs  # [b, BLOCK_ROWS, d], [b]
         gate = jnp.einsum("bsd,bdm->bsm", rows, w_gate[expert].astype(dt))
         up = jnp.einsum("bsd,bdm->bsm", rows, w_up[expert].astype(dt))
-        return None, jnp.einsum("bsm,bmd->bsd", swiglu(gate, up), w_down[expert].astype(dt))
+        if biases:
+            gate = gate + biases[0][expert, None].astype(dt)
+            up = up + biases[1][expert, None].astype(dt)
+        return None, jnp.einsum("bsm,bmd->bsd", act(gate, up), w_down[expert].astype(dt))
 
     # the backward pass gathers each block's weights again rather than keeping them: kept, they
     # would be n_blocks x an expert's three matrices (E x 128 rows' worth of weight copies)
     block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_saveable)
     _, out = jax.lax.scan(block, None, (blocks, block_expert.T))
     out = tp_reduce(out.swapaxes(0, 1).reshape(b, slots, d), "mlp")  # row-parallel sum
+    if biases:  # each slot's block's expert's down bias, once after the sum
+        slot_expert = jnp.repeat(block_expert, BLOCK_ROWS, axis=-1)  # [b, slots]
+        out = out + biases[2][slot_expert].astype(out.dtype)
     out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # slot `slots`: 0
     return jnp.take_along_axis(out, slot[..., None], axis=1)  # [b, pairs, d]

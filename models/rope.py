@@ -15,6 +15,13 @@ Face checkpoints) turn by angle position x inv_freq[i], with inv_freq[i] = theta
              the call's longest position + 1 is at most L = original_max_positions, else
              inv_freq[i] / long_factors[i] (the pick is per call, as transformers picks per
              forward pass); cos and sin are multiplied by attention_factor either way.
+    yarn     YaRN (Peng et al. 2023; GPT-OSS, DeepSeek-V3). Over L = original_max_positions
+             pair i turns L x inv_freq[i] / 2 pi times; the pair index that turns r times is
+             d(r) = head_dim x ln(L / (2 pi r)) / (2 ln theta). Pairs below d(beta_fast) (more
+             than beta_fast turns) keep inv_freq, pairs above d(beta_slow) take inv_freq /
+             factor, and between the two blend along a linear ramp in i (its ends floored and
+             ceiled where `truncate`, then clipped to the pairs, as transformers does); cos
+             and sin are multiplied by attention_factor (0: YaRN's 0.1 ln(factor) + 1).
 
 Transformers' `dynamic` scaling (NTK, whose theta grows with the longest sequence seen) is
 not here: its frequencies depend on the batch, so training and decoding would not match it.
@@ -50,7 +57,10 @@ class Rope:
     original_max_positions: int = 8192  # llama3, longrope: L, the pretraining context (tokens)
     short_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors up to L positions
     long_factors: tuple[float, ...] = ()  # longrope: inv_freq divisors beyond L positions
-    attention_factor: float = 1.0  # longrope: scales cos and sin (q . k by its square)
+    attention_factor: float = 1.0  # longrope, yarn: scales cos and sin (q . k by its square)
+    beta_fast: float = 32.0  # yarn: pairs turning more often than this over L are kept
+    beta_slow: float = 1.0  # yarn: pairs turning less often than this over L are interpolated
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs
     # the share of each head's features that rotate, the first ones (GLM-4.5: 0.5); the
     # rest pass through unrotated
     rotary_fraction: float = 1.0
@@ -68,6 +78,9 @@ class Rope:
             short_factors=factors(getattr(cfg, "rope_short_factors", "")),
             long_factors=factors(getattr(cfg, "rope_long_factors", "")),
             attention_factor=getattr(cfg, "rope_attention_factor", 1.0),
+            beta_fast=getattr(cfg, "rope_beta_fast", 32.0),
+            beta_slow=getattr(cfg, "rope_beta_slow", 1.0),
+            truncate=getattr(cfg, "rope_truncate", True),
             rotary_fraction=getattr(cfg, "partial_rotary_factor", 1.0),
         )
 
@@ -80,6 +93,8 @@ class Rope:
             return freqs / self.factor
         if self.scaling == "llama3":
             return self._llama3(freqs)
+        if self.scaling == "yarn":
+            return self._yarn(freqs, head_dim)
         return freqs
 
     def _llama3(self, freqs: jax.Array) -> jax.Array:
@@ -93,6 +108,20 @@ class Rope:
         kept = wavelength < context / self.high_freq_factor
         between = ~kept & ~(wavelength > context / self.low_freq_factor)
         return jnp.where(between, blended, scaled)
+
+    def _yarn(self, freqs: jax.Array, head_dim: int) -> jax.Array:
+        def pair_turning(turns: float) -> float:  # d(r) of the module docstring
+            context = self.original_max_positions
+            return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(self.theta))
+
+        low, high = pair_turning(self.beta_fast), pair_turning(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:  # transformers' guard against a ramp of no width
+            high += 0.001
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        return freqs / self.factor * ramp + freqs * (1 - ramp)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [batch, length, heads, head_dim] rotated at `positions` [batch, length] (its first

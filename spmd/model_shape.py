@@ -69,6 +69,11 @@ class ModelShape:
     # the output layer and loss run over chunks of this many vocabulary columns, the logits
     # never whole (models/fused_loss.py); 0: unfused
     loss_chunk: int = 0
+    attn_sinks: bool = False  # one learned softmax logit per query head [heads] (GPT-OSS)
+    o_bias: bool = False  # a bias [embed] on the attention's output projection (GPT-OSS)
+    # biases on the router's logits [E], each expert's gate and up [E, 2 x expert_dim] and
+    # down [E, embed] (GPT-OSS)
+    expert_bias: bool = False
 
     @property
     def expert_dim(self) -> int:
@@ -90,8 +95,10 @@ class ModelShape:
         n_params, the planner's groups in spmd.estimate.shape): "matrices" (every block's
         attention and dense MLP, or its shared expert), "norms" (every block's RMSNorm scales),
         "tables" (embedding, and the head unless tied), "final_norm"; and only where the model
-        has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "router",
-        "experts" (the routed ones) and "router_bias" (their correction biases)."""
+        has them "qkv_bias", "qk_norm" (per head), "whole_qk_norm" (over all heads), "sinks",
+        "o_bias", "router" and "experts" (the routed ones), "router_bias" (their correction
+        biases, a buffer: BUFFERS), "router_logit_bias" (the router's trained bias),
+        "expert_bias" (gate and up) and "expert_out_bias" (down)."""
         e, d, layers, sparse = self.embed_dim, self.head_dim, self.n_layers, self.sparse_layers
         # a sparse layer's shared expert (if any) is a dense MLP of shared_dim
         mlps = (layers - sparse) * 3 * e * self.mlp_dim + sparse * 3 * e * self.shared_dim
@@ -107,11 +114,19 @@ class ModelShape:
             counts["qk_norm"] = layers * 2 * d
         if self.whole_qk_norm:  # [heads, head_dim] and [kv_heads, head_dim] per block
             counts["whole_qk_norm"] = layers * d * (self.n_heads + self.n_kv_heads)
+        if self.attn_sinks:
+            counts["sinks"] = layers * self.n_heads
+        if self.o_bias:
+            counts["o_bias"] = layers * e
         if self.n_experts:  # each sparse block's router [embed, experts], then its experts
             counts["router"] = sparse * e * self.n_experts
             counts["experts"] = sparse * self.n_experts * 3 * e * self.expert_dim
         if self.n_experts and self.router_bias:  # [E] per sparse block, no embed dim
             counts["router_bias"] = sparse * self.n_experts
+        if self.n_experts and self.expert_bias:
+            counts["router_logit_bias"] = sparse * self.n_experts
+            counts["expert_bias"] = sparse * self.n_experts * 2 * self.expert_dim
+            counts["expert_out_bias"] = sparse * self.n_experts * e
         return counts
 
     def n_params(self) -> int:
@@ -123,7 +138,10 @@ class ModelShape:
         """Parameters one token uses: all but the E - k routed experts it skips in every
         sparse layer (all of them in a dense model)."""
         idle = self.sparse_layers * (self.n_experts - self.experts_per_token)
-        return self.n_params() - idle * 3 * self.embed_dim * self.expert_dim
+        per_expert = 3 * self.embed_dim * self.expert_dim
+        if self.expert_bias:  # its biases too
+            per_expert += 2 * self.expert_dim + self.embed_dim
+        return self.n_params() - idle * per_expert
 
     def active_mlp_params(self) -> int:
         """MLP params one token uses in all layers together: in each sparse layer the router,

@@ -98,6 +98,10 @@ CASES = [
     train("--model moe-tiny --routed-scaling-factor 0", says="finite number > 0"),
     train("--model moe-tiny --routed-scaling-factor inf", says="finite number > 0"),
     train("--model moe-tiny --shared-expert-mlp-dim 64", says="with --shared-expert true"),
+    # GPT-OSS's own fields (models/gpt_oss.py)
+    train("--family gpt_oss --swiglu-limit 0", says="--swiglu-limit 0.0 must be positive"),
+    train("--family gpt_oss --rope-scaling llama3", says="is not one of none, yarn"),
+    train("--family gpt_oss --rope-beta-fast -1", says="--rope-beta-fast -1.0 must be > 0"),
     train("--model moe-tiny --router-bias true --router-bias-rate -1", says="finite number >= 0"),
     train("--model moe-tiny --router-bias-rate 0.001", says="needs --router-bias true"),
     # the run's counts

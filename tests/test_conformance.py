@@ -187,6 +187,20 @@ TABLE = (
             # the export adds the factors transformers derives to rope_parameters
             same_in_config=("architectures", "model_type", "max_position_embeddings",
                             "sliding_window")),
+    Fixture("hf_gpt_oss", "gpt_oss",
+            dict(n_experts=4, experts_per_token=2, expert_mlp_dim=24, head_dim=16, qkv_bias=True,
+                 sliding_window=4, global_every=2, swiglu_limit=0.8, rope_scaling="yarn",
+                 rope_factor=4.0, rope_truncate=False, norm_topk_prob=True),
+            meshes=(ONE, THREE_D, EP, "ep=4,tp=2"),
+            # the 4 experts over fsdp x expert, one per device; tp splits the 48 interleaved
+            # gate / up columns into whole pairs
+            shards=((EP, "blocks/experts/w_gate_up", (2, 1, 16, 24)),),
+            depends_on=({"swiglu_limit": 7.0}, {"global_every": 1},
+                        {"rope_attention_factor": 1.0}, {"rope_scaling": "none"}),
+            greedy=EP, round_trip=(ONE, EP), n_tensors=2 * 17 + 3,
+            same_in_config=(*GEMMA_KEYS, "sliding_window", "swiglu_limit", "swiglu_alpha"),
+            training=((THREE_D, "auto"), (EP, "explicit")),
+            planner=((EP, 3),), flops=(ONE, "auto"), dry_run=ONE),
 )  # fmt: skip
 CONTRACT = {row.family: row for row in reversed(TABLE)}  # each family's first row
 

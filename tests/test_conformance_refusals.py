@@ -12,6 +12,7 @@ SHAPE = "has shape ({}), but config.json implies ({})"
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": None}
 GLOBAL_YARN = {"full_attention": {"rope_type": "yarn", "factor": 2.0}}
 LOCAL_LINEAR = {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 # (fixture, config.json changes, what the one-line error names): spmd.convert exits 2 on each.
 UNSUPPORTED = {
@@ -90,6 +91,18 @@ UNSUPPORTED = {
         "top-k": ({"num_experts_per_tok": 5}, "num_experts_per_tok 5"),
         "norm": ({"norm_topk_prob": "yes"}, "norm_topk_prob = 'yes'"),
         "width": ({"moe_intermediate_size": 12}, SHAPE.format("24, 16", "12, 16")),
+    },
+    "hf_gpt_oss": {
+        "no-bias": ({"attention_bias": False}, "attention_bias = False"),
+        "activation": ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        "dropout": ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+        "layer-types": ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        "rope-type": ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+                      "rope type 'llama3'"),
+        "mscale": ({"rope_parameters": GPT_OSS_YARN | {"mscale": 1.0}}, "mscale = 1.0"),
+        "quantization": ({"quantization_config": {"quant_method": "gptq"}},
+                         "quantization_config = {'quant_method': 'gptq'}"),
+        "experts": ({"num_local_experts": 8}, "router.weight " + SHAPE.format("4, 16", "8, 16")),
     },
     "hf_olmo2": {
         "attention-bias": ({"attention_bias": True}, "attention_bias = True"),

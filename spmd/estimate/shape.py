@@ -57,6 +57,11 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "router": ("pipeline",),
     "experts": EXPERT_AXES,
     "router_bias": ("pipeline", NO_FSDP),  # [layers, experts]: whole but for the layers
+    "sinks": ("tensor", "pipeline", NO_FSDP),  # [heads], split with the heads
+    "o_bias": ("pipeline",),  # [embed], as a norm's scale
+    "router_logit_bias": ("pipeline", NO_FSDP),  # [experts], whole
+    "expert_bias": EXPERT_AXES,  # [experts, 2 x mlp]: as the experts' matrices
+    "expert_out_bias": ("fsdp", "expert", "pipeline"),  # [experts, embed]: the embed whole
 }
 
 

@@ -125,10 +125,11 @@ def exchange_axes() -> tuple[str, ...]:
 
 
 def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
-    """fn(x, experts, kept, w_gate, w_up, w_down) -> [batch, pairs, embed] run on each device's
-    own sequences (x [batch, length, embed], experts and kept [batch, pairs]) and its own block
-    of the experts' weights ([E, embed, mlp] twice, [E, mlp, embed]), where `exchange` moves
-    rows between the devices that split the experts."""
+    """fn(x, experts, kept, w_gate, w_up, w_down[, b_gate, b_up, b_down]) -> [batch, pairs,
+    embed] run on each device's own sequences (x [batch, length, embed], experts and kept
+    [batch, pairs]) and its own block of the experts' weights ([E, embed, mlp] twice, [E, mlp,
+    embed]) and biases where given ([E, mlp] twice, [E, embed]: GPT-OSS's), where `exchange`
+    moves rows between the devices that split the experts."""
     if traced.explicit() is not None:
         return fn(*args)
     auto = traced.activations()
@@ -147,6 +148,7 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
         spec(expert, None, tensor),
         spec(expert, None, tensor),
         spec(expert, tensor, None),
+        *(spec(expert, tensor), spec(expert, tensor), spec(expert, None))[: len(args) - 6],
     )
 
     # the axes that split the rows but not the weights: the weights are invariant over them,
@@ -158,17 +160,15 @@ def on_expert_devices(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Arr
     sum_in_fp32 = _platform(mesh) == "cpu"
 
     def local(*local_args: jax.Array) -> jax.Array:
-        *rows, w_gate, w_up, w_down = local_args
+        rows, weights = local_args[:3], local_args[3:]  # weights: the matrices, then biases
         if replicated:
-            w_gate, w_up, w_down = (
-                varying(w, replicated, sum_in_fp32) for w in (w_gate, w_up, w_down)
-            )
+            weights = tuple(varying(w, replicated, sum_in_fp32) for w in weights)
         with (
             traced.no_activation_layout(),
             # the explicit hooks read the mesh's axis names and sizes, an abstract mesh's too
             traced.explicit_layout(cast(jax.sharding.Mesh, mesh), 0, sp, prefetch=False),
         ):
-            return fn(*rows, w_gate, w_up, w_down)
+            return fn(*rows, *weights)
 
     mapped = jax.shard_map(
         local,
