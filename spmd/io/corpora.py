@@ -1,5 +1,6 @@
-"""Record corpora: JSONL / Parquet / Arrow shards whose rows hold a text column, or a prompt and
-a response column (supervised fine-tuning).
+"""Record corpora: JSONL / Parquet / Arrow shards whose rows hold a text column, a prompt and
+a response column (supervised fine-tuning), or a prompt, a chosen and a rejected response
+column (preference pairs: read as two prompt/response documents each, chosen first).
 
 `--data` names one shard, a folder of shards (searched recursively) or a glob pattern of them;
 a shard is a `.jsonl`, `.jsonl.gz` or `.json` file of JSON lines (one object per line, read with
@@ -42,14 +43,22 @@ class Fields:
     prompt: str = ""
     response: str = ""
     messages: str = ""
+    chosen: str = ""  # preference pairs: prompt + chosen, prompt + rejected
+    rejected: str = ""
 
     @property
     def sft(self) -> bool:
-        return bool(self.prompt or self.response or self.messages)
+        return bool(self.prompt or self.response or self.messages or self.pairs)
+
+    @property
+    def pairs(self) -> bool:
+        return bool(self.chosen or self.rejected)
 
     def names(self) -> tuple[str, ...]:
         if self.messages:
             return (self.messages,)
+        if self.pairs:
+            return (self.prompt, self.chosen, self.rejected)
         return (self.prompt, self.response) if self.sft else (self.text,)
 
     def problem(self, value: object) -> str | None:
@@ -62,7 +71,16 @@ class Fields:
 
     def check(self) -> None:
         """UsageError unless both or neither of prompt and response are named, and messages
-        only without them."""
+        only without them; pairs name prompt, chosen and rejected, and no response."""
+        if self.pairs:
+            named = self.prompt and self.chosen and self.rejected
+            if not named or self.response or self.messages:
+                raise UsageError(
+                    f"--chosen-field {self.chosen!r} / --rejected-field {self.rejected!r}: "
+                    f"preference pairs need both and --prompt-field (now {self.prompt!r}), "
+                    f"without --response-field or --messages-field"
+                )
+            return
         if self.messages and (self.prompt or self.response):
             raise UsageError(
                 f"--messages-field {self.messages} reads chats; leave out --prompt-field and "
@@ -133,6 +151,14 @@ def documents(
     else:
         records = _arrow_rows(path, fields, bad, skip_bad)
     for where, values in records:
+        if fields.pairs:  # two SFT documents, chosen then rejected: spmd.io.pairs pairs them
+            prompt, chosen, rejected = values
+            if not (chosen and rejected):
+                bad.add(f"{where} has an empty chosen or rejected response", skip_bad)
+                continue
+            yield (prompt, chosen)
+            yield (prompt, rejected)
+            continue
         if render is None:
             yield values
             continue

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.io import corpora, data, fetch, mixture, shards, tokens
+from spmd.io import corpora, data, fetch, mixture, pairs, shards, tokens
 from spmd.log import say
 from spmd.sections import DataConfig, choices
 
@@ -33,7 +33,12 @@ def check_choices(data_cfg: DataConfig) -> None:
 
 def fields_of(data_cfg: DataConfig) -> corpora.Fields:
     return corpora.Fields(
-        data_cfg.text_field, data_cfg.prompt_field, data_cfg.response_field, data_cfg.messages_field
+        data_cfg.text_field,
+        data_cfg.prompt_field,
+        data_cfg.response_field,
+        data_cfg.messages_field,
+        data_cfg.chosen_field,
+        data_cfg.rejected_field,
     )
 
 
@@ -68,8 +73,14 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
 def windows_of(
     data_cfg: DataConfig, seq_len: int, token_file: tokens.TokenFile, eval_fraction: float
 ) -> data.TokenWindows:
-    """The windows of a token file under the run's --document-mask."""
+    """The windows of a token file under the run's --document-mask (preference pairs: one
+    padded row per document, spmd.io.pairs)."""
     ends = token_file.document_ends()
+    if fields_of(data_cfg).pairs:
+        assert ends is not None  # pairs are read record by record (check_choices)
+        mask = token_file.loss_mask()
+        assert mask is not None  # a pair's documents are prompt/response ones
+        return pairs.PairWindows(token_file.load(), ends, mask, seq_len, eval_fraction)
     masking = data_cfg.document_mask == "on" or (
         data_cfg.document_mask == "auto" and ends is not None
     )

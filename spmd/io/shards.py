@@ -55,6 +55,7 @@ def open_records(
         "format": tokens.CACHE_FORMAT,
         "records": [(str(s.resolve()), *tokens._stat(s)) for s in shards],
         "fields": [fields.text, fields.prompt, fields.response],
+        **({"pairs": [fields.chosen, fields.rejected]} if fields.pairs else {}),
         "skip_bad": skip_bad,
         "tokenizer": tokenizer_id,
     }
