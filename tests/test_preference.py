@@ -1,0 +1,130 @@
+"""The preference objectives (spmd.engine.preference, spmd.io.pairs): the first step's DPO, IPO
+and ORPO numbers that `spmd.train` logs equal transformers' (tests/fixtures/make_preference.py:
+the untied Llama fixture as the reference, it under the peft_llama adapter as the policy) on 1
+device and dp=2,fsdp=2,tp=2; LoRA-DPO learns a preference rule; bad input exits 2. Runs from
+the repository root with relative paths, as a user does. About 35 s of CPU in all."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from tests.cli import records, train_in_process
+
+BASE = "tests/fixtures/hf_llama_untied"
+PEFT = "tests/fixtures/peft_llama"
+PAIRS = "tests/fixtures/preference/pairs.jsonl"
+FIELDS = ["--prompt-field", "prompt", "--chosen-field", "chosen", "--rejected-field", "rejected"]
+
+
+@pytest.fixture(autouse=True)
+def at_root(monkeypatch, request):
+    monkeypatch.chdir(request.config.rootpath)
+
+
+def first_step(tmp_path, *flags: str) -> dict:
+    """The train record of step 1 (its figures are taken before the update) of a one-step run
+    on the fixture pairs: 4 pairs in one batch of 8 rows."""
+    metrics = tmp_path / "m.jsonl"
+    done = train_in_process(
+        "--init-from-hf", BASE, "--init-from-peft", PEFT, "--data", PAIRS, *FIELDS,
+        "--seq-len", "32", "--batch", "8", "--steps", "1", "--eval-fraction", "0",
+        "--precision", "fp32", "--run-dir", "none", "--metrics", str(metrics),
+        "--data-cache", str(tmp_path / "cache"), *flags,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return next(r for r in records(metrics) if r["kind"] == "train")
+
+
+def expected() -> dict:
+    with np.load("tests/fixtures/preference/expected.npz") as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "flags", "loss"),
+    [
+        ("dp=1", (), "dpo_loss"),
+        ("dp=2,fsdp=2,tp=2", ("--dpo-label-smoothing", "0.2"), "dpo_loss_smoothed"),
+    ],
+)
+def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, loss):
+    want = expected()
+    got = first_step(tmp_path, "--objective", "dpo", "--mesh", mesh, *flags)
+    assert abs(got["loss"] - want[loss]) < 1e-5
+    for name in ("chosen", "rejected", "margins", "accuracies"):
+        assert abs(got[f"rewards/{name}"] - want[f"rewards_{name}"]) < 1e-5, name
+    assert abs(got["logps/chosen"] - want["policy_chosen"].mean()) < 1e-4  # nats, ~-42
+    # policy and reference differ: the check is not one of a zero margin
+    assert abs(want["rewards_margins"]) > 0.1
+
+
+def test_ipo_and_orpo_log_transformers_losses(tmp_path):
+    want = expected()
+    ipo = first_step(tmp_path / "ipo", "--objective", "dpo", "--dpo-loss", "ipo", "--mesh", "dp=1")
+    assert abs(ipo["loss"] - want["ipo_loss"]) < 1e-5 * want["ipo_loss"]  # ~24: relative
+    orpo = first_step(tmp_path / "orpo", "--objective", "orpo", "--mesh", "dp=2,fsdp=2,tp=2")
+    assert abs(orpo["loss"] - want["orpo_loss"]) < 1e-5
+    assert abs(orpo["nll_loss"] - want["orpo_nll"]) < 1e-5
+    assert abs(orpo["logps/chosen"] - want["policy_chosen_mean"].mean()) < 1e-5
+
+
+def rule_pairs(path, n: int) -> None:
+    """n pairs of distinct prompts, 3 letters each (no palindrome): the chosen response repeats
+    them, the rejected one reverses them."""
+    words = [a + b + c for a in LETTERS for b in LETTERS for c in LETTERS if a != c]
+    with path.open("w") as f:
+        for word in random.Random(0).sample(words, n):
+            record = {"prompt": f"{word}:", "chosen": f" {word}", "rejected": f" {word[::-1]}"}
+            f.write(json.dumps(record) + "\n")
+
+
+LETTERS = "abcdefghijkl"
+
+
+def test_lora_dpo_learns_the_preferred_rule(tmp_path):
+    # 80 steps of 16 pairs out of 1300: each step's figures (taken before its update) are of
+    # pairs the adapters have not trained on, so the accuracy is a held-out one
+    data, metrics = tmp_path / "rule.jsonl", tmp_path / "m.jsonl"
+    rule_pairs(data, 1300)
+    done = train_in_process(
+        "--init-from-hf", BASE, "--lora-rank", "8", "--objective", "dpo", "--dpo-beta", "0.5",
+        "--data", str(data), *FIELDS, "--seq-len", "12", "--batch", "32", "--steps", "80",
+        "--lr", "1e-2", "--warmup", "5", "--eval-fraction", "0", "--log-every", "1",
+        "--mesh", "dp=1", "--run-dir", "none", "--metrics", str(metrics),
+        "--data-cache", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = [r for r in records(metrics) if r["kind"] == "train"]
+    accuracy = [r["rewards/accuracies"] for r in steps]
+    # step 1: the adapters' B are zeros, the policy is its reference: no margin, no accuracy
+    # (a tie is not a win, as TRL counts); then chance, then the rule
+    assert steps[0]["rewards/margins"] == 0.0 and accuracy[0] == 0.0
+    assert np.mean(accuracy[1:6]) <= 0.75, accuracy[:6]
+    assert np.mean(accuracy[-20:]) >= 0.9, accuracy[-20:]
+    assert steps[-1]["rewards/margins"] > 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (
+            ("--data", "tests/fixtures/preference/pairs.jsonl", "--prompt-field", "prompt",
+             "--response-field", "chosen", "--lora-rank", "4"),
+            "--objective dpo trains on preference pairs, and the data has none",
+        ),
+        ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--dpo-beta", "0"), "--dpo-beta 0.0 must"),
+        ((*FIELDS, "--data", PAIRS), "takes its reference model from LoRA's frozen base"),
+    ],
+)  # fmt: skip
+def test_bad_preference_input_exits_2(tmp_path, flags, says):
+    done = train_in_process(
+        "--init-from-hf", BASE, "--objective", "dpo", "--seq-len", "32", "--batch", "16",
+        "--mesh", "dp=1",
+        "--steps", "1", "--run-dir", "none", "--data-cache", str(tmp_path / "c"), *flags,
+    )  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
+    assert len(done.stderr.strip().splitlines()) == 1
