@@ -72,7 +72,7 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
 
 def windows_of(
     data_cfg: DataConfig, seq_len: int, token_file: tokens.TokenFile, eval_fraction: float
-) -> data.TokenWindows:
+) -> data.TokenWindows | pairs.PairWindows:
     """The windows of a token file under the run's --document-mask (preference pairs: one
     padded row per document, spmd.io.pairs)."""
     ends = token_file.document_ends()
