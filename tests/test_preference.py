@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +129,23 @@ def test_bad_preference_input_exits_2(tmp_path, flags, says):
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_pair_rows_keep_each_sequence_alone_and_pairs_together(tmp_path, capsys):
+    from spmd import data
+
+    argv = ["--data", PAIRS, *FIELDS, "--data-cache", str(tmp_path / "c"), "--seq-len", "20"]
+    assert data.main(["preview", *argv, "--windows", "2", "--eval-fraction", "0"]) == 0
+    shown = capsys.readouterr().out
+    # the first pair training reads, chosen then rejected, each from its own start, padded
+    chosen, rejected = shown.split("=== window 2 (")[0], shown.split("=== window 2 (")[1]
+    pair = chosen.split("(pair ")[1].split(" ")[0]
+    assert f"pair {pair} chosen" in chosen and rejected.startswith(f"pair {pair} rejected")
+    record = json.loads(Path(PAIRS).read_text().splitlines()[int(pair)])
+    assert f"¶«{record['prompt']}»{record['chosen']}" in chosen
+    assert f"¶«{record['prompt']}»{record['rejected']}" in rejected
+    assert data.main(["stats", *argv]) == 0
+    # two of the eight sequences are longer than a row of 21 tokens (27 and 25)
+    stats = capsys.readouterr().out
+    assert "preference pairs: 4, longest sequence 27 tokens" in stats
+    assert "longer than a row (21 tokens), so cut at its end: 2" in stats

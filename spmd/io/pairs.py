@@ -60,16 +60,34 @@ class PairWindows:
         """The keys of a pair corpus's batches."""
         return ("inputs", "targets", PAIRS)
 
-    def batch_rows(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """inputs, targets and the response mask (0/1), int32 [n, seq_len], of the
-        given documents, each from its start, padded with 0 (masked) past its end."""
+    def rows(self, window_ids: np.ndarray) -> np.ndarray:
+        """int32 [n, seq_len + 1]: each given document from its start, 0 past its end."""
         ids = np.asarray(window_ids, np.int64)
         offsets = self.starts[ids][:, None] + np.arange(self.seq_len + 1)
         inside = offsets < self.document_ends[ids][:, None]
-        safe = np.where(inside, offsets, 0)
-        rows = np.where(inside, self.tokens[safe], 0).astype(np.int32)
-        mask = np.where(inside, self.loss_mask[safe], 0).astype(np.int32)
-        return {"inputs": rows[:, :-1], "targets": rows[:, 1:], PAIRS: mask[:, 1:]}
+        return np.where(inside, self.tokens[np.where(inside, offsets, 0)], 0).astype(np.int32)
+
+    def target_mask(self, window_ids: np.ndarray) -> np.ndarray:
+        """int32 [n, seq_len]: 1 where a target is a response token (0 past the end)."""
+        ids = np.asarray(window_ids, np.int64)
+        offsets = self.starts[ids][:, None] + np.arange(1, self.seq_len + 1)
+        inside = offsets < self.document_ends[ids][:, None]
+        return np.where(inside, self.loss_mask[np.where(inside, offsets, 0)], 0).astype(np.int32)
+
+    def batch_rows(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """inputs, targets and the response mask (0/1), int32 [n, seq_len], of the given
+        documents."""
+        rows = self.rows(window_ids)
+        return {"inputs": rows[:, :-1], "targets": rows[:, 1:], PAIRS: self.target_mask(window_ids)}
+
+    def role(self, window: int) -> str:
+        """What row `window` is: "pair P chosen" or "pair P rejected" (P counted from 0)."""
+        return f"pair {window // 2} {'rejected' if window % 2 else 'chosen'}"
+
+    def train_rows(self, seed: int, count: int) -> np.ndarray:
+        """The first `count` rows training reads, in order (the first epoch's pairs)."""
+        order = data.epoch_order(seed, 0, self.n_train // 2)
+        return np.stack([2 * order, 2 * order + 1], axis=1).reshape(-1)[:count]
 
     def batch_at(
         self, seed: int, step: int, global_batch_size: int, sharding: jax.sharding.Sharding
@@ -77,5 +95,5 @@ class PairWindows:
         """The global train batch of data step `step` (0-based): global_batch_size / 2 pairs,
         each chosen row before its rejected one."""
         pair_ids = data.train_window_ids(seed, step, global_batch_size // 2, self.n_train // 2)
-        ids = np.stack([2 * pair_ids, 2 * pair_ids + 1], axis=1).reshape(-1)
+        ids = np.stack([2 * pair_ids, 2 * pair_ids + 1], axis=1).reshape(-1)  # pairs stay whole
         return data.global_batch(self, ids, sharding)  # type: ignore[arg-type]
