@@ -2,7 +2,7 @@
 and ORPO numbers that `spmd.train` logs equal transformers' (tests/fixtures/make_preference.py:
 the untied Llama fixture as the reference, it under the peft_llama adapter as the policy) on 1
 device and dp=2,fsdp=2,tp=2; LoRA-DPO learns a preference rule; bad input exits 2. Runs from
-the repository root with relative paths, as a user does. About 21 s of CPU (35 s of wall time)
+the repository root with relative paths, as a user does. About 25 s of CPU (40 s of wall time)
 in all."""
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def expected() -> dict:
     [
         ("dp=1", (), "dpo_loss"),
         (THREE_D, ("--dpo-label-smoothing", "0.2"), "dpo_loss_smoothed"),
+        (THREE_D, ("--collectives", "explicit"), "dpo_loss"),
     ],
 )
 def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, loss):
@@ -128,12 +129,13 @@ def test_lora_dpo_learns_the_preferred_rule(tmp_path):
         ),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--dpo-beta", "0"), "--dpo-beta 0.0 must"),
         ((*FIELDS, "--data", PAIRS), "takes its reference model from LoRA's frozen base"),
+        ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--mesh", "dp=2,cp=2"), "cp=2); use"),
     ],
 )  # fmt: skip
 def test_bad_preference_input_exits_2(tmp_path, flags, says):
+    flags = flags if "--mesh" in flags else (*flags, "--mesh", "dp=1")
     done = train_in_process(
         "--init-from-hf", BASE, "--objective", "dpo", "--seq-len", "32", "--batch", "16",
-        "--mesh", "dp=1",
         "--steps", "1", "--run-dir", "none", "--data-cache", str(tmp_path / "c"), *flags,
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]

@@ -267,6 +267,12 @@ def check_pairs(cfg: Config, layout: Layout, batch_fields: tuple[str, ...]) -> N
             f"--chosen-field / --rejected-field give preference pairs, which --objective {name} "
             f"does not read; use --objective dpo or orpo, or --response-field for SFT"
         )
+    if pairs and layout.mesh.shape["context"] > 1:
+        # the step's loss is right under cp, the metrics' forward (outside the step) is not yet
+        raise UsageError(
+            f"--objective {name} does not run under context parallelism yet (cp="
+            f"{layout.mesh.shape['context']}); use a mesh with cp=1"
+        )
     rows = layout.data_parallel * cfg.run.accum
     if pairs and cfg.run.batch % (2 * rows):
         raise UsageError(
