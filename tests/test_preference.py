@@ -28,13 +28,21 @@ def at_root(monkeypatch, request):
     monkeypatch.chdir(request.config.rootpath)
 
 
-def first_step(tmp_path, *flags: str) -> dict:
+CHAT_PAIRS = "tests/fixtures/preference/chat_pairs.jsonl"
+# message lists: no prompt field, the shared leading messages are the prompt
+CHATS = ["--data", CHAT_PAIRS, "--tokenizer", "tests/fixtures/chat_tokenizer"]
+CHATS += ["--chosen-field", "chosen", "--rejected-field", "rejected"]
+
+
+def first_step(tmp_path, *flags: str, chats: bool = False) -> dict:
     """The train record of step 1 (its figures are taken before the update) of a one-step run
-    on the fixture pairs: 4 pairs in one batch of 8 rows."""
+    on the fixture's text pairs (or chat pairs): 4 pairs in one batch of 8 rows; and the
+    run's config record under "config"."""
     metrics = tmp_path / "m.jsonl"
+    data = CHATS if chats else ["--data", PAIRS, *FIELDS]
     done = train_in_process(
-        "--init-from-hf", BASE, "--init-from-peft", PEFT, "--data", PAIRS, *FIELDS,
-        "--seq-len", "32", "--batch", "8", "--steps", "1", "--eval-fraction", "0",
+        "--init-from-hf", BASE, "--init-from-peft", PEFT, *data,
+        "--seq-len", "48", "--batch", "8", "--steps", "1", "--eval-fraction", "0",
         "--precision", "fp32", "--run-dir", "none", "--metrics", str(metrics),
         "--data-cache", str(tmp_path / "cache"), *flags,
     )  # fmt: skip
@@ -44,22 +52,25 @@ def first_step(tmp_path, *flags: str) -> dict:
     return {**next(r for r in logged if r["kind"] == "train"), "config": config}
 
 
-def expected() -> dict:
+def expected(chats: bool = False) -> dict:
+    """make_preference.py's figures of the text pairs (or the chat pairs)."""
+    prefix = "chat_" if chats else ""
     with np.load("tests/fixtures/preference/expected.npz") as npz:
-        return {k: npz[k] for k in npz.files}
+        return {k[len(prefix) :]: npz[k] for k in npz.files if k.startswith(prefix)}
 
 
 @pytest.mark.parametrize(
-    ("mesh", "flags", "loss"),
+    ("mesh", "flags", "loss", "chats"),
     [
-        ("dp=1", (), "dpo_loss"),
-        (THREE_D, ("--dpo-label-smoothing", "0.2"), "dpo_loss_smoothed"),
-        (THREE_D, ("--collectives", "explicit"), "dpo_loss"),
+        ("dp=1", (), "dpo_loss", False),
+        (THREE_D, ("--dpo-label-smoothing", "0.2"), "dpo_loss_smoothed", False),
+        (THREE_D, ("--collectives", "explicit"), "dpo_loss", False),
+        (THREE_D, (), "dpo_loss", True),
     ],
 )
-def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, loss):
-    want = expected()
-    got = first_step(tmp_path, "--objective", "dpo", "--mesh", mesh, *flags)
+def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, loss, chats):
+    want = expected(chats)
+    got = first_step(tmp_path, "--objective", "dpo", "--mesh", mesh, *flags, chats=chats)
     assert abs(got["loss"] - want[loss]) < 1e-5
     for name in ("chosen", "rejected", "margins", "accuracies"):
         assert abs(got[f"rewards/{name}"] - want[f"rewards_{name}"]) < 1e-5, name
@@ -72,11 +83,12 @@ def test_ipo_and_orpo_log_transformers_losses(tmp_path):
     want = expected()
     ipo = first_step(tmp_path / "ipo", "--objective", "dpo", "--dpo-loss", "ipo", "--mesh", THREE_D)
     assert abs(ipo["loss"] - want["ipo_loss"]) < 1e-5 * want["ipo_loss"]  # ~24: relative
-    for mesh in ("dp=1", THREE_D):
-        orpo = first_step(tmp_path / mesh, "--objective", "orpo", "--mesh", mesh)
-        assert abs(orpo["loss"] - want["orpo_loss"]) < 1e-5, mesh
-        assert abs(orpo["nll_loss"] - want["orpo_nll"]) < 1e-5, mesh
-        assert abs(orpo["logps/chosen"] - want["policy_chosen_mean"].mean()) < 1e-5, mesh
+    for mesh, chats in (("dp=1", True), (THREE_D, False)):
+        mine = expected(chats)
+        orpo = first_step(tmp_path / mesh, "--objective", "orpo", "--mesh", mesh, chats=chats)
+        assert abs(orpo["loss"] - mine["orpo_loss"]) < 1e-5, mesh
+        assert abs(orpo["nll_loss"] - mine["orpo_nll"]) < 1e-5, mesh
+        assert abs(orpo["logps/chosen"] - mine["policy_chosen_mean"].mean()) < 1e-5, mesh
     # DPO's reference is the frozen base itself: its compiled step takes the same arguments,
     # to the byte, as ORPO's, which has no reference (a second copy would add its bytes)
     argument = [r["config"]["memory_per_device"]["argument"] for r in (ipo, orpo)]
@@ -160,3 +172,15 @@ def test_pair_rows_keep_each_sequence_alone_and_pairs_together(tmp_path, capsys)
     stats = capsys.readouterr().out
     assert "preference pairs: 4, longest sequence 27 tokens" in stats
     assert "longer than a row (21 tokens), so cut at its end: 2" in stats
+
+
+def test_a_chat_pair_without_a_shared_prompt_exits_2_naming_its_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    good = Path(CHAT_PAIRS).read_text().splitlines()[0]
+    turn = {"role": "assistant", "content": "no"}
+    data.write_text(f"{good}\n" + json.dumps({"chosen": [turn], "rejected": [turn]}) + "\n")
+    flags = [*CHATS[2:], "--data", str(data), "--data-cache", str(tmp_path / "c")]
+    done = train_in_process("--init-from-hf", BASE, "--objective", "dpo", "--lora-rank", "4",
+                            "--run-dir", "none", "--steps", "1", *flags)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert f"{data} line 2: a conversation has no assistant message after" in done.stderr

@@ -60,10 +60,19 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
         )
     if path and not Path(path).exists():  # (before the fields: the path is the mistake)
         raise tokens.missing(path, flag)
-    if data_cfg.prompt_field or data_cfg.messages_field:
-        flag = "prompt" if data_cfg.prompt_field else "messages"
+    named = data_cfg.prompt_field or data_cfg.messages_field or data_cfg.chosen_field
+    if named:
+        flag = next(
+            f
+            for f, v in (
+                ("prompt", data_cfg.prompt_field),
+                ("messages", data_cfg.messages_field),
+                ("chosen", data_cfg.chosen_field),
+            )
+            if v
+        )
         raise UsageError(
-            f"--{flag}-field {data_cfg.prompt_field or data_cfg.messages_field} needs JSONL / "
+            f"--{flag}-field {named} needs JSONL / "
             f"Parquet / Arrow records; --data "
             f"{path or '(the stdlib sources)'} is text or tokens"
         )
