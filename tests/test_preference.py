@@ -2,7 +2,7 @@
 and ORPO numbers that `spmd.train` logs equal transformers' (tests/fixtures/make_preference.py:
 the untied Llama fixture as the reference, it under the peft_llama adapter as the policy) on 1
 device and dp=2,fsdp=2,tp=2; LoRA-DPO learns a preference rule; bad input exits 2. Runs from
-the repository root with relative paths, as a user does. About 25 s of CPU (40 s of wall time)
+the repository root with relative paths, as a user does. About 25 s of CPU (42 s of wall time)
 in all."""
 
 from __future__ import annotations
