@@ -93,6 +93,26 @@ def test_ipo_and_orpo_log_transformers_losses(tmp_path):
     # to the byte, as ORPO's, which has no reference (a second copy would add its bytes)
     argument = [r["config"]["memory_per_device"]["argument"] for r in (ipo, orpo)]
     assert argument[0] == argument[1], argument
+    # and its model FLOPs count the reference's forward: 8 N per token where ORPO's are 6 N
+    assert ipo["config"]["flops_per_step"] == pytest.approx(
+        orpo["config"]["flops_per_step"] * 4 / 3
+    )
+
+
+def test_the_dry_run_counts_the_reference_forward():
+    done = train_in_process(
+        "--init-from-hf", BASE, "--lora-rank", "4", "--objective", "dpo", "--data", PAIRS,
+        *FIELDS, "--seq-len", "48", "--batch", "8", "--mesh", "dp=1", "--run-dir", "none",
+        "--dry-run",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if "compiled: dot instructions" in x)
+    assert "model: 8 N tokens + attention (+ reference)" in done.stdout
+    # the compiled step's matmuls against the formula with the reference's forward: 0.94 on
+    # this fixture, as a next-token LoRA step is 0.92 x its 6 N formula (measured); against
+    # 6 N alone the DPO step would be 1.25
+    ratio = float(line.split("(")[1].split(" x model")[0])
+    assert 0.9 <= ratio <= 1.0, line
 
 
 def rule_pairs(path, n: int) -> None:
