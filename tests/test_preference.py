@@ -162,12 +162,14 @@ def test_lora_dpo_learns_the_preferred_rule(tmp_path):
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--dpo-beta", "0"), "--dpo-beta 0.0 must"),
         ((*FIELDS, "--data", PAIRS), "takes its reference model from LoRA's frozen base"),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--mesh", "dp=2,cp=2"), "cp=2); use"),
+        ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--accum", "2"), "--accum 2 yet"),
+        ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--mesh", "dp=4"), "multiple of 8"),
     ],
 )  # fmt: skip
 def test_bad_preference_input_exits_2(tmp_path, flags, says):
     flags = flags if "--mesh" in flags else (*flags, "--mesh", "dp=1")
     done = train_in_process(
-        "--init-from-hf", BASE, "--objective", "dpo", "--seq-len", "32", "--batch", "16",
+        "--init-from-hf", BASE, "--objective", "dpo", "--seq-len", "32", "--batch", "12",
         "--steps", "1", "--run-dir", "none", "--data-cache", str(tmp_path / "c"), *flags,
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]

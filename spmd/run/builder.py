@@ -273,12 +273,18 @@ def check_pairs(cfg: Config, layout: Layout, batch_fields: tuple[str, ...]) -> N
             f"--objective {name} does not run under context parallelism yet (cp="
             f"{layout.mesh.shape['context']}); use a mesh with cp=1"
         )
-    rows = layout.data_parallel * cfg.run.accum
-    if pairs and cfg.run.batch % (2 * rows):
+    if pairs and cfg.run.accum > 1:
+        # micro-batches take every accum-th row (spmd.engine.accumulate): a pair's two rows
+        # would land in different ones
         raise UsageError(
-            f"--batch {cfg.run.batch} must be a multiple of {2 * rows} under --objective {name}: "
-            f"2 rows (chosen, rejected) per pair on each of {layout.data_parallel} data-parallel "
-            f"ways x {cfg.run.accum} micro-batches"
+            f"--objective {name} does not run with --accum {cfg.run.accum} yet (a pair's rows "
+            f"would split across micro-batches); use --accum 1"
+        )
+    ways = layout.data_parallel
+    if pairs and cfg.run.batch % (2 * ways):
+        raise UsageError(
+            f"--batch {cfg.run.batch} must be a multiple of {2 * ways} under --objective {name}: "
+            f"2 rows (chosen, rejected) per pair on each of {ways} data-parallel ways"
         )
 
 
