@@ -118,6 +118,11 @@ def open_run_data(
     (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
     if not (mixture.is_mixture(data_cfg.data) and not Path(data_cfg.data).exists()):
         return open_source(data_cfg, seq_len, data_cfg.data, vocab_size, "data")
+    if fields_of(data_cfg).pairs:  # a mixture draws rows one by one: pairs would split
+        raise UsageError(
+            f"--data {data_cfg.data}: preference pairs (--chosen-field) come from one source, "
+            f"not a mixture, yet; give one source"
+        )
     names, files, sources, weights = [], [], [], []
     for name, path, weight in mixture.parse_sources(data_cfg.data):
         token_file, windows = open_source(data_cfg, seq_len, path, vocab_size, f"data {name}")
