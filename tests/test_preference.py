@@ -149,6 +149,10 @@ def test_lora_dpo_learns_the_preferred_rule(tmp_path):
     assert np.mean(accuracy[1:6]) <= 0.75, accuracy[:6]
     assert np.mean(accuracy[-20:]) >= 0.9, accuracy[-20:]
     assert steps[-1]["rewards/margins"] > 1.0
+    from spmd import report
+
+    panels = [field for _, field, _, _ in report.panels_of([("r", report.load_segments(metrics))])]
+    assert panels[-2:] == ["rewards/margins", "rewards/accuracies"]  # the report draws them
 
 
 @pytest.mark.parametrize(
