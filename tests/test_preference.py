@@ -211,3 +211,17 @@ def test_a_chat_pair_without_a_shared_prompt_exits_2_naming_its_line(tmp_path):
                             "--run-dir", "none", "--steps", "1", *flags)  # fmt: skip
     assert done.returncode == 2, done.stderr[-1000:]
     assert f"{data} line 2: a conversation has no assistant message after" in done.stderr
+
+
+def test_a_pair_row_is_its_sequence_from_its_start_padded_and_masked_past_its_end():
+    from spmd.errors import UsageError
+    from spmd.io.pairs import PairWindows
+
+    tokens = np.arange(10, dtype=np.uint8)  # documents [0 1 2] [3 4 5] [6 7] [8 9]
+    mask = np.array([0, 1, 1, 0, 1, 1, 0, 1, 0, 1], np.uint8)  # 1 on each response
+    rows = PairWindows(tokens, np.array([3, 6, 8, 10]), mask, 4, 0.0).batch_rows(np.arange(4))
+    assert rows["inputs"].tolist() == [[0, 1, 2, 0], [3, 4, 5, 0], [6, 7, 0, 0], [8, 9, 0, 0]]
+    assert rows["targets"].tolist() == [[1, 2, 0, 0], [4, 5, 0, 0], [7, 0, 0, 0], [9, 0, 0, 0]]
+    assert rows["response"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
+    with pytest.raises(UsageError, match="3 sequences, not whole pairs"):
+        PairWindows(tokens, np.array([3, 6, 10]), mask, 4, 0.0)

@@ -40,6 +40,11 @@ class PairWindows:
     document_mask: bool = False  # (one document per row: no segment ids)
 
     def __post_init__(self) -> None:
+        if len(self.document_ends) % 2:  # a document the tokenizer made empty was dropped
+            raise UsageError(
+                f"--data holds {len(self.document_ends)} sequences, not whole pairs: a record's "
+                f"prompt and response tokenized to nothing; drop it from the data"
+            )
         n_pairs = len(self.document_ends) // 2
         if n_pairs < 1:
             raise UsageError("--data holds no preference pair; give records with both responses")
