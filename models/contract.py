@@ -130,6 +130,8 @@ class Family:
     loss: Callable[[Any, dict], jax.Array] = llama.lm_loss  # (model, batch) -> scalar loss (fp32)
     # a pipeline's last-stage loss: (logits, targets[, weights]) -> mean loss (fp32)
     logits_loss: Callable[..., jax.Array] = llama.logits_loss
+    # (model, batch) -> per-target cross-entropy, fp32 [batch, length] (preference objectives)
+    token_losses: Callable[[Any, dict], jax.Array] = llama.lm_token_losses
     decoder: Decoder = LLAMA_DECODER
     step_metrics: Callable[[Any, dict], dict] | None = None  # (model, batch) -> logged figures
     # LoRA (models/lora.py): target name (peft's short form: q, k, v, o, gate, up, down) -> the

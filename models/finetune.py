@@ -8,6 +8,7 @@ names a family's own module.
     lora_spec(family, rank, alpha, dropout, targets)   the adapters the --lora-* flags ask for
     with_lora(model, spec, tensors, seed)              a model with fresh adapters
     lora_loss / lora_metrics                           a family's functions on the adapted model
+    with_reference                                     a preference objective's reference: the base
     read_peft / peft_targets / load_peft / save_peft   peft folders in and out
 """
 
@@ -24,6 +25,8 @@ LoraSpec = lora.Spec
 with_lora = lora.wrap  # (base model, spec, HF tensor table, seed) -> a LoraModel
 lora_loss = lora.adapted_loss  # a family's loss -> the loss of a LoraModel's adapted model
 lora_metrics = lora.adapted_metrics  # a family's step_metrics -> those of a LoraModel's
+# (fn, reference, key) -> fn of a LoraModel with batch[key] = reference(its frozen base, batch)
+with_reference = lora.with_reference
 PeftAdapter = peft.Adapter
 read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
 

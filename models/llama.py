@@ -353,11 +353,18 @@ def lm_loss(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
     Optional keys: "segments" (document ids: attention within documents) and "weights"
     (per-target loss weights, e.g. a prompt/response loss mask scaled by the data pipeline so
     that this mean is the mean over the counted tokens)."""
-    x = model.apply_blocks(model.embed_tokens(batch["inputs"]), batch.get("segments"))
-    losses = model.token_losses(x, batch["targets"])
+    losses = lm_token_losses(model, batch)
     if "weights" in batch:
         losses = losses * batch["weights"]
     return jnp.mean(losses)
+
+
+def lm_token_losses(model: Llama, batch: dict[str, jax.Array]) -> jax.Array:
+    """Per-target cross-entropy -log p(target) (nats, fp32 [batch, length]) of
+    batch["inputs"] -> ["targets"], attention within batch["segments"] where given: what a
+    preference objective (spmd.engine.preference) sums over a sequence's response tokens."""
+    x = model.apply_blocks(model.embed_tokens(batch["inputs"]), batch.get("segments"))
+    return model.token_losses(x, batch["targets"])
 
 
 def logits_loss(

@@ -293,6 +293,21 @@ def adapted_metrics(metrics: Callable[[Any, dict], dict]) -> Callable[[Any, dict
     return lora_metrics
 
 
+def with_reference(
+    fn: Callable[[Any, dict], Any], reference: Callable[[Any, dict], jax.Array], key: str
+) -> Callable[[Any, dict], Any]:
+    """`fn(model, batch)` of a LoraModel with batch[`key`] = reference(the frozen base, batch):
+    a preference objective's reference figures (spmd.engine.preference) from the base with
+    its adapters off, the same arrays as the policy's base, so no second copy of the weights
+    exists. Under stop_gradient: the reference is a constant of the loss."""
+
+    def run(model: Any, batch: dict) -> Any:
+        ref = jax.lax.stop_gradient(reference(model.frozen, batch))
+        return fn(model, {**batch, key: ref})
+
+    return run
+
+
 def wrap(base: Any, spec: Spec, tensors: tuple[Rule, ...], seed: int) -> LoraModel:
     """`base` with fresh adapters of `spec` (A from `seed`'s stream, B zeros)."""
     with nnx.use_eager_sharding(False):

@@ -84,7 +84,8 @@ def run(argv: list[str] | None) -> int:
     )
     picked = first_windows(windows, run_cfg.seed, show.windows)
     for number, (name, source, window) in enumerate(picked):
-        print(f"=== window {number + 1} ({name} window {window}) ===")
+        what = source.role(window) if hasattr(source, "role") else f"{name} window {window}"
+        print(f"=== window {number + 1} ({what}) ===")
         print(render_window(source, window, decode))
     return 0
 
@@ -103,6 +104,8 @@ def first_windows(windows: Any, seed: int, count: int) -> list[tuple[str, Any, i
     1, 2, ... (its rows per source follow --batch)."""
     from spmd.io import data
 
+    if hasattr(windows, "train_rows"):  # preference pairs: each chosen row, then its rejected
+        return [("data", windows, int(i)) for i in windows.train_rows(seed, count)]
     if not hasattr(windows, "step_rows"):
         order = data.epoch_order(seed, 0, windows.n_train)[:count]
         return [("data", windows, int(i)) for i in order]
@@ -134,7 +137,9 @@ def token_roles(source: Any, window: int) -> tuple[np.ndarray, np.ndarray, np.nd
     tokens = source.rows(ids)[0]
     counted = np.concatenate([[False], source.target_mask(ids)[0] > 0])  # token 0: no target
     starts = np.zeros(len(tokens), bool)
-    if source.document_ends is not None:
+    if hasattr(source, "role"):  # a preference row: one sequence from its start
+        starts[0] = True
+    elif source.document_ends is not None:
         first = window * source.seq_len
         positions = first + np.arange(len(tokens))
         starts = np.isin(positions, np.concatenate([[0], source.document_ends]))
@@ -174,6 +179,14 @@ def source_stats(name: str, source: Any, seq_len: int) -> str:
     lengths = np.diff(np.concatenate([[0], ends]))
     longest = int(lengths.max()) if len(lengths) else 0
     split = int(np.count_nonzero(lengths > seq_len + 1))
+    if hasattr(source, "role"):  # preference pairs: one row per sequence, cut, never split
+        return "\n".join(
+            lines
+            + [
+                f"  preference pairs: {len(lengths) // 2:,}, longest sequence {longest:,} tokens",
+                f"  longer than a row ({seq_len + 1} tokens), so cut at its end: {split:,}",
+            ]
+        )
     lines += [
         f"  documents: {len(lengths):,}, longest {longest:,} tokens",
         f"  longer than a window ({seq_len + 1} tokens), so split across windows: {split:,}",

@@ -41,6 +41,12 @@ LAYER_PANELS = (
     ("expert_load_max_over_mean_by_layer", "expert load max / mean, per sparse layer"),
     ("dropped_fraction_by_layer", "dropped fraction, per sparse layer"),
 )
+# A preference run's figures (spmd.engine.preference_loss, TRL's names): a panel each where
+# some train record holds them, as the other train panels
+PREFERENCE_PANELS = (
+    ("train", "rewards/margins", "reward margin, chosen - rejected (nats)", 1.0),
+    ("train", "rewards/accuracies", "preference accuracy (share of pairs)", 1.0),
+)
 MARKERS = {"resume": ("grey", ":"), "rollback": ("red", "--")}  # kind -> (colour, line style)
 
 
@@ -119,7 +125,8 @@ def _fields_ok(record: dict) -> bool:
     config record's tables objects."""
     number = (int, float, type(None))
     if record.get("kind") in ("train", "eval"):
-        panels = [record.get(field) for kind, field, _, _ in PANELS if kind == record["kind"]]
+        every = PANELS + PREFERENCE_PANELS
+        panels = [record.get(field) for kind, field, _, _ in every if kind == record["kind"]]
         step = record.get("step")
         layers = [record.get(field, []) for field, _ in LAYER_PANELS]
         lists_ok = all(
@@ -174,12 +181,12 @@ def draw(runs: list[tuple[str, Run]], out: str | Path) -> None:
     matplotlib.use("Agg")  # files only, no display needed
     from matplotlib import pyplot as plt
 
-    layer_panels = layer_panels_of(runs)
-    count = len(PANELS) + len(layer_panels)
+    panels, layer_panels = panels_of(runs), layer_panels_of(runs)
+    count = len(panels) + len(layer_panels)
     fig, axes = plt.subplots(1, count, figsize=(5 * count, 4), constrained_layout=True)
-    for ax, (field, title) in zip(axes[len(PANELS) :], layer_panels, strict=True):
+    for ax, (field, title) in zip(axes[len(panels) :], layer_panels, strict=True):
         draw_layers(ax, runs, field, title)
-    for ax, (kind, field, title, scale) in zip(axes[: len(PANELS)], PANELS, strict=True):
+    for ax, (kind, field, title, scale) in zip(axes[: len(panels)], panels, strict=True):
         for name, run in runs:
             for mesh, records in run.segments:
                 points = [
@@ -198,6 +205,13 @@ def draw(runs: list[tuple[str, Run]], out: str | Path) -> None:
     axes[0].legend(title="mesh (: resumed, - - rolled back)")
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def panels_of(runs: list[tuple[str, Run]]) -> list[tuple[str, str, str, float]]:
+    """PANELS, and the PREFERENCE_PANELS some of the runs' train records fill."""
+    records = [r for _, run in runs for _, rs in run.segments for r in rs if r["kind"] == "train"]
+    filled = [p for p in PREFERENCE_PANELS if any(r.get(p[1]) is not None for r in records)]
+    return [*PANELS, *filled]
 
 
 def layer_panels_of(runs: list[tuple[str, Run]]) -> list[tuple[str, str]]:

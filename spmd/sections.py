@@ -80,6 +80,10 @@ class DataConfig:
     prompt_field: str = ""  # SFT: the prompt column (not counted in the loss); + response_field
     response_field: str = ""  # SFT: the response column (the loss counts only its tokens)
     messages_field: str = ""  # chat SFT: a list of {role, content}, rendered by the chat template
+    # preference pairs (--objective dpo / orpo): the preferred response column, after
+    # --prompt-field's prompt (docs/strategies/preference.md); + rejected_field
+    chosen_field: str = ""
+    rejected_field: str = ""  # preference pairs: the dispreferred response column
     skip_bad_records: bool = False  # count and report unusable records instead of exit 2
     tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
     # on: attention stays within each packed document, positions restart; off: as plain text;
@@ -290,6 +294,24 @@ class LoraConfig:
     lora_targets: str = ""
 
 
+# The batch key of a preference-pair batch's response-token mask (int32 0/1 [rows, length]),
+# which the data (spmd.io.pairs) writes and the objectives (spmd.engine.preference) read: here,
+# below both packages.
+PAIRS = "response"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """The preference objectives' knobs (--objective dpo / orpo, spmd.engine.preference)."""
+
+    dpo_beta: float = 0.1  # DPO's beta: the implicit reward is beta x the log-prob ratio (> 0)
+    # DPO's label smoothing: the assumed share of flipped preferences, in [0, 0.5) (cDPO)
+    dpo_label_smoothing: float = 0.0
+    # sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on mean log-probs
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    orpo_lambda: float = 0.1  # ORPO's weight of the odds-ratio term beside the chosen NLL (> 0)
+
+
 SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "data": DataConfig,
@@ -300,6 +322,7 @@ SECTIONS: dict[str, type] = {
     "divergence": DivergenceConfig,
     "observe": ObserveConfig,
     "lora": LoraConfig,
+    "preference": PreferenceConfig,
 }
 
 
@@ -317,6 +340,7 @@ class Config:
     divergence: DivergenceConfig = DivergenceConfig()
     observe: ObserveConfig = ObserveConfig()
     lora: LoraConfig = LoraConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
     @classmethod
     def of(cls, sections: dict[str, Any]) -> Config:

@@ -121,5 +121,5 @@ def test_the_builder_takes_the_loss_of_the_registered_objective():
     fp32 = precision.POLICIES["fp32"]
     spec = builder.model_spec(trainer.tiny_config(), fp32)
     assert spec.loss is family.LLAMA.loss  # next_token is the family's own loss, unwrapped
-    with pytest.raises(UsageError, match="--objective 'dpo' is not one of next_token"):
-        builder.model_spec(trainer.tiny_config(), fp32, None, "dpo")
+    with pytest.raises(UsageError, match="--objective .kto. is not one of next_token, dpo, orpo"):
+        builder.model_spec(trainer.tiny_config(), fp32, None, "kto")

@@ -8,11 +8,14 @@ add one).
 
 from __future__ import annotations
 
+from spmd.engine import preference
 from spmd.engine.objective import NEXT_TOKEN, Objective
 from spmd.errors import UsageError
 
 # The registry: one line per objective.
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (NEXT_TOKEN,)}
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o for o in (NEXT_TOKEN, preference.DPO, preference.ORPO)
+}
 
 
 def get(name: str) -> Objective:

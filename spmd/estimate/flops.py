@@ -138,10 +138,11 @@ def mfu(achieved: float, peak: float | None, peak_source: str) -> float | None:
 
 
 def format_comparison(
-    model_flops: float, cost_flops: float | None, dot_flops: float, devices: int
+    model_flops: float, cost_flops: float | None, dot_flops: float, devices: int, label: str = ""
 ) -> str:
-    """Dry-run lines: FLOPs per optimizer step from the formula and from the compiled step
-    (per-device counts times the device count), with their ratio to the formula."""
+    """Dry-run lines: FLOPs per optimizer step from the formula (`label` names it; empty:
+    6 N tokens + attention) and from the compiled step (per-device counts times the device
+    count), with their ratio to the formula."""
 
     def row(label: str, value: float | None) -> str:
         if value is None:
@@ -151,7 +152,7 @@ def format_comparison(
     return "\n".join(
         [
             "FLOPs per optimizer step (all devices):",
-            row("model: 6 N tokens + attention", model_flops),
+            row(label or "model: 6 N tokens + attention", model_flops),
             row("compiled: dot instructions x loop trips", dot_flops * devices),
             row("compiled: XLA cost analysis (loops once)", cost_flops and cost_flops * devices),
         ]

@@ -1,5 +1,6 @@
-"""Record corpora: JSONL / Parquet / Arrow shards whose rows hold a text column, or a prompt and
-a response column (supervised fine-tuning).
+"""Record corpora: JSONL / Parquet / Arrow shards whose rows hold a text column, a prompt and
+a response column (supervised fine-tuning), or a prompt, a chosen and a rejected response
+column (preference pairs: read as two prompt/response documents each, chosen first).
 
 `--data` names one shard, a folder of shards (searched recursively) or a glob pattern of them;
 a shard is a `.jsonl`, `.jsonl.gz` or `.json` file of JSON lines (one object per line, read with
@@ -42,19 +43,46 @@ class Fields:
     prompt: str = ""
     response: str = ""
     messages: str = ""
+    chosen: str = ""  # preference pairs: prompt + chosen, prompt + rejected
+    rejected: str = ""
 
     @property
     def sft(self) -> bool:
-        return bool(self.prompt or self.response or self.messages)
+        return bool(self.prompt or self.response or self.messages or self.pairs)
+
+    @property
+    def pairs(self) -> bool:
+        return bool(self.chosen or self.rejected)
+
+    @property
+    def chats(self) -> bool:
+        """Whether the values are message lists (a chat, or chat pairs: pairs without a prompt
+        field, whose shared leading messages are the prompt)."""
+        return bool(self.messages or (self.pairs and not self.prompt))
+
+    @property
+    def chat_flag(self) -> str:
+        """The flag that asks for the chat template, for messages."""
+        return (
+            f"--messages-field {self.messages}"
+            if self.messages
+            else f"--chosen-field {self.chosen}"
+        )
 
     def names(self) -> tuple[str, ...]:
         if self.messages:
             return (self.messages,)
+        if self.pairs:
+            return (
+                (self.prompt, self.chosen, self.rejected)
+                if self.prompt
+                else (self.chosen, self.rejected)
+            )
         return (self.prompt, self.response) if self.sft else (self.text,)
 
     def problem(self, value: object) -> str | None:
         """Why a field's value is unusable ("has no field" style, before the field's name)."""
-        if self.messages:
+        if self.chats:
             return chat.message_problem(value)
         if isinstance(value, str):
             return None
@@ -62,7 +90,15 @@ class Fields:
 
     def check(self) -> None:
         """UsageError unless both or neither of prompt and response are named, and messages
-        only without them."""
+        only without them; pairs name prompt, chosen and rejected, and no response."""
+        if self.pairs:
+            if not (self.chosen and self.rejected) or self.response or self.messages:
+                raise UsageError(
+                    f"--chosen-field {self.chosen!r} / --rejected-field {self.rejected!r}: "
+                    f"preference pairs need both (with --prompt-field for text, without it "
+                    f"for message lists), and no --response-field or --messages-field"
+                )
+            return
         if self.messages and (self.prompt or self.response):
             raise UsageError(
                 f"--messages-field {self.messages} reads chats; leave out --prompt-field and "
@@ -133,6 +169,12 @@ def documents(
     else:
         records = _arrow_rows(path, fields, bad, skip_bad)
     for where, values in records:
+        if fields.pairs:  # two SFT documents, chosen then rejected: spmd.io.pairs pairs them
+            try:
+                yield from pair_documents(values, render)
+            except ValueError as e:
+                bad.add(f"{where}: {e}", skip_bad)
+            continue
         if render is None:
             yield values
             continue
@@ -140,6 +182,33 @@ def documents(
             yield render(*values)
         except ValueError as e:
             bad.add(f"{where}: {e}", skip_bad)
+
+
+def pair_documents(values: tuple, render=None) -> tuple[tuple, tuple]:
+    """A preference record's two documents, chosen then rejected: (prompt, response) texts, or
+    for chat pairs (`render`: the chat template) each conversation rendered, (text, spans)
+    with only the spans of the assistant messages after the shared prompt (the leading
+    messages the two have in common). ValueError saying why a record is unusable (both made
+    before either is returned, so a bad record never leaves half a pair)."""
+    if render is None:
+        prompt, chosen, rejected = values
+        if not (chosen and rejected):
+            raise ValueError("has an empty chosen or rejected response")
+        return (prompt, chosen), (prompt, rejected)
+    chosen, rejected = values
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise ValueError("its chosen and rejected conversations share no first message (prompt)")
+    documents = []
+    for messages in (chosen, rejected):
+        if not any(m["role"] == chat.ASSISTANT for m in messages[shared:]):
+            raise ValueError("a conversation has no assistant message after the shared prompt")
+        text, spans = render(messages)
+        skip = sum(m["role"] == chat.ASSISTANT for m in messages[:shared])
+        documents.append((text, spans[skip:]))
+    return documents[0], documents[1]
 
 
 def _json_lines(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> Iterator[tuple]:
@@ -201,7 +270,7 @@ def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
                     yield f"{path} row {row}", values
                 else:
                     i = next(i for i, p in enumerate(problems) if p is not None)
-                    what = "has no string in" if not fields.messages else problems[i]
+                    what = "has no string in" if not fields.chats else problems[i]
                     bad.add(f"{path} row {row} {what} column {names[i]!r}", skip_bad)
                 row += 1
     except UsageError:

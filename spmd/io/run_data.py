@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.io import corpora, data, fetch, mixture, shards, tokens
+from spmd.io import corpora, data, fetch, mixture, pairs, shards, tokens
 from spmd.log import say
 from spmd.sections import DataConfig, choices
 
@@ -33,7 +33,12 @@ def check_choices(data_cfg: DataConfig) -> None:
 
 def fields_of(data_cfg: DataConfig) -> corpora.Fields:
     return corpora.Fields(
-        data_cfg.text_field, data_cfg.prompt_field, data_cfg.response_field, data_cfg.messages_field
+        data_cfg.text_field,
+        data_cfg.prompt_field,
+        data_cfg.response_field,
+        data_cfg.messages_field,
+        data_cfg.chosen_field,
+        data_cfg.rejected_field,
     )
 
 
@@ -55,10 +60,19 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
         )
     if path and not Path(path).exists():  # (before the fields: the path is the mistake)
         raise tokens.missing(path, flag)
-    if data_cfg.prompt_field or data_cfg.messages_field:
-        flag = "prompt" if data_cfg.prompt_field else "messages"
+    named = data_cfg.prompt_field or data_cfg.messages_field or data_cfg.chosen_field
+    if named:
+        flag = next(
+            f
+            for f, v in (
+                ("prompt", data_cfg.prompt_field),
+                ("messages", data_cfg.messages_field),
+                ("chosen", data_cfg.chosen_field),
+            )
+            if v
+        )
         raise UsageError(
-            f"--{flag}-field {data_cfg.prompt_field or data_cfg.messages_field} needs JSONL / "
+            f"--{flag}-field {named} needs JSONL / "
             f"Parquet / Arrow records; --data "
             f"{path or '(the stdlib sources)'} is text or tokens"
         )
@@ -67,9 +81,15 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
 
 def windows_of(
     data_cfg: DataConfig, seq_len: int, token_file: tokens.TokenFile, eval_fraction: float
-) -> data.TokenWindows:
-    """The windows of a token file under the run's --document-mask."""
+) -> data.TokenWindows | pairs.PairWindows:
+    """The windows of a token file under the run's --document-mask (preference pairs: one
+    padded row per document, spmd.io.pairs)."""
     ends = token_file.document_ends()
+    if fields_of(data_cfg).pairs:
+        assert ends is not None  # pairs are read record by record (check_choices)
+        mask = token_file.loss_mask()
+        assert mask is not None  # a pair's documents are prompt/response ones
+        return pairs.PairWindows(token_file.load(), ends, mask, seq_len, eval_fraction)
     masking = data_cfg.document_mask == "on" or (
         data_cfg.document_mask == "auto" and ends is not None
     )
@@ -98,6 +118,11 @@ def open_run_data(
     (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
     if not (mixture.is_mixture(data_cfg.data) and not Path(data_cfg.data).exists()):
         return open_source(data_cfg, seq_len, data_cfg.data, vocab_size, "data")
+    if fields_of(data_cfg).pairs:  # a mixture draws rows one by one: pairs would split
+        raise UsageError(
+            f"--data {data_cfg.data}: preference pairs (--chosen-field) come from one source, "
+            f"not a mixture, yet; give one source"
+        )
     names, files, sources, weights = [], [], [], []
     for name, path, weight in mixture.parse_sources(data_cfg.data):
         token_file, windows = open_source(data_cfg, seq_len, path, vocab_size, f"data {name}")

@@ -55,11 +55,12 @@ def open_records(
         "format": tokens.CACHE_FORMAT,
         "records": [(str(s.resolve()), *tokens._stat(s)) for s in shards],
         "fields": [fields.text, fields.prompt, fields.response],
+        **({"pairs": [fields.chosen, fields.rejected]} if fields.pairs else {}),
         "skip_bad": skip_bad,
         "tokenizer": tokenizer_id,
     }
-    if fields.messages:  # chats: the field and the template (its absence exits 2 here)
-        flag = f"--messages-field {fields.messages}"
+    if fields.chats:  # chats: the field and the template (its absence exits 2 here)
+        flag = fields.chat_flag
         identity["chat"] = [fields.messages, chat.template_id(tokenizer, flag)]
         chat.Renderer(tokenizer, flag)  # compiles: a broken template exits 2 here
     key = tokens._hash_json(identity)
@@ -161,12 +162,10 @@ def tokenize_shard(
     encoder = _ENCODERS.get(tokenizer)
     separator = _separator(encoder)
     render = None
-    if fields.messages:
-        if (tokenizer, fields.messages) not in _RENDERERS:
-            _RENDERERS[tokenizer, fields.messages] = chat.Renderer(
-                tokenizer, f"--messages-field {fields.messages}"
-            )
-        render = _RENDERERS[tokenizer, fields.messages]
+    if fields.chats:
+        if (tokenizer, fields.chat_flag) not in _RENDERERS:
+            _RENDERERS[tokenizer, fields.chat_flag] = chat.Renderer(tokenizer, fields.chat_flag)
+        render = _RENDERERS[tokenizer, fields.chat_flag]
     bad = corpora.BadRecords()
     pid = os.getpid()
     paths = {kind: Path(f"{prefix}.{kind}.partial-{pid}") for kind in ("tokens", "lengths", "mask")}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from spmd.engine import objectives
 from spmd.estimate import flops
 from spmd.log import say
 from spmd.observe import profile, stragglers
@@ -39,6 +40,7 @@ class Observer:
     # (params, batch) -> the model's own metrics (device scalars) added to each logged train
     # record, taken on the step's batch before its update (an MoE model's router statistics)
     model_metrics: Any = None
+    reference_forward: bool = False  # flops_per_step holds a reference model's forward too
 
     def model_fields(self, step: int, logged: bool, params: Any, batch: Any) -> dict[str, Any]:
         """The model's metrics for a logged step (before the step: its params are donated)."""
@@ -125,8 +127,13 @@ def make_observer(
         if jax.process_count() > 1:
             trace_dir = trace_dir / f"process_{jax.process_index()}"
         profiler = profile.StepProfiler(window, str(trace_dir), profile.module_name(compiled))
+    # an objective with a reference (DPO) runs the reference's forward too: a third of a
+    # token's forward + backward
+    reference = objectives.get(run.objective).reference is not None
+    passes = 4 / 3 if reference else 1.0
     return Observer(
         flops_per_step=flops.decoder_flops_per_token(model_cfg, run.seq_len)
+        * passes
         * run.batch
         * run.seq_len,
         devices=mesh.size,
@@ -136,6 +143,7 @@ def make_observer(
         straggler_threshold=observe.straggler_threshold,
         comm_warn=observe.comm_warn,
         profiler=profiler,
+        reference_forward=reference,
     )
 
 
@@ -161,6 +169,7 @@ def dry_run_report(observer: Observer, compiled: AnyCompiled, device_kind: str) 
         flops.cost_analysis_flops(compiled),
         flops.hlo_dot_flops(compiled),
         observer.devices,
+        "model: 8 N tokens + attention (+ reference)" if observer.reference_forward else "",
     )
     if observer.peak is None:
         peak = f"MFU: no peak known for {device_kind!r}, so none is shown (--peak-tflops sets one)"

@@ -28,6 +28,7 @@ from flax import nnx
 from models import family, finetune
 from spmd.engine import diloco, objectives, optimizers, precision
 from spmd.engine.diloco import AnyProgram
+from spmd.engine.objective import PAIRS, REFERENCE
 from spmd.engine.optimizers import make_optimizer, with_sign_rule
 from spmd.engine.options import TOKENS, StepOptions
 from spmd.engine.step import LossFn, Program, build_program, check_batch
@@ -36,7 +37,7 @@ from spmd.estimate import long_sequence
 from spmd.parallel.layout import Layout
 from spmd.run.checks import check_sequence_split
 from spmd.run.config import Config
-from spmd.sections import LoraConfig, RunConfig
+from spmd.sections import LoraConfig, PreferenceConfig, RunConfig
 
 if TYPE_CHECKING:
     from models.contract import ModelConfig
@@ -157,7 +158,7 @@ def run_model(cfg: Config) -> ModelSpec:
     objective): what `program` builds, and where the commands take the loss and the logged
     metrics of that model from (spmd.bench's bare step, spmd.train's router statistics)."""
     adapters = lora_spec(cfg.model, cfg.lora)
-    return model_spec(cfg.model, policy_of(cfg), adapters, cfg.run.objective)
+    return model_spec(cfg.model, policy_of(cfg), adapters, cfg.run.objective, cfg.preference)
 
 
 def model_spec(
@@ -165,14 +166,18 @@ def model_spec(
     policy: precision.Policy,
     adapters: finetune.LoraSpec | None = None,
     objective: str = RunConfig.objective,
+    knobs: PreferenceConfig | None = None,
 ) -> ModelSpec:
     """The family model of `model_cfg`, made in the policy's compute dtype, and the loss of
     `objective` (spmd.engine.objectives) on it; with `adapters` its base frozen under LoRA
     adapters (models/lora.py), the objective's loss and the family's step metrics run on the
     adapted model (the LoraModel has only the CausalLM pieces of the family's model).
-    UsageError for an objective no entry of the registry names."""
+    UsageError for an objective no entry of the registry names, or knobs (`knobs`: the
+    [preference] section) it refuses. An objective with a reference (DPO) reads it from LoRA's
+    frozen base, adapters off: without adapters it is refused (no frozen copy yet)."""
     fam = family.of(model_cfg)
-    objective_loss = objectives.get(objective).loss(fam)
+    chosen, knobs = objectives.get(objective), knobs or PreferenceConfig()
+    objective_loss = chosen.loss(fam, knobs)
     tensors = fam.hf.tensors if fam.hf else ()
 
     def make(seed: int) -> nnx.Module:
@@ -190,11 +195,32 @@ def model_spec(
     metrics = fam.step_metrics if moe else None
     if metrics is not None and adapters is not None:
         metrics = finetune.lora_metrics(metrics)
+    if chosen.metrics is not None:
+        own = chosen.metrics(fam, knobs)
+        own = own if adapters is None else finetune.lora_metrics(own)
+        metrics = own if metrics is None else _both(metrics, own)
+    if chosen.reference is not None:
+        if adapters is None:
+            raise UsageError(
+                f"--objective {objective} takes its reference model from LoRA's frozen base; "
+                f"give --lora-rank > 0 (a full fine-tune's frozen reference copy is not built yet)"
+            )
+        reference = chosen.reference(fam, knobs)
+        loss = finetune.with_reference(loss, reference, REFERENCE)
+        assert metrics is not None  # a reference objective logs its rewards
+        metrics = finetune.with_reference(metrics, reference, REFERENCE)
     dropout = adapters.dropout if adapters is not None else 0.0
     frozen = adapters is not None
     rate = shape.router_bias_rate  # an MoE's balancing (models/moe_routing.py)
     rule = ("router_bias", rate) if moe and rate else None
     return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics, rule)
+
+
+def _both(
+    first: Callable[[nnx.Module, dict], dict], second: Callable[[nnx.Module, dict], dict]
+) -> Callable[[nnx.Module, dict], dict]:
+    """(model, batch) -> both functions' figures in one record."""
+    return lambda model, batch: {**first(model, batch), **second(model, batch)}
 
 
 def options_of(
@@ -225,6 +251,43 @@ def sync_of(cfg: Config) -> diloco.Sync | None:
     return diloco.Sync(p.sync_every, o.outer_lr, o.outer_momentum)
 
 
+def check_pairs(cfg: Config, layout: Layout, batch_fields: tuple[str, ...]) -> None:
+    """UsageError unless the data gives preference pairs exactly when the objective reads them,
+    and every device's micro-batch holds whole pairs (an even count of rows)."""
+    name, pairs = cfg.run.objective, objectives.get(cfg.run.objective).pairs
+    given = PAIRS in batch_fields
+    if pairs and not given:
+        raise UsageError(
+            f"--objective {name} trains on preference pairs, and the data has none; give "
+            f"JSONL / Parquet / Arrow --data with --prompt-field, --chosen-field and "
+            f"--rejected-field"
+        )
+    if given and not pairs:
+        raise UsageError(
+            f"--chosen-field / --rejected-field give preference pairs, which --objective {name} "
+            f"does not read; use --objective dpo or orpo, or --response-field for SFT"
+        )
+    if pairs and layout.mesh.shape["context"] > 1:
+        # the step's loss is right under cp, the metrics' forward (outside the step) is not yet
+        raise UsageError(
+            f"--objective {name} does not run under context parallelism yet (cp="
+            f"{layout.mesh.shape['context']}); use a mesh with cp=1"
+        )
+    if pairs and cfg.run.accum > 1:
+        # micro-batches take every accum-th row (spmd.engine.accumulate): a pair's two rows
+        # would land in different ones
+        raise UsageError(
+            f"--objective {name} does not run with --accum {cfg.run.accum} yet (a pair's rows "
+            f"would split across micro-batches); use --accum 1"
+        )
+    ways = layout.data_parallel
+    if pairs and cfg.run.batch % (2 * ways):
+        raise UsageError(
+            f"--batch {cfg.run.batch} must be a multiple of {2 * ways} under --objective {name}: "
+            f"2 rows (chosen, rejected) per pair on each of {ways} data-parallel ways"
+        )
+
+
 def program(
     cfg: Config,
     mesh: jax.sharding.Mesh,
@@ -243,6 +306,7 @@ def program(
         why = long_sequence.ulysses_error(shape.n_heads, shape.n_kv_heads, *sizes)
         if why is not None:
             raise UsageError(why)
+    check_pairs(cfg, layout, batch_fields)
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)
