@@ -29,13 +29,12 @@ read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config
 
 
 def lora_spec(
-    family: Family, rank: int, alpha: float, dropout: float, targets: str
+    family: Family, rank: int, alpha: float, dropout: float, targets: str, base_dtype: str = ""
 ) -> lora.Spec | None:
     """The adapters the --lora-* flags ask of `family` (None at rank 0); UsageError naming a
     bad value or a target the family lacks, with the valid ones."""
-    return lora.spec_of(
-        family.lora_targets, family.lora_default, family.name, rank, alpha, dropout, targets
-    )
+    table, default = family.lora_targets, family.lora_default
+    return lora.spec_of(table, default, family.name, rank, alpha, dropout, targets, base_dtype)
 
 
 def save_peft(

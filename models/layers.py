@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import adapter, fp8
+from models import adapter, fp8, nf4
 from models.matmul import matmul
 from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import fp8_site, gather, tp_sum
@@ -139,9 +139,14 @@ Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or on
 
 
 def weight(module: nnx.Module, name: str) -> Weight:
-    """The weight `name` of `module`, gathered (hooks.gather), with its LoRA adapter where a
-    LoRA model put one beside it (models/adapter.py): what `dense` multiplies."""
+    """The weight `name` of `module`, gathered (hooks.gather), dequantized where a QLoRA base
+    holds it in NF4 (models/nf4.py: this layer's slice only, inside the layer scan), with its
+    LoRA adapter where a LoRA model put one beside it (models/adapter.py): what `dense`
+    multiplies."""
     w = gather(getattr(module, name))
+    quantized = getattr(module, name + nf4.SUFFIX, None)
+    if quantized is not None:
+        w = quantized.dequantize(w)
     site = getattr(module, name + adapter.SUFFIX, None)
     return w if site is None else site.beside(w)
 

@@ -288,6 +288,9 @@ class LoraConfig:
     # comma list of the family's projections to adapt, e.g. q,k,v,o,gate,up,down (empty: the
     # family's default; an unknown name lists the valid ones)
     lora_targets: str = ""
+    # how the frozen base's block matrices are stored: empty = the working dtype; nf4 = QLoRA's
+    # 4-bit NormalFloat codes, dequantized inside each matmul (models/nf4.py)
+    lora_base_dtype: str = ""
 
 
 SECTIONS: dict[str, type] = {

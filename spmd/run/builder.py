@@ -149,6 +149,7 @@ def lora_spec(model_cfg: ModelConfig, cfg: LoraConfig) -> finetune.LoraSpec | No
         cfg.lora_alpha,
         cfg.lora_dropout,
         cfg.lora_targets,
+        cfg.lora_base_dtype,
     )
 
 

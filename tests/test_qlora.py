@@ -1,0 +1,155 @@
+"""QLoRA (--lora-base-dtype nf4, models/nf4.py): the NF4 format is bitsandbytes' code book and
+block rule, the frozen base is held as 4-bit codes sharded like the weights they replace, and
+a LoRA run on it trains as LoRA on the dequantized base does, on one device, fsdp=2 ZeRO-3 and
+dp=2,tp=2, under both executors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import lora, nf4
+from spmd.engine import precision
+from spmd.engine.options import StepOptions
+from spmd.engine.step import Program
+from spmd.errors import UsageError
+from spmd.run import builder
+from spmd.run.config import flat
+from spmd.sections import LoraConfig
+from tests import trainer
+
+# bitsandbytes' NF4 code book as published (functional.py, get_4bit_type("nf4"); the QLoRA
+# paper's appendix E), written out here rather than read from the module under test
+PUBLISHED = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
+STEPS, BATCH, SEQ_LEN = 6, 8, 16
+QLORA = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_base_dtype="nf4")
+PLAIN = dataclasses.replace(QLORA, lora_base_dtype="")
+
+
+def test_nf4_is_bitsandbytes_code_book_and_block_rule():
+    """A tensor of 3 blocks of 64 whose codes are chosen: each block holds its absmax (+-s) and
+    values a known code's value times s moved by less than half the gap to its neighbours;
+    bitsandbytes' rule (absmax per 64 consecutive values, the nearest code, two codes a byte,
+    the first in the high nibble) gives these bytes and scales, and dequantizing gives each
+    code's value times its block's absmax."""
+    assert list(nf4.CODE) == PUBLISHED and nf4.BLOCK == 64
+    rng = np.random.default_rng(0)
+    code = np.asarray(PUBLISHED)
+    gaps = np.diff(code)
+    absmax = np.asarray([0.5, 3.0, 1e-3])
+    index = rng.integers(0, 16, size=(3, 64))
+    index[:, 0] = [15, 0, 15]  # the block's absmax itself: +s, -s, +s
+    room = np.minimum(np.r_[gaps[0], gaps][index], np.r_[gaps, gaps[-1]][index]) * 0.45
+    jitter = rng.uniform(-1, 1, size=index.shape) * room
+    jitter[:, 0] = 0.0
+    jitter[index == 15] = np.minimum(jitter[index == 15], 0)  # within [-s, s]
+    jitter[index == 0] = np.maximum(jitter[index == 0], 0)
+    x = ((code[index] + jitter) * absmax[:, None]).reshape(-1).astype(np.float32)
+    codes, scales = nf4.quantize_blocks(jnp.asarray(x))
+    flat_index = index.reshape(-1)
+    expected = (flat_index[0::2] << 4) | flat_index[1::2]
+    np.testing.assert_array_equal(np.asarray(codes), expected.astype(np.uint8))
+    np.testing.assert_allclose(np.asarray(scales), absmax, rtol=1e-7)
+    back = nf4.dequantize_blocks(codes, scales, jnp.float32)
+    want = (code[index] * absmax[:, None]).reshape(-1)
+    np.testing.assert_allclose(np.asarray(back), want, rtol=1e-6, atol=1e-12)
+    # along a dim (a block matrix's embed), the scales kept as their fp32 bits
+    w = jnp.asarray(x.reshape(3, 64).T)  # embed (64) first, as wq [embed, ...]
+    c, bits = nf4.quantize(w, 0)
+    assert c.shape == (32, 3) and c.dtype == jnp.uint8 and bits.dtype == jnp.uint32
+    np.testing.assert_allclose(
+        np.asarray(nf4.dequantize(c, bits, 0, jnp.float32)), want.reshape(3, 64).T, rtol=1e-6
+    )
+
+
+def test_nf4_needs_lora_and_names_the_valid_values():
+    table = lora.DENSE
+    with pytest.raises(UsageError, match="--lora-base-dtype nf4 .* needs --lora-rank > 0"):
+        lora.spec_of(table, tuple(table), "llama", 0, 0.0, 0.0, "", "nf4")
+    with pytest.raises(UsageError, match="'int4' is not a base storage; valid: nf4"):
+        lora.spec_of(table, tuple(table), "llama", 4, 0.0, 0.0, "", "int4")
+
+
+def program(lora_cfg: LoraConfig, mesh: str = "dp=1", executor: str = "auto") -> Program:
+    cfg = dataclasses.replace(trainer.tiny_config(), n_layers=2)
+    train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=1, lr=1e-2)
+    spec = builder.model_spec(cfg, precision.POLICIES["fp32"], builder.lora_spec(cfg, lora_cfg))
+    options = StepOptions(executor=executor)
+    lay = trainer.layout(mesh, 3)
+    built = builder.build(spec, builder.optimizer(train), lay, options, None, BATCH, SEQ_LEN)
+    assert isinstance(built, Program)
+    return built
+
+
+def run(prog: Program, initial: tuple) -> np.ndarray:
+    metrics, _ = trainer.train_metrics(prog, STEPS, initial, batch=BATCH, seq_len=SEQ_LEN)
+    return metrics["loss"]
+
+
+@functools.cache
+def reference() -> tuple[tuple, np.ndarray]:
+    """The QLoRA init (host arrays) and the losses of LoRA on its dequantized base (one
+    device): the function QLoRA trains, held in fp32."""
+    prog = program(QLORA)
+    initial = jax.device_get(tuple(prog.init()))
+    model: Any = prog.model(initial[0])  # a LoraModel on the NF4 base
+    base = nnx.to_pure_dict(nnx.state(nf4.dequantized(model.frozen, list(model.quantized))))
+    plain = program(PLAIN)
+    params = {**initial[0], "frozen": jax.device_get(base)}
+    state = jax.device_get(tuple(plain.start(params)))
+    return initial, run(plain, state)
+
+
+def test_the_base_is_held_as_4_bit_codes_sharded_like_its_weights():
+    prog = program(QLORA, "fsdp=2")
+    wq = prog.abstract_params["frozen"]["blocks"]["attn"]["wq"]
+    scales = prog.abstract_params["frozen"]["blocks"]["attn"]["wq_nf4"]["scales"]
+    assert wq.dtype == jnp.uint8 and wq.shape == (2, 32, 8, 8)  # embed 64 -> 32 bytes
+    assert scales.dtype == jnp.uint32 and scales.shape == (2, 1, 8, 8)
+    names = prog.names["frozen"]["blocks"]["attn"]
+    assert names["wq"] == ("layers", "embed", "heads", "head_dim")
+    assert names["wq_nf4"]["scales"] == ("layers", None, "heads", "head_dim")
+    assert "fsdp" in str(wq.sharding.spec)  # ZeRO-3 stores the 4-bit blocks split
+    # adapters (trained) stay fp32, the norms and embedding in the working dtype
+    assert prog.abstract_params["lora"]["q"]["a"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "mesh,executor",
+    [
+        ("dp=1", "auto"),
+        ("fsdp=2", "auto"),
+        ("fsdp=2", "explicit"),
+        ("dp=2,tp=2", "auto"),
+        ("dp=2,tp=2", "explicit"),
+    ],
+)
+def test_qlora_trains_as_lora_on_the_dequantized_base(mesh, executor):
+    initial, want = reference()
+    got = run(program(QLORA, mesh, executor), initial)
+    assert got[-1] < got[0] - 0.1, got  # it learns
+    np.testing.assert_allclose(got, want, rtol=2e-5)
