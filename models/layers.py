@@ -138,15 +138,19 @@ def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or one with its adapter
 
 
-def weight(module: nnx.Module, name: str) -> Weight:
-    """The weight `name` of `module`, gathered (hooks.gather), dequantized where a QLoRA base
-    holds it in NF4 (models/nf4.py: this layer's slice only, inside the layer scan), with its
-    LoRA adapter where a LoRA model put one beside it (models/adapter.py): what `dense`
-    multiplies."""
-    w = gather(getattr(module, name))
+def stored(module: nnx.Module, name: str) -> jax.Array:
+    """The param `name` of `module`, gathered (hooks.gather) and, where a QLoRA base holds it
+    as NF4 codes (models/nf4.py), dequantized to the compute dtype: this layer's slice only
+    inside the layer scan, never the whole model's weights at once."""
+    value = gather(getattr(module, name))
     quantized = getattr(module, name + nf4.SUFFIX, None)
-    if quantized is not None:
-        w = quantized.dequantize(w)
+    return value if quantized is None else quantized.dequantize(value)
+
+
+def weight(module: nnx.Module, name: str) -> Weight:
+    """The weight `name` of `module` as `stored` reads it, with its LoRA adapter where a LoRA
+    model put one beside it (models/adapter.py): what `dense` multiplies."""
+    w = stored(module, name)
     site = getattr(module, name + adapter.SUFFIX, None)
     return w if site is None else site.beside(w)
 

@@ -51,6 +51,9 @@ MLP: dict[str, tuple[tuple[str, ...], ...]] = {
     "down": ((STACKED, "mlp", "w_down"),),
 }
 DENSE = ATTENTION | MLP
+# What a QLoRA base stores in NF4 beside its projections: the token table (tied head too) and
+# an untied head, read through models.layers.stored (never adapted)
+EMBEDDINGS = (("embed",), ("lm_head",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +194,8 @@ class LoraModel(nnx.Module):
         self.lora = nnx.data(adapters)
         # QLoRA: the base's projections as NF4 codes, after the adapters took their shapes
         quantized = with_dense_twins(spec.quantized, state)
-        self.quantized = nnx.static(
-            tuple(p for ps in quantized.values() for p in ps if _has(state, p))
-        )
+        paths = [p for ps in quantized.values() for p in ps] + list(EMBEDDINGS * bool(quantized))
+        self.quantized = nnx.static(tuple(p for p in paths if _has(state, p)))
         if self.quantized:
             nf4.quantize_base(base, list(self.quantized), base.dtype)
 

@@ -172,6 +172,10 @@ CASES = [
     # LoRA's settings, checked with LoRA off too (issue 55: they were saved unchecked)
     *(train(f"--lora-{flag}", f"--lora-{flag}") for flag in ("alpha -5", "dropout 2", "alpha nan")),
     plan("--model tiny --lora-dropout 2"),
+    # QLoRA's base storage: only under LoRA, only a known format, not yet on an HF base
+    train("--lora-base-dtype nf4", "--lora-base-dtype nf4"),
+    train("--lora-rank 4 --lora-base-dtype int4", "--lora-base-dtype 'int4'"),
+    train(f"--init-from-hf {UNTIED} --lora-rank 4 --lora-base-dtype nf4", "--lora-base-dtype"),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
     # every value checked wherever it comes from (issue 46): TOML keys and values a flag

@@ -134,6 +134,9 @@ def test_the_base_is_held_as_4_bit_codes_sharded_like_its_weights():
     assert names["wq"] == ("layers", "embed", "heads", "head_dim")
     assert names["wq_nf4"]["scales"] == ("layers", None, "heads", "head_dim")
     assert "fsdp" in str(wq.sharding.spec)  # ZeRO-3 stores the 4-bit blocks split
+    # the token table (the tied head) too, along its embed dim
+    embed = prog.abstract_params["frozen"]["embed"]
+    assert embed.dtype == jnp.uint8 and embed.shape == (256, 32)
     # adapters (trained) stay fp32, the norms and embedding in the working dtype
     assert prog.abstract_params["lora"]["q"]["a"].dtype == jnp.float32
 
