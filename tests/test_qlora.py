@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import lora, nf4
+from models import llama, lora, nf4
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
 from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.run import builder
-from spmd.run.config import flat
+from spmd.run.config import build, flat, preset
 from spmd.sections import LoraConfig
 from tests import trainer
 
@@ -156,3 +157,27 @@ def test_qlora_trains_as_lora_on_the_dequantized_base(mesh, executor):
     got = run(program(QLORA, mesh, executor), initial)
     assert got[-1] < got[0] - 0.1, got  # it learns
     np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def base_bytes(lora_cfg: LoraConfig) -> int:
+    """The bytes of the 1b preset's frozen base as a LoRA program holds it (bf16 policy, one
+    device): what the dry run's compiled argument bytes count for it (its figures match the
+    abstract state's to the byte: the dry run's 'expected' column)."""
+    cfg = build(llama.LlamaConfig, preset("1b"), "1b preset")
+    bf16 = precision.POLICIES["bf16"]
+    spec = builder.model_spec(cfg, bf16, builder.lora_spec(cfg, lora_cfg))
+    train = flat(None, steps=STEPS, batch=BATCH, seq_len=SEQ_LEN, warmup=1, lr=1e-2)
+    lay, options = trainer.layout("dp=1", 3), StepOptions(policy=bf16)
+    prog = builder.build(spec, builder.optimizer(train), lay, options, None, 8, 2048)
+    assert isinstance(prog, Program)
+    leaves = jax.tree.leaves(prog.abstract_params["frozen"])
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+
+
+def test_the_1b_base_takes_at_most_0_32_of_bf16s_bytes():
+    """Issue 60's QLoRA memory oracle: --lora-rank 16 --lora-base-dtype nf4 on the 1b preset
+    holds the base in at most 0.32x the bytes of a bf16 base (0.28x: 0.5625 B/param for every
+    matrix, the norms in bf16)."""
+    rank16 = LoraConfig(lora_rank=16)
+    ratio = base_bytes(dataclasses.replace(rank16, lora_base_dtype="nf4")) / base_bytes(rank16)
+    assert 0.27 < ratio <= 0.32, ratio
