@@ -172,18 +172,21 @@ def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]
 
 
 def planner_fields(model_cfg: ModelConfig, lora_cfg: Any) -> dict[str, Any]:
-    """The Setup fields (lora_rank, lora_targets) of a run's [lora] section for its model's
-    family (its default targets when none are named); UsageError for bad flags."""
+    """The Setup fields (lora_rank, lora_targets, lora_base_dtype) of a run's [lora] section
+    for its model's family (its default targets when none are named); UsageError for bad
+    flags."""
     spec = finetune.lora_spec(
         family.of(model_cfg),
         lora_cfg.lora_rank,
         lora_cfg.lora_alpha,
         lora_cfg.lora_dropout,
         lora_cfg.lora_targets,
+        lora_cfg.lora_base_dtype,
     )
     if spec is None:
         return {"lora_rank": 0, "lora_targets": ()}
-    return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
+    targets = tuple(spec.targets)
+    return {"lora_rank": spec.rank, "lora_targets": targets, "lora_base_dtype": spec.base_dtype}
 
 
 def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> None:
