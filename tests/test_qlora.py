@@ -211,3 +211,28 @@ def test_the_planner_counts_the_nf4_base_as_the_engine_holds_it():
         )
         held = sharded_bytes(program.abstract_params)
         assert held == pytest.approx(memory.model_state_bytes(s)["params"], rel=1e-2), mesh
+
+
+def test_merged_is_the_adapted_model_on_the_dequantized_base():
+    """--to-hf's model (LoraModel.merged): the base's weights dequantized, the adapters merged
+    in, no NF4 codes left, and the logits of the model QLoRA trained (eager, no compile)."""
+    cfg = dataclasses.replace(trainer.tiny_config(), n_layers=1)
+    spec = builder.lora_spec(cfg, QLORA)
+    assert spec is not None
+    model: Any = builder.model_spec(cfg, precision.POLICIES["fp32"], spec).make(0)
+    for adapter in model.lora.values():  # B starts at zeros: make the merge count
+        for b in adapter["b"].values():
+            b[...] = jax.random.normal(jax.random.key(1), b[...].shape) * 0.1
+    graphdef, params = nnx.split(model)
+    merged_state = jax.eval_shape(lambda p: nnx.state(nnx.merge(graphdef, p).merged()), params)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(merged_state))
+    assert not any(nf4.SUFFIX in jax.tree_util.keystr(path) for path, _ in leaves)
+    assert all(x.dtype == jnp.float32 for _, x in leaves)
+
+    @jax.jit
+    def both(p: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        qlora = nnx.merge(graphdef, p)
+        return qlora.merged()(tokens), qlora(tokens)
+
+    merged, trained = both(params, jnp.asarray(np.arange(32).reshape(2, 16) % cfg.vocab_size))
+    np.testing.assert_allclose(merged, trained, rtol=1e-4, atol=1e-5)
