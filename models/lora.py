@@ -194,8 +194,8 @@ class LoraModel(nnx.Module):
         self.lora = nnx.data(adapters)
         # QLoRA: the base's projections as NF4 codes, after the adapters took their shapes
         quantized = with_dense_twins(spec.quantized, state)
-        paths = [p for ps in quantized.values() for p in ps] + list(EMBEDDINGS * bool(quantized))
-        self.quantized = nnx.static(tuple(p for p in paths if _has(state, p)))
+        stored = [p for ps in quantized.values() for p in ps] + list(EMBEDDINGS * bool(quantized))
+        self.quantized = nnx.static(tuple(p for p in stored if _has(state, p)))
         if self.quantized:
             nf4.quantize_base(base, list(self.quantized), base.dtype)
 

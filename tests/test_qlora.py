@@ -149,7 +149,6 @@ def test_the_base_is_held_as_4_bit_codes_sharded_like_its_weights():
 @pytest.mark.parametrize(
     "mesh,executor",
     [
-        ("dp=1", "auto"),
         ("fsdp=2", "auto"),
         ("fsdp=2", "explicit"),
         ("dp=2,tp=2", "auto"),
