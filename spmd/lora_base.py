@@ -197,7 +197,8 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
     saved = sections.flat_values(saved_config)
     fam = family.of(cfg.model)
     rank = int(saved.get("lora_rank", 0) or 0)  # a checkpoint from before LoRA: none
-    ours = _settings(fam, cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_targets)
+    lora = cfg.lora
+    ours = _settings(fam, lora.lora_rank, lora.lora_alpha, lora.lora_targets, lora.lora_base_dtype)
     if rank == 0:
         if ours is not None:
             raise UsageError(
@@ -206,7 +207,8 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
             )
         return
     try:
-        theirs = _settings(fam, rank, saved.get("lora_alpha", 0.0), saved.get("lora_targets", ""))
+        alpha, targets = saved.get("lora_alpha", 0.0), saved.get("lora_targets", "")
+        theirs = _settings(fam, rank, alpha, targets, saved.get("lora_base_dtype", ""))
     except UsageError:  # saved by another family's run: the model's own check names it
         return
     if theirs == ours:
@@ -215,25 +217,29 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
     flags = f"--lora-rank {rank} --lora-alpha {_number(theirs[1])}"
     if set(theirs[2]) != set(fam.lora_default):
         flags += f" --lora-targets {','.join(theirs[2])}"
+    if theirs[3]:
+        flags += f" --lora-base-dtype {theirs[3]}"
     this = "this run has none (no --lora-rank)" if ours is None else f"this run's are {_text(ours)}"
     raise UsageError(
         f"{where} holds LoRA adapters of {_text(theirs)}; {this}; resume it with {flags}"
     )
 
 
-def _settings(fam: Any, rank: int, alpha: float, targets: str) -> tuple | None:
-    """(rank, alpha, target names in the family's order) of the --lora-* values, alpha 0 read
-    as 2 x rank and no targets as the family's default; None at rank 0."""
-    spec = finetune.lora_spec(fam, rank, alpha, 0.0, targets)
+def _settings(fam: Any, rank: int, alpha: float, targets: str, base_dtype: str) -> tuple | None:
+    """(rank, alpha, target names in the family's order, the base's storage) of the --lora-*
+    values, alpha 0 read as 2 x rank and no targets as the family's default; None at rank 0."""
+    spec = finetune.lora_spec(fam, rank, alpha, 0.0, targets, base_dtype)
     if spec is None:
         return None
-    return spec.rank, spec.alpha, tuple(name for name in fam.lora_targets if name in spec.targets)
+    names = tuple(name for name in fam.lora_targets if name in spec.targets)
+    return spec.rank, spec.alpha, names, spec.base_dtype
 
 
 def _text(settings: tuple) -> str:
-    rank, alpha, targets = settings
+    rank, alpha, targets, base_dtype = settings
     scale = f"scale {alpha / rank:g}"
-    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}"
+    base = f", an {base_dtype} base" if base_dtype else ""
+    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}{base}"
 
 
 def _number(value: float) -> str:

@@ -239,3 +239,13 @@ def test_merged_is_the_adapted_model_on_the_dequantized_base():
 
     merged, trained = both(params, jnp.asarray(np.arange(32).reshape(2, 16) % cfg.vocab_size))
     np.testing.assert_allclose(merged, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_a_resume_without_the_nf4_flag_exits_2_naming_it():
+    """A QLoRA checkpoint's codes are not a working-dtype base's weights: a resume with
+    another --lora-base-dtype is refused naming the flags that resume it (no param path)."""
+    model = trainer.tiny_config()
+    saved = Config(model=model, lora=QLORA).as_dict()
+    with pytest.raises(UsageError, match=r"an nf4 base; .* --lora-alpha 8 --lora-base-dtype nf4$"):
+        lora_base.check_settings(Config(model=model, lora=PLAIN), saved, "step 4")
+    lora_base.check_settings(Config(model=model, lora=QLORA), saved, "step 4")  # the same: ok
