@@ -225,7 +225,7 @@ def _backward(plan: _Plan, residuals: tuple, cotangents: tuple) -> tuple[Any, Ar
     (d_carry, _), d_floats = lax.scan(
         step, (d_carry, whole_last), layers, reverse=True, unroll=plan.unrolled
     )
-    d_shards = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
+    d_shards: list[Any] = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
     for k, d in zip(floats, d_floats, strict=True):
         d_shards[k] = d
     return d_carry, d_shards
@@ -298,7 +298,7 @@ def _transposed(gather: Callable[[Arrays], Arrays], shards: Arrays, d_whole: Arr
 
     picked = [shards[k] for k in floats]
     (d_floats,) = jax.linear_transpose(gather_floats, picked)([d_whole[k] for k in floats])
-    out = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
+    out: list[Any] = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
     for k, d in zip(floats, d_floats, strict=True):
         out[k] = d
     return out
