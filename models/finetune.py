@@ -9,6 +9,7 @@ names a family's own module.
     with_lora(model, spec, tensors, seed)              a model with fresh adapters
     lora_loss / lora_metrics                           a family's functions on the adapted model
     read_peft / peft_targets / load_peft / save_peft   peft folders in and out
+    unquantized / quantized_like                       a QLoRA base loaded, then quantized
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models import layer_groups, lora, peft
+from models import layer_groups, lora, nf4, peft
 from models.contract import Family, ModelConfig
 from models.family import hf_of, of
 
@@ -26,6 +27,10 @@ lora_loss = lora.adapted_loss  # a family's loss -> the loss of a LoraModel's ad
 lora_metrics = lora.adapted_metrics  # a family's step_metrics -> those of a LoraModel's
 PeftAdapter = peft.Adapter
 read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
+# a QLoRA base read from a Hugging Face folder: its unquantized abstract, then its codes
+unquantized = nf4.unquantized
+NF4_BLOCK = nf4.BLOCK  # values per scale, along embed
+quantized_like = nf4.quantized_like
 
 
 def lora_spec(

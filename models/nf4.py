@@ -167,3 +167,43 @@ def _parent(model: nnx.Module, path: tuple[str, ...]) -> Any:
     for key in path[:-1]:
         model = getattr(model, key)
     return model
+
+
+# --- a base read from a Hugging Face folder: loaded whole, then quantized -----------------------
+
+
+def unquantized(abstract: dict, names: dict, dtype: Any) -> dict:
+    """The pure dict of ShapeDtypeStructs a base had before `quantize_base`, from the quantized
+    base's `abstract` (its codes' shardings, which fit the weights' shapes too: the same
+    logical names) and logical `names`: what a Hugging Face folder's weights load onto, as
+    `dtype`. `abstract` itself where nothing is quantized."""
+    out: dict = {}
+    for key, value in abstract.items():
+        if key.endswith(SUFFIX):
+            continue
+        if isinstance(value, dict):
+            out[key] = unquantized(value, names[key], dtype)
+        elif key + SUFFIX in abstract:
+            axis = tuple(names[key]).index(AXIS)
+            shape = tuple(n * 2 if d == axis else n for d, n in enumerate(value.shape))
+            out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=value.sharding)
+        else:
+            out[key] = value
+    return out
+
+
+def quantized_like(plain: dict, names: dict, abstract: dict) -> dict:
+    """`plain` (a base's pure dict of arrays, shaped as `unquantized` says) with every weight
+    that `abstract` holds as codes quantized: the pure dict `quantize_base` would give."""
+    out: dict = {}
+    for key, value in abstract.items():
+        if key.endswith(SUFFIX):
+            continue
+        if isinstance(value, dict):
+            out[key] = quantized_like(plain[key], names[key], value)
+        elif key + SUFFIX in abstract:
+            codes, bits = quantize(plain[key], tuple(names[key]).index(AXIS))
+            out[key], out[key + SUFFIX] = codes, {"scales": bits}
+        else:
+            out[key] = plain[key]
+    return out

@@ -38,6 +38,9 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+
 from models import family, finetune
 from spmd import sections
 from spmd.engine import frozen
@@ -145,11 +148,29 @@ def check_base(saved: dict[str, Any], base: str, where: str, flag: str) -> str:
     return str(folder)
 
 
-def load_base(saved: dict[str, Any], base: str, abstract_master: Any, where: str, flag: str) -> Any:
+def load_base(
+    saved: dict[str, Any], base: str, abstract: Any, names: Any, where: str, flag: str
+) -> Any:
     """The frozen base of the checkpoint whose reference is `saved`, read from `base` (after
-    checking its hash) onto the dtypes and shardings of `abstract_master`'s frozen part."""
+    checking its hash) onto the dtypes and shardings of `abstract`'s frozen part (`read_base`;
+    `names`: the program's logical names)."""
     folder = check_base(saved, base, where, flag)
-    return family.load_hf(family.open_hf(folder), abstract_master[frozen.FROZEN])
+    return read_base(family.open_hf(folder), abstract, names)
+
+
+def read_base(checkpoint: Any, abstract: Any, names: Any) -> Any:
+    """The frozen part of `abstract` (a LoRA program's params or master weights, and their
+    logical `names`) read from Hugging Face folder `checkpoint` (family.open_hf's). A QLoRA
+    base is loaded onto its weights' own shapes in fp32, then quantized to NF4 in the
+    program's shardings (models/nf4.py): the codes a base drawn from the seed would get."""
+    target, named = abstract[frozen.FROZEN], names[frozen.FROZEN]
+    plain = finetune.unquantized(target, named, jnp.float32)
+    base = family.load_hf(checkpoint, plain)
+    if jax.tree.structure(plain) == jax.tree.structure(target):
+        return base  # nothing quantized
+    shardings = jax.tree.map(lambda s: s.sharding, target)
+    quantize = jax.jit(lambda b: finetune.quantized_like(b, named, target), out_shardings=shardings)
+    return quantize(base)
 
 
 def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]:
@@ -165,7 +186,8 @@ def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]
             f"flags it was saved with"
         )
     where = f"--checkpoint-dir {cfg.checkpoint.checkpoint_dir} step {restored.step}"
-    base = load_base(saved, cfg.run.init_from_hf, program.abstract_master, where, "--init-from-hf")
+    flag, given = "--init-from-hf", cfg.run.init_from_hf
+    base = load_base(saved, given, program.abstract_master, program.names, where, flag)
     state = dict(restored.state)
     state["params"] = frozen.join(state["params"], base)
     return state

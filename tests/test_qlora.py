@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import llama, lora, nf4
+from models import family, llama, lora, nf4
 from spmd import lora_base, plan
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
@@ -25,7 +25,7 @@ from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
 from spmd.parallel.mesh import parse_mesh
-from spmd.run import builder
+from spmd.run import builder, weights
 from spmd.run.config import build, flat, preset
 from spmd.sections import Config, LoraConfig
 from tests import trainer
@@ -249,3 +249,20 @@ def test_a_resume_without_the_nf4_flag_exits_2_naming_it():
     with pytest.raises(UsageError, match=r"an nf4 base; .* --lora-alpha 8 --lora-base-dtype nf4$"):
         lora_base.check_settings(Config(model=model, lora=PLAIN), saved, "step 4")
     lora_base.check_settings(Config(model=model, lora=QLORA), saved, "step 4")  # the same: ok
+
+
+def test_an_hf_base_is_quantized_as_it_loads(tmp_path):
+    """--init-from-hf with nf4: the folder's weights loaded in fp32, then quantized in the
+    program's shardings (fsdp=2 ZeRO-3): the codes and scales are nf4.quantize's of the
+    folder's weights, the norms the folder's own."""
+    cfg = dataclasses.replace(trainer.tiny_config(), n_layers=2)
+    base = jax.device_get(nnx.to_pure_dict(nnx.state(llama.create(cfg, 7))))
+    family.save_hf(base, cfg, str(tmp_path), max_positions=64)
+    prog = program(QLORA, "fsdp=2")
+    params = jax.device_get(weights.init_from_hf(str(tmp_path), prog)[0])["frozen"]
+    codes, bits = nf4.quantize(jnp.asarray(base["blocks"]["mlp"]["w_down"]), 2)
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["w_down"], codes)
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["w_down_nf4"]["scales"], bits)
+    table, _ = nf4.quantize(jnp.asarray(base["embed"]), 1)
+    np.testing.assert_array_equal(params["embed"], table)
+    np.testing.assert_array_equal(params["final_norm"]["scale"], base["final_norm"]["scale"])

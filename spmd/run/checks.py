@@ -49,12 +49,12 @@ def check_choices(cfg: Config) -> None:
         lora.lora_targets,
     )
     finetune.lora_spec(fam, rank, alpha, dropout, targets, lora.lora_base_dtype)
-    from_hf = cfg.run.init_from_hf or cfg.run.init_from_peft
-    if lora.lora_base_dtype and from_hf:
+    embed = fam.shape(cfg.model).embed_dim
+    if lora.lora_base_dtype and embed % finetune.NF4_BLOCK:
         raise UsageError(
-            f"--lora-base-dtype {lora.lora_base_dtype} quantizes a base drawn from the seed; a "
-            f"Hugging Face base ({from_hf}) is not quantized on load yet: leave the flag out "
-            f"to train LoRA on it in the working dtype"
+            f"--lora-base-dtype {lora.lora_base_dtype} quantizes along embed in blocks of "
+            f"{finetune.NF4_BLOCK}: this model's embed_dim {embed} is not a multiple of it; "
+            f"leave the base unquantized"
         )
     check_checkpoint_choices(cfg)
     from spmd.io import run_data
