@@ -166,8 +166,8 @@ def read_base(checkpoint: Any, abstract: Any, names: Any) -> Any:
     target, named = abstract[frozen.FROZEN], names[frozen.FROZEN]
     plain = finetune.unquantized(target, named, jnp.float32)
     base = family.load_hf(checkpoint, plain)
-    if jax.tree.structure(plain) == jax.tree.structure(target):
-        return base  # nothing quantized
+    if len(jax.tree.leaves(plain)) == len(jax.tree.leaves(target)):
+        return base  # nothing quantized (a quantized weight has a scales leaf beside it)
     shardings = jax.tree.map(lambda s: s.sharding, target)
     quantize = jax.jit(lambda b: finetune.quantized_like(b, named, target), out_shardings=shardings)
     return quantize(base)
