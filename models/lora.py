@@ -193,8 +193,9 @@ class LoraModel(nnx.Module):
             adapters[name] = self._adapter(state, paths, spec.rank, rngs)
         self.lora = nnx.data(adapters)
         # QLoRA: the base's projections as NF4 codes, after the adapters took their shapes
-        quantized = with_dense_twins(spec.quantized, state)
-        stored = [p for ps in quantized.values() for p in ps] + list(EMBEDDINGS * bool(quantized))
+        stored = [p for ps in with_dense_twins(spec.quantized, state).values() for p in ps]
+        if stored:
+            stored += EMBEDDINGS
         self.quantized = nnx.static(tuple(p for p in stored if _has(state, p)))
         if self.quantized:
             nf4.quantize_base(base, list(self.quantized), base.dtype)
