@@ -10,6 +10,7 @@ names a family's own module.
     lora_loss / lora_metrics                           a family's functions on the adapted model
     with_reference                                     a preference objective's reference: the base
     read_peft / peft_targets / load_peft / save_peft   peft folders in and out
+    unquantized / quantized_like                       a QLoRA base loaded, then quantized
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models import layer_groups, lora, peft
+from models import layer_groups, lora, nf4, peft
 from models.contract import Family, ModelConfig
 from models.family import hf_of, of
 
@@ -29,16 +30,19 @@ lora_metrics = lora.adapted_metrics  # a family's step_metrics -> those of a Lor
 with_reference = lora.with_reference
 PeftAdapter = peft.Adapter
 read_peft = peft.read_config  # a peft folder -> its PeftAdapter (adapter_config.json)
+# a QLoRA base read from a Hugging Face folder: its unquantized abstract, then its codes
+unquantized = nf4.unquantized
+NF4_BLOCK = nf4.BLOCK  # values per scale, along embed
+quantized_like = nf4.quantized_like
 
 
 def lora_spec(
-    family: Family, rank: int, alpha: float, dropout: float, targets: str
+    family: Family, rank: int, alpha: float, dropout: float, targets: str, base_dtype: str = ""
 ) -> lora.Spec | None:
     """The adapters the --lora-* flags ask of `family` (None at rank 0); UsageError naming a
     bad value or a target the family lacks, with the valid ones."""
-    return lora.spec_of(
-        family.lora_targets, family.lora_default, family.name, rank, alpha, dropout, targets
-    )
+    table, default = family.lora_targets, family.lora_default
+    return lora.spec_of(table, default, family.name, rank, alpha, dropout, targets, base_dtype)
 
 
 def save_peft(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import adapter, fp8
+from models import adapter, fp8, nf4
 from models.matmul import matmul
 from spmd.model_shape import REMATS, Remat
 from spmd.parallel.hooks import fp8_site, gather, tp_sum
@@ -138,10 +138,19 @@ def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or one with its adapter
 
 
+def stored(module: nnx.Module, name: str) -> jax.Array:
+    """The param `name` of `module`, gathered (hooks.gather) and, where a QLoRA base holds it
+    as NF4 codes (models/nf4.py), dequantized to the compute dtype: this layer's slice only
+    inside the layer scan, never the whole model's weights at once."""
+    value = gather(getattr(module, name))
+    quantized = getattr(module, name + nf4.SUFFIX, None)
+    return value if quantized is None else quantized.dequantize(value)
+
+
 def weight(module: nnx.Module, name: str) -> Weight:
-    """The weight `name` of `module`, gathered (hooks.gather), with its LoRA adapter where a
-    LoRA model put one beside it (models/adapter.py): what `dense` multiplies."""
-    w = gather(getattr(module, name))
+    """The weight `name` of `module` as `stored` reads it, with its LoRA adapter where a LoRA
+    model put one beside it (models/adapter.py): what `dense` multiplies."""
+    w = stored(module, name)
     site = getattr(module, name + adapter.SUFFIX, None)
     return w if site is None else site.beside(w)
 

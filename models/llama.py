@@ -29,7 +29,17 @@ from flax import nnx
 
 from models import fused_loss, layer_groups, layers
 from models.attention import Attention, segment_positions
-from models.layers import REMAT_POLICIES, RESIDUAL, WHOLE, Remat, RMSNorm, dense, swiglu, weight
+from models.layers import (
+    REMAT_POLICIES,
+    RESIDUAL,
+    WHOLE,
+    Remat,
+    RMSNorm,
+    dense,
+    stored,
+    swiglu,
+    weight,
+)
 from models.layers import param as _param
 from models.rope import SCALINGS, Scaling
 from spmd.errors import UsageError
@@ -37,7 +47,6 @@ from spmd.model_shape import ModelShape
 from spmd.parallel.hooks import (
     constrain,
     document_positions,
-    gather,
     scan_layers,
     token_positions,
     tp_enter,
@@ -259,7 +268,7 @@ class Llama(nnx.Module):
         """Token ids [batch, length] -> activations [batch, length, embed] in `dtype`."""
         # Gather the table's fsdp shards first: a lookup into a table split two ways (vocab
         # and embed) makes the partitioner replicate the whole table.
-        table = constrain(gather(self.embed), ("vocab", "embed"))
+        table = constrain(stored(self, "embed"), ("vocab", "embed"))
         x = lookup_embeddings(table, tokens, self.cfg.vocab_size).astype(self.dtype)
         return constrain(x, RESIDUAL)
 
@@ -288,9 +297,9 @@ class Llama(nnx.Module):
         Megatron's f; the head [embed, vocab], this device's vocabulary block when split)."""
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
-            head = constrain(gather(self.embed), ("vocab", "embed")).T
+            head = constrain(stored(self, "embed"), ("vocab", "embed")).T
         else:
-            head = gather(self.lm_head)
+            head = stored(self, "lm_head")
         return constrain(tp_enter(x, "vocab"), WHOLE), head  # column-parallel: local vocab
 
     def logits_of(self, x: jax.Array, head: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import adapter, layer_groups
+from models import adapter, layer_groups, nf4
 from models.hf_tensors import DENSE_STACK, STACKED, STACKS, Rule
 from spmd.errors import UsageError
 from spmd.parallel.hooks import chunk_inputs, first_layer, training, training_step
@@ -51,18 +51,25 @@ MLP: dict[str, tuple[tuple[str, ...], ...]] = {
     "down": ((STACKED, "mlp", "w_down"),),
 }
 DENSE = ATTENTION | MLP
+# What a QLoRA base stores in NF4 beside its projections: the token table (tied head too) and
+# an untied head, read through models.layers.stored (never adapted)
+EMBEDDINGS = (("embed",), ("lm_head",))
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One run's adapters: rank r (count), alpha (scale = alpha / r), the targets, each
-    name -> its param paths (the family's table, narrowed to the chosen names), and the
-    dropout probability on the adapters' input in training."""
+    name -> its param paths (the family's table, narrowed to the chosen names), the
+    dropout probability on the adapters' input in training, and the frozen base's storage
+    (`base_dtype`, models/nf4.py: "" the working dtype, "nf4" 4-bit codes of every
+    projection the family's table names, adapted or not, in `quantized`)."""
 
     rank: int
     alpha: float
     targets: dict[str, tuple[tuple[str, ...], ...]]
     dropout: float = 0.0
+    base_dtype: str = ""
+    quantized: dict[str, tuple[tuple[str, ...], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def scale(self) -> float:
@@ -77,10 +84,17 @@ def spec_of(
     alpha: float,
     dropout: float,
     targets: str,
+    base_dtype: str = "",
 ) -> Spec | None:
-    """The adapters of flags --lora-rank, --lora-alpha (0: 2 x rank), --lora-dropout and
-    --lora-targets (comma list; empty: the family's default) for a family whose targets are
-    `table`; None at rank 0. UsageError (one line) for a value that is not valid."""
+    """The adapters of flags --lora-rank, --lora-alpha (0: 2 x rank), --lora-dropout,
+    --lora-targets (comma list; empty: the family's default) and --lora-base-dtype for a
+    family whose targets are `table`; None at rank 0. UsageError (one line) for a value that
+    is not valid."""
+    if base_dtype not in nf4.BASE_DTYPES:
+        raise UsageError(
+            f"--lora-base-dtype {base_dtype!r} is not a base storage; valid: nf4 (4-bit "
+            f"NormalFloat), or empty for the working dtype"
+        )
     if rank < 0:
         raise UsageError(f"--lora-rank {rank} must be 0 (no LoRA) or a positive rank")
     # checked at rank 0 too: a saved config keeps them, and a resume or --lora-rank later
@@ -92,6 +106,11 @@ def spec_of(
     if rank == 0:
         if targets:
             raise UsageError(f"--lora-targets {targets!r} needs --lora-rank > 0")
+        if base_dtype:
+            raise UsageError(
+                f"--lora-base-dtype {base_dtype} stores a LoRA run's frozen base and needs "
+                f"--lora-rank > 0; without LoRA every param is trained in the working dtype"
+            )
         return None
     if not table:
         raise UsageError(f"model family {family!r} declares no LoRA targets")
@@ -103,7 +122,9 @@ def spec_of(
             f"the {family} family; valid: {', '.join(table)}"
         )
     chosen = {n: table[n] for n in dict.fromkeys(names)}
-    return Spec(rank, float(alpha) if alpha > 0 else 2.0 * rank, chosen, float(dropout))
+    scale = float(alpha) if alpha > 0 else 2.0 * rank
+    quantized = dict(table) if base_dtype else {}
+    return Spec(rank, scale, chosen, float(dropout), base_dtype, quantized)
 
 
 # The name of a target's adapters on a model's second stack of layers (its dense-MLP layers,
@@ -171,6 +192,13 @@ class LoraModel(nnx.Module):
         for name, paths in targets.items():
             adapters[name] = self._adapter(state, paths, spec.rank, rngs)
         self.lora = nnx.data(adapters)
+        # QLoRA: the base's projections as NF4 codes, after the adapters took their shapes
+        stored = [p for ps in with_dense_twins(spec.quantized, state).values() for p in ps]
+        if stored:
+            stored += EMBEDDINGS
+        self.quantized = nnx.static(tuple(p for p in stored if _has(state, p)))
+        if self.quantized:
+            nf4.quantize_base(base, list(self.quantized), base.dtype)
 
     def _adapter(self, state: Any, paths: tuple, rank: int, rngs: nnx.Rngs) -> dict:
         first = _get(state, paths[0])
@@ -223,8 +251,10 @@ class LoraModel(nnx.Module):
         return jnp.asarray(layer_groups.stack_layers(dense, self.cfg.n_layers, stack != STACKED))
 
     def merged(self) -> Any:
-        """The base model with every target's weight W + scale * A @ B (in W's dtype)."""
-        graphdef, state = nnx.split(self.frozen)
+        """The base model with every target's weight W + scale * A @ B (in W's dtype); a QLoRA
+        base's merged into its dequantized weights (models/nf4.py), in the compute dtype."""
+        base = nf4.dequantized(self.frozen, list(self.quantized)) if self.quantized else self.frozen
+        graphdef, state = nnx.split(base)
         pure = nnx.to_pure_dict(state)
         for name, paths in self.targets.items():
             adapter = self.lora[name]

@@ -167,6 +167,12 @@ def run(argv: list[str] | None) -> int:
         )
         files += export_text_files(text_source, loaded.run_config, Path(cfg.to_hf))
         target = f"Hugging Face folder {cfg.to_hf} ({len(files)} files, {cfg.hf_dtype})"
+        if loaded.lora is not None and loaded.lora.base_dtype:
+            # QLoRA: the export holds what the run computed with, not the base it started from
+            target += (
+                f", the adapters merged into the {loaded.lora.base_dtype} base dequantized "
+                f"(its weights differ from the original base by the quantization error)"
+            )
     n_params = family.of(loaded.model).n_params(loaded.model)
     print(
         f"converted {loaded.source} ({n_params / 1e6:.2f} M params) to {target} "

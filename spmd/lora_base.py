@@ -38,6 +38,9 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+
 from models import family, finetune
 from spmd import sections
 from spmd.engine import frozen
@@ -145,11 +148,29 @@ def check_base(saved: dict[str, Any], base: str, where: str, flag: str) -> str:
     return str(folder)
 
 
-def load_base(saved: dict[str, Any], base: str, abstract_master: Any, where: str, flag: str) -> Any:
+def load_base(
+    saved: dict[str, Any], base: str, abstract: Any, names: Any, where: str, flag: str
+) -> Any:
     """The frozen base of the checkpoint whose reference is `saved`, read from `base` (after
-    checking its hash) onto the dtypes and shardings of `abstract_master`'s frozen part."""
+    checking its hash) onto the dtypes and shardings of `abstract`'s frozen part (`read_base`;
+    `names`: the program's logical names)."""
     folder = check_base(saved, base, where, flag)
-    return family.load_hf(family.open_hf(folder), abstract_master[frozen.FROZEN])
+    return read_base(family.open_hf(folder), abstract, names)
+
+
+def read_base(checkpoint: Any, abstract: Any, names: Any) -> Any:
+    """The frozen part of `abstract` (a LoRA program's params or master weights, and their
+    logical `names`) read from Hugging Face folder `checkpoint` (family.open_hf's). A QLoRA
+    base is loaded onto its weights' own shapes in fp32, then quantized to NF4 in the
+    program's shardings (models/nf4.py): the codes a base drawn from the seed would get."""
+    target, named = abstract[frozen.FROZEN], names[frozen.FROZEN]
+    plain = finetune.unquantized(target, named, jnp.float32)
+    base = family.load_hf(checkpoint, plain)
+    if len(jax.tree.leaves(plain)) == len(jax.tree.leaves(target)):
+        return base  # nothing quantized (a quantized weight has a scales leaf beside it)
+    shardings = jax.tree.map(lambda s: s.sharding, target)
+    quantize = jax.jit(lambda b: finetune.quantized_like(b, named, target), out_shardings=shardings)
+    return quantize(base)
 
 
 def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]:
@@ -165,25 +186,29 @@ def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]
             f"flags it was saved with"
         )
     where = f"--checkpoint-dir {cfg.checkpoint.checkpoint_dir} step {restored.step}"
-    base = load_base(saved, cfg.run.init_from_hf, program.abstract_master, where, "--init-from-hf")
+    flag, given = "--init-from-hf", cfg.run.init_from_hf
+    base = load_base(saved, given, program.abstract_master, program.names, where, flag)
     state = dict(restored.state)
     state["params"] = frozen.join(state["params"], base)
     return state
 
 
 def planner_fields(model_cfg: ModelConfig, lora_cfg: Any) -> dict[str, Any]:
-    """The Setup fields (lora_rank, lora_targets) of a run's [lora] section for its model's
-    family (its default targets when none are named); UsageError for bad flags."""
+    """The Setup fields (lora_rank, lora_targets, lora_base_dtype) of a run's [lora] section
+    for its model's family (its default targets when none are named); UsageError for bad
+    flags."""
     spec = finetune.lora_spec(
         family.of(model_cfg),
         lora_cfg.lora_rank,
         lora_cfg.lora_alpha,
         lora_cfg.lora_dropout,
         lora_cfg.lora_targets,
+        lora_cfg.lora_base_dtype,
     )
     if spec is None:
         return {"lora_rank": 0, "lora_targets": ()}
-    return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
+    targets = tuple(spec.targets)
+    return {"lora_rank": spec.rank, "lora_targets": targets, "lora_base_dtype": spec.base_dtype}
 
 
 def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> None:
@@ -194,7 +219,8 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
     saved = sections.flat_values(saved_config)
     fam = family.of(cfg.model)
     rank = int(saved.get("lora_rank", 0) or 0)  # a checkpoint from before LoRA: none
-    ours = _settings(fam, cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_targets)
+    lora = cfg.lora
+    ours = _settings(fam, lora.lora_rank, lora.lora_alpha, lora.lora_targets, lora.lora_base_dtype)
     if rank == 0:
         if ours is not None:
             raise UsageError(
@@ -203,7 +229,8 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
             )
         return
     try:
-        theirs = _settings(fam, rank, saved.get("lora_alpha", 0.0), saved.get("lora_targets", ""))
+        alpha, targets = saved.get("lora_alpha", 0.0), saved.get("lora_targets", "")
+        theirs = _settings(fam, rank, alpha, targets, saved.get("lora_base_dtype", ""))
     except UsageError:  # saved by another family's run: the model's own check names it
         return
     if theirs == ours:
@@ -212,25 +239,29 @@ def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> Non
     flags = f"--lora-rank {rank} --lora-alpha {_number(theirs[1])}"
     if set(theirs[2]) != set(fam.lora_default):
         flags += f" --lora-targets {','.join(theirs[2])}"
+    if theirs[3]:
+        flags += f" --lora-base-dtype {theirs[3]}"
     this = "this run has none (no --lora-rank)" if ours is None else f"this run's are {_text(ours)}"
     raise UsageError(
         f"{where} holds LoRA adapters of {_text(theirs)}; {this}; resume it with {flags}"
     )
 
 
-def _settings(fam: Any, rank: int, alpha: float, targets: str) -> tuple | None:
-    """(rank, alpha, target names in the family's order) of the --lora-* values, alpha 0 read
-    as 2 x rank and no targets as the family's default; None at rank 0."""
-    spec = finetune.lora_spec(fam, rank, alpha, 0.0, targets)
+def _settings(fam: Any, rank: int, alpha: float, targets: str, base_dtype: str) -> tuple | None:
+    """(rank, alpha, target names in the family's order, the base's storage) of the --lora-*
+    values, alpha 0 read as 2 x rank and no targets as the family's default; None at rank 0."""
+    spec = finetune.lora_spec(fam, rank, alpha, 0.0, targets, base_dtype)
     if spec is None:
         return None
-    return spec.rank, spec.alpha, tuple(name for name in fam.lora_targets if name in spec.targets)
+    names = tuple(name for name in fam.lora_targets if name in spec.targets)
+    return spec.rank, spec.alpha, names, spec.base_dtype
 
 
 def _text(settings: tuple) -> str:
-    rank, alpha, targets = settings
+    rank, alpha, targets, base_dtype = settings
     scale = f"scale {alpha / rank:g}"
-    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}"
+    base = f", an {base_dtype} base" if base_dtype else ""
+    return f"rank {rank}, alpha {_number(alpha)} ({scale}), targets {','.join(targets)}{base}"
 
 
 def _number(value: float) -> str:

@@ -303,6 +303,7 @@ def lora_flags(lora: LoraConfig) -> list[str]:
         ("--lora-alpha", lora.lora_alpha),
         ("--lora-dropout", lora.lora_dropout),
         ("--lora-targets", lora.lora_targets),
+        ("--lora-base-dtype", lora.lora_base_dtype),
     ):
         flags += [flag, f"{value:g}" if isinstance(value, float) else value] if value else []
     return flags

@@ -292,6 +292,9 @@ class LoraConfig:
     # comma list of the family's projections to adapt, e.g. q,k,v,o,gate,up,down (empty: the
     # family's default; an unknown name lists the valid ones)
     lora_targets: str = ""
+    # how the frozen base's block matrices are stored: empty = the working dtype; nf4 = QLoRA's
+    # 4-bit NormalFloat codes, dequantized inside each matmul (models/nf4.py)
+    lora_base_dtype: str = ""
 
 
 # The batch key of a preference-pair batch's response-token mask (int32 0/1 [rows, length]),

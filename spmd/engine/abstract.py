@@ -31,7 +31,7 @@ def abstract_model(
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: make_model(seed)))
     names = rules.logical_axes(abstract_state)
     shapes = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, policy.param_dtype),
+        lambda s: jax.ShapeDtypeStruct(s.shape, precision.working_dtype(s.dtype, policy)),
         nnx.to_pure_dict(abstract_state),
     )
     return graphdef, unnamed_model_names(names, shapes, layout, executor), shapes

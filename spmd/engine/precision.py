@@ -325,8 +325,19 @@ def _delayed_value_and_grad(
 
 
 def cast(tree: Any, dtype: Any) -> Any:
-    """Every leaf of `tree` as `dtype` (no-op for leaves already of it)."""
-    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), tree)
+    """Every floating leaf of `tree` as `dtype` (no-op for leaves already of it). Integer
+    leaves keep theirs: a QLoRA base's 4-bit codes and scale bits (models/nf4.py)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if _recast(x, dtype) else x, tree)
+
+
+def _recast(x: Any, dtype: Any) -> bool:
+    return x.dtype != dtype and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def working_dtype(dtype: Any, policy: Policy) -> Any:
+    """The dtype a param created as `dtype` is held in: the policy's param dtype if it is a
+    floating one, else its own (`cast`)."""
+    return policy.param_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def init_opt_state(tx: optax.GradientTransformation, master: Any, policy: Policy) -> Any:

@@ -171,12 +171,14 @@ def tensor_replicated_flops(s: Any) -> float:
     )
 
 
-def state_words(per_param: dict[str, float], adapters: float) -> str:
+def state_words(per_param: dict[str, float], adapters: float, base_dtype: str = "") -> str:
     """What a LoRA run keeps per parameter, from spmd.estimate.memory.bytes_per_param's
     `per_param` and the `adapters`' scalar count: the frozen base's params alone (no
-    gradients, master weights or moments: spmd.engine.frozen), the adapters' all of them."""
+    gradients, master weights or moments: spmd.engine.frozen; `base_dtype` nf4: its 4-bit
+    codes and scales, spmd.estimate.memory.frozen_base_bytes), the adapters' all of them."""
     terms = " + ".join(f"{per_param[role]:g}" for role in ("params", "grads", "optimizer"))
+    base = "0.5 + 0.0625 (nf4 codes + scales)" if base_dtype == "nf4" else per_param["params"]
     return (
-        f"the frozen base {per_param['params']} B/param, the {si(adapters, '').strip()} adapter "
+        f"the frozen base {base} B/param, the {si(adapters, '').strip()} adapter "
         f"params {terms} = {sum(per_param.values()):g} B/param"
     )

@@ -8,8 +8,9 @@ master weights and Adam moments. Stage 0 holds (2 + 2 + K) Psi on every device, 
 (2 + 2) Psi + K Psi / N, stage 2 2 Psi + (2 + K) Psi / N, stage 3 (2 + 2 + K) Psi / N; for 7.5 B
 params on 64 devices 120, 31.4, 16.6 and 1.88 GB. Under fp32 there is no separate master copy:
 4 + 4 + 8 bytes. Tensor and pipeline axes divide what they split first (spmd.estimate.cost).
-Under LoRA (Setup.lora_rank) the base is held in the params' dtype only and the
-gradients, master and moments are the adapters' (spmd.estimate.lora).
+Under LoRA (Setup.lora_rank) the base is held in the params' dtype only (QLoRA's nf4:
+0.5625 B/param, `frozen_base_bytes`) and the gradients, master and moments are the adapters'
+(spmd.estimate.lora).
 Units: bytes per device; GB = 1e9 bytes.
 """
 
@@ -75,7 +76,7 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
             role: per_param[role] * lora.adapters_per_device(s, s.zero >= SHARDED_FROM[role])
             for role in ROLES
         }
-        out["params"] += per_param["params"] * cost.params_per_device(s, s.zero >= 3)
+        out["params"] += frozen_base_bytes(s, per_param["params"])
     out["model_state"] = sum(out.values())
     if s.shape.n_experts:  # of which the routed experts' (split over ep x fsdp)
         roles = ("params",) if s.lora_rank else ROLES  # LoRA: frozen experts, no state
@@ -83,6 +84,24 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
             per_param[role] * cost.params_per_device(s, True, experts=True) for role in roles
         )
     return out
+
+
+# QLoRA's NF4 base (models/nf4.py): 4-bit codes, split as the weights they replace, and one fp32
+# absmax per 64 values, whole along `embed` (so not split over fsdp by ZeRO-3)
+NF4_CODE_BYTES, NF4_SCALE_BYTES = 0.5, 4 / 64
+
+
+def frozen_base_bytes(s: cost.Setup, itemsize: float) -> float:
+    """Bytes per device of a LoRA run's frozen base: its params at `itemsize` B (the working
+    dtype), or under --lora-base-dtype nf4 every param but an MoE's routed experts (which stay
+    in the working dtype) at 0.5 B of codes + 1/16 B of scales. The norms are counted as
+    quantized too: under 0.01% of a 1B model's params."""
+    sharded = s.zero >= 3
+    if s.lora_base_dtype != "nf4":
+        return itemsize * cost.params_per_device(s, sharded)
+    experts = itemsize * cost.params_per_device(s, sharded, experts=True)
+    codes = NF4_CODE_BYTES * cost.params_per_device(s, sharded, experts=False)
+    return experts + codes + NF4_SCALE_BYTES * cost.params_per_device(s, False, experts=False)
 
 
 def _layer_elements(s: cost.Setup, dense: bool = False) -> dict[str, float]:

@@ -81,7 +81,7 @@ def reasons(best: search.Scored, result: search.Result, cluster: search.Cluster)
     per_param = memory.bytes_per_param(s)
     kept = f"{sum(per_param.values()):g} B/param"
     if s.lora_rank:  # a frozen base (its params only) and the adapters' whole state
-        kept = lora.state_words(per_param, lora.adapter_params(s))
+        kept = lora.state_words(per_param, lora.adapter_params(s), s.lora_base_dtype)
     verdict = "over" if state > mem["hbm"] else "within"
     lines.append(
         f"plain DDP keeps {kept} on every device: {_gb(state)} with the overhead, "

@@ -175,7 +175,11 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         "bytes_per_param": memory.bytes_per_param(s),
     }
     if s.lora_rank:
-        out["lora"] = {"rank": s.lora_rank, "adapter_params": adapter_params(s)}
+        out["lora"] = {
+            "rank": s.lora_rank,
+            "adapter_params": adapter_params(s),
+            "base_dtype": s.lora_base_dtype,
+        }
     for role in (*MEMORY_ROLES, "model_state", "total", "hbm"):
         key = "activation" if role == "activations" else role
         out[f"{key}_bytes_per_device"] = round(mem[role])
@@ -302,7 +306,7 @@ def _memory_lines(r: dict) -> list[str]:
         f"{sum(per_param.values()):g} B/param"
     )
     if "lora" in r:
-        kept = state_words(per_param, r["lora"]["adapter_params"])
+        kept = state_words(per_param, r["lora"]["adapter_params"], r["lora"]["base_dtype"])
     lines = [
         "",
         f"memory per device (1 GB = 1e9 bytes)       {kept} unsharded (params + gradients + "

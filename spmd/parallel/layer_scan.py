@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -216,12 +217,17 @@ def _backward(plan: _Plan, residuals: tuple, cotangents: tuple) -> tuple[Any, Ar
         d_carry, d_shards = plan.pullbacks.backward(
             _at(kept, i), whole, cotangent, _at(shards, i), plan.gather
         )
-        return (d_carry, upcoming), d_shards
+        return (d_carry, upcoming), [d_shards[k] for k in floats]
 
+    # integer shards (a QLoRA base's) have float0 cotangents, which a scan does not stack
+    floats = [k for k, x in enumerate(shards) if jnp.issubdtype(x.dtype, jnp.inexact)]
     layers = jnp.arange(shards[0].shape[0])
-    (d_carry, _), d_shards = lax.scan(
+    (d_carry, _), d_floats = lax.scan(
         step, (d_carry, whole_last), layers, reverse=True, unroll=plan.unrolled
     )
+    d_shards: list[Any] = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
+    for k, d in zip(floats, d_floats, strict=True):
+        d_shards[k] = d
     return d_carry, d_shards
 
 
@@ -271,5 +277,28 @@ class _Pullbacks:
             for k, slot in enumerate(slots)
         ]
         d_carry, d_whole = jax.tree.unflatten(tree, leaves)(cotangent)
+        return d_carry, _transposed(gather, shards, d_whole)
+
+
+def _transposed(gather: Callable[[Arrays], Arrays], shards: Arrays, d_whole: Arrays) -> Arrays:
+    """The shards' cotangents of the gathered params' `d_whole`: the gather transposed (a
+    reduce-scatter) for the floating shards; float0 zeros for integer ones (a QLoRA base's
+    codes and scale bits, models/nf4.py), which linear_transpose refuses and which have none."""
+    floats = [k for k, x in enumerate(shards) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if len(floats) == len(shards):
         (d_shards,) = jax.linear_transpose(gather, shards)(d_whole)
-        return d_carry, d_shards
+        return d_shards
+
+    def gather_floats(some: Arrays) -> Arrays:
+        every = list(shards)
+        for k, x in zip(floats, some, strict=True):
+            every[k] = x
+        whole = gather(every)
+        return [whole[k] for k in floats]
+
+    picked = [shards[k] for k in floats]
+    (d_floats,) = jax.linear_transpose(gather_floats, picked)([d_whole[k] for k in floats])
+    out: list[Any] = [np.zeros(x.shape, jax.dtypes.float0) for x in shards]
+    for k, d in zip(floats, d_floats, strict=True):
+        out[k] = d
+    return out

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from spmd.parallel import fp8_context, fp8_gather, layer_scan
@@ -48,7 +49,14 @@ def gather_value(value: jax.Array, names: tuple[str | None, ...], tag: bool = Tr
     gathered = False
     dims = [(d, axes) for d, axes in enumerate(gathered_axes(names[-value.ndim :])) if axes]
     stacked = len(names) > value.ndim  # a block's param, its `layers` dim scanned away
-    if len(dims) == 1 and stacked and fp8_context.gather_in_fp8(_whole_shape(value, dims)):
+    # a QLoRA base's integer codes and scale bits travel as they are (models/nf4.py)
+    floating = jnp.issubdtype(value.dtype, jnp.floating)
+    if (
+        len(dims) == 1
+        and stacked
+        and floating
+        and fp8_context.gather_in_fp8(_whole_shape(value, dims))
+    ):
         value, dims = fp8_gather.gather(value, *dims[0]), []
         gathered = True
     for dim, axes in dims:

@@ -150,6 +150,7 @@ def lora_spec(model_cfg: ModelConfig, cfg: LoraConfig) -> finetune.LoraSpec | No
         cfg.lora_alpha,
         cfg.lora_dropout,
         cfg.lora_targets,
+        cfg.lora_base_dtype,
     )
 
 
@@ -187,6 +188,12 @@ def model_spec(
 
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
         fam.check_layout(model_cfg, mesh, executor)
+        if adapters is not None and adapters.base_dtype and mesh.shape["pipeline"] > 1:
+            # the pipeline's stages take gradients of every param, an integer code's too
+            raise UsageError(
+                f"--lora-base-dtype {adapters.base_dtype} does not run under a pipeline yet "
+                f"(pp={mesh.shape['pipeline']}); use pp=1, or leave the base unquantized"
+            )
 
     loss = objective_loss if adapters is None else finetune.lora_loss(objective_loss)
     shape = fam.shape(model_cfg)

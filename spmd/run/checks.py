@@ -40,10 +40,22 @@ def check_choices(cfg: Config) -> None:
     lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
     precision.from_section(cfg.precision)  # UsageError naming the valid values
     family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
-    lora = cfg.lora  # rank, alpha, dropout and targets, with LoRA off too
-    finetune.lora_spec(
-        family.of(cfg.model), lora.lora_rank, lora.lora_alpha, lora.lora_dropout, lora.lora_targets
+    lora = cfg.lora  # rank, alpha, dropout, targets and base dtype, with LoRA off too
+    fam = family.of(cfg.model)
+    rank, alpha, dropout, targets = (
+        lora.lora_rank,
+        lora.lora_alpha,
+        lora.lora_dropout,
+        lora.lora_targets,
     )
+    finetune.lora_spec(fam, rank, alpha, dropout, targets, lora.lora_base_dtype)
+    embed = fam.shape(cfg.model).embed_dim
+    if lora.lora_base_dtype and embed % finetune.NF4_BLOCK:
+        raise UsageError(
+            f"--lora-base-dtype {lora.lora_base_dtype} quantizes along embed in blocks of "
+            f"{finetune.NF4_BLOCK}: this model's embed_dim {embed} is not a multiple of it; "
+            f"leave the base unquantized"
+        )
     check_checkpoint_choices(cfg)
     from spmd.io import run_data
     from spmd.training import divergence

@@ -102,7 +102,8 @@ def lora_params(
     adapters = frozen.trainable(program.abstract_params)
     trained = params_io.restore_params(directory, step, adapters)
     where = f"{directory} step {step}"
-    base = lora_base.load_base(saved, folder, program.abstract_params, where, "--lora-base")
+    abstract, names = program.abstract_params, program.names
+    base = lora_base.load_base(saved, folder, abstract, names, where, "--lora-base")
     return frozen.join(trained, base)
 
 
@@ -163,7 +164,7 @@ def init_from_hf(
     if not frozen.has_frozen(program.abstract_master):
         return tuple(program.start(family.load_hf(checkpoint, program.abstract_master)))
     # LoRA: the folder is the frozen base; the adapters start fresh (A random, B zero)
-    base = family.load_hf(checkpoint, program.abstract_master[frozen.FROZEN])
+    base = lora_base.read_base(checkpoint, program.abstract_master, program.names)
     if peft:
         like = frozen.trainable(program.abstract_master)
         host = {"lora": finetune.load_peft(peft, adapters, checkpoint.config, like["lora"])}
