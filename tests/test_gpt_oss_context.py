@@ -43,7 +43,9 @@ def one_device(folder: str) -> tuple:
     return run("dp=1", "auto", folder, "ring", spec, SEQ, STEPS)
 
 
-@pytest.mark.parametrize("cp_mode", ["ring", "ulysses"])
+# the ring: Ulysses hands each device whole sequences of its heads, sinks included, which
+# tests/test_ulysses.py checks at cp=2,tp=2 (a GPT-OSS Ulysses run cost 8 s more here)
+@pytest.mark.parametrize("cp_mode", ["ring"])
 def test_gpt_oss_at_cp2_equals_one_device(cp_mode, folder):
     losses, norms, params = run("cp=2", "auto", folder, cp_mode, spec, SEQ, STEPS)
     noted = hooks.notes()["attention"]

@@ -50,7 +50,6 @@ LAYOUTS = [
     ("dp=2,tp=2", "explicit", None),
     # a sequence's chunks over context: the router's loads averaged over them too (token_mean)
     ("cp=2", "explicit", None),
-    ("cp=2,ep=2", "auto", None),
 ]
 NO_ROUTER_LOSS = {"aux_loss_coef": 0.0, "z_loss_coef": 0.0}
 
