@@ -165,6 +165,9 @@ def prepare(
     cfg, rounds = config.Config.of(sections), sections["bench"].rounds
     if rounds < 1:
         raise UsageError(f"--rounds {rounds} must be a positive number of rounds")
+    if cfg.run.epochs or cfg.observe.sample_every:
+        flag = "--epochs" if cfg.run.epochs else "--sample-every"
+        raise UsageError(f"{flag} is spmd.train's; spmd.bench times --steps steps, leave it out")
     checks.check_choices(cfg)
     from spmd.parallel import xla_flags
 

@@ -32,6 +32,9 @@ class RunConfig:
 
     model: str = "small"  # model preset: a file configs/<model>.toml with a [model] table
     steps: int = 200  # optimizer steps
+    # or: passes over the training windows after packing; the steps are then
+    # ceil(epochs x windows / batch), printed at the start (0: use --steps)
+    epochs: int = 0
     batch: int = 32  # global batch: sequences per optimizer step, over all devices
     accum: int = 1  # micro-batches per optimizer step (each batch / accum sequences)
     seq_len: int = 128  # tokens per sequence
@@ -261,6 +264,14 @@ class ObserveConfig:
     comm_warn: float = 0.3  # warn when exposed communication exceeds this share of the step
     peak_tflops: float = 0.0  # dense peak TFLOP/s of one device for MFU (0: the device table)
     straggler_threshold: float = 0.2  # name a process this fraction slower than the median
+    # steps between samples of --sample-prompts from the current params (0: none), written to
+    # the run folder's samples.jsonl and the trackers
+    sample_every: int = 0
+    # the prompts of --sample-every: a text file of one prompt per line, or JSONL (.jsonl)
+    # of records with a "prompt" string
+    sample_prompts: str = ""
+    sample_max_new_tokens: int = 32  # most tokens sampled after each prompt
+    sample_temperature: float = 0.0  # softmax temperature of the samples; 0 is greedy
 
 
 # The value a flag given alone means (`--resume` is `--resume required`, as when it was a bool).

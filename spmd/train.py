@@ -171,6 +171,7 @@ def train_in_folder(
     resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
+    cfg = resolve.with_epochs(cfg, windows)  # --epochs: the steps its windows make
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
     from spmd.training.evaluation import check_eval_batches
 
@@ -303,7 +304,9 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     """The config tree of the command line (and `print_config`, whether --print-config was
     given; "given", the fields the user gave); with --init-from-hf the Hugging Face folder's
     config.json is the architecture."""
-    return resolve.run_config(argv, "python -m spmd.train", printable=True)
+    return resolve.steps_from_epochs(
+        resolve.run_config(argv, "python -m spmd.train", printable=True)
+    )
 
 
 def compile_step(cfg: Config, program: AnyProgram) -> tuple:

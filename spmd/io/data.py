@@ -46,6 +46,8 @@ class TokenWindows:
     document_ends: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
     document_mask: bool = False
+    # --epochs: the train windows as one stream of epochs (none dropped at an epoch's end)
+    stream: bool = False
 
     def __post_init__(self) -> None:
         self.n_windows = (len(self.tokens) - 1) // self.seq_len
@@ -113,7 +115,7 @@ class TokenWindows:
         self, seed: int, step: int, global_batch_size: int, sharding: jax.sharding.Sharding
     ) -> dict[str, jax.Array]:
         """The global train batch of data step `step` (0-based)."""
-        ids = train_window_ids(seed, step, global_batch_size, self.n_train)
+        ids = train_window_ids(seed, step, global_batch_size, self.n_train, self.stream)
         return global_batch(self, ids, sharding)
 
 
@@ -134,17 +136,33 @@ def epoch_order(seed: int, epoch: int, n_train: int) -> np.ndarray:
     return order
 
 
-def train_window_ids(seed: int, step: int, global_batch: int, n_train: int) -> np.ndarray:
+def train_window_ids(
+    seed: int, step: int, global_batch: int, n_train: int, stream: bool = False
+) -> np.ndarray:
     """The train window ids of optimizer step `step` (0-based): a slice of epoch e's permutation
-    of range(n_train). Windows left over at an epoch's end are skipped."""
+    of range(n_train). Windows left over at an epoch's end are skipped; with `stream` (--epochs)
+    none is: the epochs' permutations follow each other as one sequence, step t takes its
+    positions [t * batch, (t + 1) * batch), and a step may straddle two epochs."""
     steps_per_epoch = n_train // global_batch
     if steps_per_epoch < 1:
         raise UsageError(
             f"--batch {global_batch} is larger than the {n_train} training windows of the "
             f"corpus; use a smaller --batch or --seq-len, or more data"
         )
+    if stream:
+        return stream_ids(seed, step * global_batch + np.arange(global_batch), n_train)
     epoch, within = divmod(step, steps_per_epoch)
     return epoch_order(seed, epoch, n_train)[within * global_batch : (within + 1) * global_batch]
+
+
+def stream_ids(seed: int, positions: np.ndarray, n_train: int) -> np.ndarray:
+    """The window ids at `positions` of the stream of epochs (epoch e's permutation from
+    position e * n_train on)."""
+    epochs, within = np.divmod(positions, n_train)
+    ids = np.empty(len(positions), np.int64)
+    for epoch in np.unique(epochs):
+        ids[epochs == epoch] = epoch_order(seed, int(epoch), n_train)[within[epochs == epoch]]
+    return ids
 
 
 def data_step(step: int, skipped: list[int]) -> int:

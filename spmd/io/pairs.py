@@ -38,6 +38,7 @@ class PairWindows:
     seq_len: int
     eval_fraction: float
     document_mask: bool = False  # (one document per row: no segment ids)
+    stream: bool = False  # --epochs: the pairs as one stream of epochs (spmd.io.data)
 
     def __post_init__(self) -> None:
         if len(self.document_ends) % 2:  # a document the tokenizer made empty was dropped
@@ -99,6 +100,7 @@ class PairWindows:
     ) -> dict[str, jax.Array]:
         """The global train batch of data step `step` (0-based): global_batch_size / 2 pairs,
         each chosen row before its rejected one."""
-        pair_ids = data.train_window_ids(seed, step, global_batch_size // 2, self.n_train // 2)
+        pairs = self.n_train // 2
+        pair_ids = data.train_window_ids(seed, step, global_batch_size // 2, pairs, self.stream)
         ids = np.stack([2 * pair_ids, 2 * pair_ids + 1], axis=1).reshape(-1)  # pairs stay whole
         return data.global_batch(self, ids, sharding)  # type: ignore[arg-type]

@@ -32,12 +32,12 @@ def check_choices(cfg: Config) -> None:
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import optimizers, precision
-    from spmd.engine.optim import check_hyperparameters, lr_schedule
+    from spmd.engine.optim import check_hyperparameters
 
     check_hyperparameters(cfg.optimizer)
     optimizers.check_fields(cfg.optimizer)  # another optimizer's flag; Lion's, Muon's numbers
-    # UsageError for --lr-scaling, --ref-batch, --lr-schedule and a WSD decay that cannot fit
-    lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
+    if not cfg.run.epochs:  # else once the data says how many steps --epochs makes
+        check_steps(cfg)
     precision.from_section(cfg.precision)  # UsageError naming the valid values
     family.of(cfg.model).check(cfg.model)  # the model's sizes, heads, remat, experts
     lora = cfg.lora  # rank, alpha, dropout, targets and base dtype, with LoRA off too
@@ -68,6 +68,22 @@ def check_choices(cfg: Config) -> None:
     check_dcn_sync(cfg)
 
 
+def check_steps(cfg: Config) -> None:
+    """UsageError for what must fit in --steps (given, or computed from --epochs once the data
+    is read): the LR schedule (--lr-scaling, --ref-batch, a WSD decay), --stop-after, the
+    --profile window."""
+    from spmd.engine.optim import lr_schedule
+
+    lr_schedule(cfg.optimizer, cfg.run.steps, cfg.run.batch)
+    if not 0 <= cfg.run.stop_after <= cfg.run.steps:
+        raise UsageError(
+            f"--stop-after {cfg.run.stop_after} must be a step in 1..--steps {cfg.run.steps} "
+            f"(0: off)"
+        )
+    if cfg.observe.profile:
+        profile.parse_window(cfg.observe.profile, cfg.run.steps)
+
+
 # Counts that must be at least 1, by flag (field) name, and those that may also be 0, with
 # what 0 means; a count read from a section (`seed` has its own range).
 POSITIVE: tuple[str, ...] = ("steps", "batch", "accum", "seq_len", "log_every", "eval_batches")
@@ -84,7 +100,11 @@ SEED_LIMIT = 2**63  # numpy's and JAX's seeds are unsigned 64-bit at most; negat
 def check_counts(cfg: Config) -> None:
     """UsageError for a count below its range (--steps 0, --eval-every -1, --seed -1, ...)."""
     values = config.flat_values(cfg.as_dict())
+    if values["epochs"] < 0:
+        raise UsageError(f"--epochs {values['epochs']} must be a positive integer, or 0 (--steps)")
     for name in POSITIVE:
+        if name == "steps" and values["epochs"]:  # computed from the data
+            continue
         if values[name] < 1:
             raise UsageError(f"{config.flag_name(name)} {values[name]} must be a positive integer")
     for name, zero in ZERO_MEANS.items():
@@ -238,11 +258,8 @@ def check_checkpoint_choices(cfg: Config) -> None:
             f"--keep-checkpoints {keep} must be at least {checkpoint.MIN_KEEP}: a diverging step "
             f"rolls back past the newest checkpoint to the one before it"
         )
-    if not 0 <= cfg.run.stop_after <= cfg.run.steps:
-        raise UsageError(
-            f"--stop-after {cfg.run.stop_after} must be a step in 1..--steps {cfg.run.steps} "
-            f"(0: off)"
-        )
+    if cfg.run.stop_after < 0:
+        raise UsageError(f"--stop-after {cfg.run.stop_after} must be a step, or 0 (off)")
     resume = cfg.checkpoint.resume  # one of its choices: config.build refuses the others
     needing_a_folder = (
         ("--resume required", resume == "required"),
@@ -255,8 +272,6 @@ def check_checkpoint_choices(cfg: Config) -> None:
 
 def check_observability(cfg: Config) -> None:
     """UsageError for bad --profile, --peak-tflops, --comm-warn, --straggler-threshold."""
-    if cfg.observe.profile:
-        profile.parse_window(cfg.observe.profile, cfg.run.steps)
     from spmd.observe import trackers
     from spmd.training import run_folder
 

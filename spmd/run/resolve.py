@@ -65,6 +65,46 @@ def run_config(
     return with_sources(resolved, weights)
 
 
+def steps_from_epochs(resolved: dict[str, Any]) -> dict[str, Any]:
+    """`resolved` with --steps 0 where --epochs says how long to train (spmd.train computes
+    the steps once the data is read; a config.toml written then holds steps = 0 and reads
+    back the same). UsageError where --steps was given too, other than 0."""
+    run = resolved["run"]
+    if run.epochs <= 0:  # (a negative count is check_counts' to refuse)
+        return resolved
+    if "steps" in resolved["given"] and run.steps:
+        raise UsageError(
+            f"--epochs {run.epochs} and --steps {run.steps} both say how long to train; give "
+            f"one of them (--epochs computes the steps from the data's windows)"
+        )
+    return {**resolved, "run": dataclasses.replace(run, steps=0)}
+
+
+def with_epochs(cfg: Any, windows: Any) -> Any:
+    """The run's Config (`cfg`) with the --steps that --epochs makes of its `windows` (read as
+    one stream of epochs from now on, spmd.io.epochs), printed; `cfg` itself without --epochs.
+    UsageError for what must fit in those steps (spmd.run.checks.check_steps)."""
+    from spmd.io import epochs
+    from spmd.log import say
+    from spmd.run.checks import check_steps
+
+    run = cfg.run
+    if not run.epochs:
+        return cfg
+    epochs.stream_epochs(windows)
+    passes = epochs.passes(windows, run.batch)
+    steps = passes.steps_for(run.epochs)
+    extra = steps * passes.per_step - run.epochs * passes.total
+    say(
+        f"--epochs {run.epochs}: {steps} steps of {passes.per_step} of the {passes.total} "
+        f"{passes.what} (ceil({run.epochs} x {passes.total} / {passes.per_step}))"
+        + (f"; the last step reads {extra} of epoch {run.epochs + 1}" if extra else "")
+    )
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(run, steps=steps))
+    check_steps(cfg)
+    return cfg
+
+
 def with_sources(resolved: dict[str, Any], weights: bool = True) -> dict[str, Any]:
     """`resolved` (spmd.run.config.resolve's result) with the model of --init-from-hf (or of
     --init-from-peft's base) and the [lora] section of --init-from-peft; `weights` True also

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from spmd.io import epochs
 from spmd.log import say
 from spmd.observe.metrics import MetricsLog, progress_line
 from spmd.sections import Config
@@ -98,6 +99,7 @@ class Progress:
         self.schedules: dict[float, Any] = {}  # by the LR factor of rollbacks
         self.tokens_per_step = self.run.cfg.run.batch * self.run.cfg.run.seq_len
         self.clock = StepClock(self.first_step)
+        self.passes = epochs.passes(self.run.windows, self.run.cfg.run.batch)
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` of host work (a profile trace's start or stop) out of the step."""
@@ -138,9 +140,13 @@ class Progress:
             record.update(observer.step_fields(step_time))
         if hasattr(self.run.windows, "source_tokens"):  # a mixture: tokens of each source
             record["source_tokens"] = self.run.windows.source_tokens(step)
+        # passes over the data: the windows read through this step's data step / W
+        record["epoch"] = round(self.passes.epoch(self.run.guard.data_step(step) + 1), 6)
         self.run.log.write("train", **record)
         loss, grad_norm, rate = record["loss"], record["grad_norm"], record["tokens_per_s"]
         line = progress_line(step, self.run.cfg.run.steps, loss, grad_norm, step_time, rate)
+        if self.run.cfg.run.epochs:
+            line += f" | epoch {record['epoch']:.2f}/{self.run.cfg.run.epochs}"
         if observer is not None:
             line += throughput_text(record)
         if self.run.cfg.precision.precision == "fp16":
@@ -314,6 +320,7 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
         rollbacks=run.guard.rollbacks,  # over the whole run, resumes included
         skipped_data_steps=len(run.guard.skipped),
         **(observer.throughput(median_step) if observer is not None else {}),
+        **epoch_counts(run),
     )
     say(
         f"done: {run.cfg.run.steps} steps, final loss {final_loss:.4f}, eval loss "
@@ -326,6 +333,20 @@ def write_summary(run: Run, progress: Progress, eval_loss: float | None) -> None
     drawn = report_command(run.cfg)
     if drawn:
         say(f"its curves: {drawn}")
+
+
+def epoch_counts(run: Run) -> dict[str, Any]:
+    """An --epochs run's summary fields: `epochs` (passes after the last step) and
+    `windows_per_epoch` (the windows, pairs or first source's windows read in each epoch, and
+    how many of them differ), counted over the whole run from the data steps it read."""
+    if not run.cfg.run.epochs:
+        return {}
+    steps, seed, batch = run.cfg.run.steps, run.cfg.run.seed, run.cfg.run.batch
+    data_steps = [run.guard.data_step(step) for step in range(1, steps + 1)]
+    counts = epochs.windows_per_epoch(run.windows, seed, batch, data_steps)
+    say("windows read per epoch: " + ", ".join(f"{c['epoch']}: {c['reads']}" for c in counts))
+    passes = epochs.passes(run.windows, batch).epoch(data_steps[-1] + 1)
+    return {"epochs": round(passes, 6), "windows_per_epoch": counts}
 
 
 def marked_text(times: dict) -> str:

@@ -20,6 +20,9 @@ from spmd.sections import Config
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
 
+# The data state's key of the order --epochs reads (absent: the order of --steps)
+ORDER, STREAM = "order", "epochs"
+
 # Train fields that do not change what is computed: not worth a note when they differ on resume.
 BOOKKEEPING_FIELDS = (
     "resume",
@@ -74,6 +77,12 @@ def open_checkpoints(
         restored.state = lora_base.with_base(cfg, program, restored)  # LoRA: reload the base
         current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)
+        if restored.data.get(ORDER) != current.get(ORDER):
+            given, saved = ("--epochs", "--steps") if cfg.run.epochs else ("--steps", "--epochs")
+            raise UsageError(
+                f"the checkpoint was trained with {saved}, whose data order differs from "
+                f"{given}'s; resume it with {saved}"
+            )
         if restored.data.get("diloco") != current.get("diloco"):
             raise UsageError(
                 f"the checkpoint's outer loop {restored.data.get('diloco')} differs from this "
@@ -127,6 +136,8 @@ def run_data_state(cfg: Config, step: int, fingerprint: str) -> dict[str, Any]:
     state = data.data_state(
         step, cfg.run.seed, cfg.run.batch, cfg.run.seq_len, cfg.data.eval_fraction, fingerprint
     )
+    if cfg.run.epochs:  # one stream of epochs (spmd.io.epochs), not the order of --steps
+        state[ORDER] = STREAM
     if cfg.parallel.dcn_sync == "diloco":
         position = step % cfg.parallel.sync_every
         state["diloco"] = {"sync_every": cfg.parallel.sync_every, "round_position": position}
