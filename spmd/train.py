@@ -45,7 +45,7 @@ from spmd.log import (
 from spmd.observe.metrics import MetricsLog
 from spmd.parallel.hooks import notes
 from spmd.parallel.mesh import format_mesh, setup_mesh
-from spmd.run import builder, config, resolve, run_setup
+from spmd.run import builder, config, resolve, run_setup, samples
 from spmd.run.checks import (
     batch_arithmetic,
     check_choices,
@@ -167,6 +167,7 @@ def train_in_folder(
     the number of processes and the XLA flags set (for the config record)."""
     p, (n_processes, flags) = cfg.parallel, job
     check_paths(cfg)  # the run folder's paths, now that its name is agreed
+    samples.check(cfg, folder)  # --sample-every writes into the run folder
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
@@ -212,6 +213,9 @@ def train_in_folder(
         trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)
+    sampler = (
+        samples.Sampler(cfg, program, folder, log) if folder and cfg.observe.sample_every else None
+    )
     from spmd.parallel import distributed
     from spmd.training.job import Heartbeat
     from spmd.training.loop import Run
@@ -235,6 +239,7 @@ def train_in_folder(
             guard=guard,
             recompile=recompile,
             eval_sets=eval_sets,
+            sampler=sampler,
         )
 
     return train_until_stopped(make_run, restored, signals, closing=(manager, log))

@@ -65,6 +65,12 @@ class MetricsLog:
         for tracker in list(self._trackers):
             self._guarded(tracker, "write", kind, fields)
 
+    def track(self, kind: str, **fields: Any) -> None:
+        """Give a record to the trackers alone, not the JSONL (the samples of
+        --sample-every, which have their own file)."""
+        for tracker in list(self._trackers):
+            self._guarded(tracker, "write", kind, fields)
+
     def _guarded(self, tracker: Any, method: str, *args: Any) -> None:
         """Call a tracker's `method`; one that fails is dropped with one line (never fatal)."""
         try:

@@ -10,7 +10,11 @@ Each is fed the records the JSONL gets (spmd.observe.metrics.MetricsLog), on pro
   scalar "<kind>/<field>" at that step (train/loss, train/mfu, train/memory_peak_bytes, ...);
   a table of numbers (an eval's `losses`) as "<kind>/<field>/<key>";
 - the `summary` record: its numbers (final and eval loss, tokens/s, MFU) at its `steps`, and
-  into W&B's run summary.
+  into W&B's run summary;
+- the `samples` of --sample-every (spmd.run.samples; the trackers alone get them, as records of
+  kind "samples": `step` and `samples`, rows of prompt and completion): a W&B table "samples"
+  at the step, TensorBoard text "samples" (a Markdown table), an MLflow text artifact
+  `samples/step-<step>.md`.
 
 Which tracker runs is `--tracker`; a tracker whose package is missing or whose service cannot
 be reached at start is one warning line and the run goes on without it (`open_trackers`); one
@@ -75,6 +79,16 @@ def config_figures(record: dict[str, Any]) -> dict[str, float]:
     return numbers("config", {k: v for k, v in record.items() if k != "config"})
 
 
+def samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """A `samples` record's rows (prompt, completion) as a Markdown table."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| prompt | completion |", "|---|---|"]
+    return "\n".join(lines + [f"| {cell(r['prompt'])} | {cell(r['completion'])} |" for r in rows])
+
+
 def stepped(kind: str, fields: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
     """(step, scalars) of a record the trackers plot: a stepped record's numbers, a summary's
     at its last step; None for others (the config record is handled on its own)."""
@@ -101,6 +115,8 @@ class TensorBoard:
             self._writer.add_text("config", f"```\n{text}\n```", 0)
             for key, value in config_figures(fields).items():
                 self._writer.add_scalar(key, value, 0)
+        elif kind == "samples":
+            self._writer.add_text("samples", samples_markdown(fields["samples"]), fields["step"])
         elif (found := stepped(kind, fields)) is not None:
             step, scalars = found
             for key, value in scalars.items():
@@ -136,6 +152,13 @@ class WandB:
         if kind == "config":
             self._run.config.update(flat_config(fields.get("config", {})), allow_val_change=True)
             self._run.summary.update(config_figures(fields))
+            return
+        if kind == "samples":  # a table of the step's prompts and completions
+            import wandb
+
+            columns = ["step", "prompt", "completion"]
+            data = [[r["step"], r["prompt"], r["completion"]] for r in fields["samples"]]
+            self._run.log({"samples": wandb.Table(columns=columns, data=data)}, step=fields["step"])
             return
         found = stepped(kind, fields)
         if found is None:
@@ -211,6 +234,10 @@ class MLflow:
             for start in range(0, len(params), MLFLOW_BATCH):
                 self.client.log_batch(self.run_id, params=params[start : start + MLFLOW_BATCH])
             scalars, step = config_figures(fields), 0
+        elif kind == "samples":  # a text artifact per sampled step
+            name = f"samples/step-{fields['step']:08d}.md"
+            self.client.log_text(self.run_id, samples_markdown(fields["samples"]), name)
+            return
         elif (found := stepped(kind, fields)) is not None:
             step, scalars = found
         else:

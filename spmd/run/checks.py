@@ -63,6 +63,9 @@ def check_choices(cfg: Config) -> None:
     run_data.check_choices(cfg.data)
     divergence.check_choices(cfg.divergence, cfg.checkpoint.checkpoint_dir)
     check_observability(cfg)
+    from spmd.run import samples
+
+    samples.check(cfg)
     check_paths(cfg)
     check_parallel(cfg)
     check_dcn_sync(cfg)

@@ -46,7 +46,7 @@ RUN_FOLDER_DIRS = {
 }  # fmt: skip
 RUN_FOLDER_FILES = {
     run_folder.CONFIG_FILE, run_folder.METRICS_FILE, run_folder.METRICS_FILE + TORN_SUFFIX,
-    run_folder.REPORT_FILE,
+    run_folder.REPORT_FILE, run_folder.SAMPLES_FILE, run_folder.SAMPLES_REPORT,
 }  # fmt: skip
 RANK_LOG = re.compile(r"rank-\d{5}\.log")
 SET_ASIDE = re.compile(r"\d+\.(damaged|diverged|unverified)\d*")

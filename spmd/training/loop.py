@@ -79,6 +79,8 @@ class Run:
     # named eval sets (--eval-data, a mixture's sources' held-out windows): name -> windows
     eval_sets: dict[str, Any] = dataclasses.field(default_factory=dict)
     heartbeat: Any = None  # spmd.training.job.Heartbeat: touched after every step
+    # --sample-every: sampler(step, state) samples the prompts from the state's params
+    sampler: Callable[[int, dict[str, Any]], None] | None = None
 
     @property
     def evaluates(self) -> bool:
@@ -261,6 +263,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
         evaluating = bool(
             run.evaluates and run.cfg.data.eval_every and step % run.cfg.data.eval_every == 0
         )
+        sampling = run.sampler is not None and step % run.cfg.observe.sample_every == 0
         periodic = (
             run.cfg.checkpoint.checkpoint_every and step % run.cfg.checkpoint.checkpoint_every == 0
         )
@@ -269,7 +272,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
         )
         due: list[tuple[int, dict]] = [pending] if pending else []
         pending = (step, metrics)
-        if evaluating or saving or stop_reason or step == last:  # they wait for the step anyway
+        if evaluating or saving or sampling or stop_reason or step == last:  # they wait anyway
             due, pending = [*due, pending], None
         # What a save would write: the master weights (the working params under bf16 / fp16).
         params = run.program.checkpoint_view(state)["params"] if saving else None
@@ -281,6 +284,10 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             state, step, pending = response.state, response.step + 1, None
             progress.rewind(response.step)
             continue
+        if sampling:
+            assert run.sampler is not None
+            run.sampler(step, state)
+            progress.clock.include("sample")  # the next step's time holds it: marked
         if evaluating:
             measured = evaluate(state["params"], step)
             eval_loss = eval_loss if measured is None else measured

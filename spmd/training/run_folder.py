@@ -8,6 +8,8 @@ on it.
                  checkpoints/     the orbax checkpoint steps
                  profile/         --profile traces
                  report.png       `python -m spmd.report <run folder>`
+                 samples.jsonl    --sample-every's samples (spmd.run.samples)
+                 samples.md       `spmd.report`'s table of them
                  .spmd-lock       the lock of the run writing it (spmd.training.claims)
 
 The folder is `--run-dir`, else `$SPMD_RUNS_DIR/<run name>` (`runs/<run name>` without that
@@ -55,6 +57,8 @@ TENSORBOARD = "tensorboard"
 PROFILE = "profile"
 LOGS = "logs"
 REPORT_FILE = "report.png"
+SAMPLES_FILE = "samples.jsonl"  # --sample-every's samples (spmd.run.samples)
+SAMPLES_REPORT = "samples.md"  # spmd.report's table of them
 FOLDER_KEY = "spmd/run_folder"
 FOLDER_WAIT_MS = 600_000  # how long a process waits for process 0 to name the folder
 CONFIG_HEADER = "# the resolved config of this run: "  # how a config.toml spmd wrote begins

@@ -9,6 +9,7 @@ held more than the step is marked with what it held (`step_includes` in its trai
               executable's first run and whatever the loop compiles on first use
     eval      an evaluation ran after the step before (the device's queue was empty, and the
               eval's time is in this step's)
+    sample    --sample-every's samples were drawn after the step before
     save      a checkpoint was queued after the step before (its blocking part is in here)
     profile   a --profile trace started or stopped in it (the trace's own start / stop time
               is taken out, the device's tracing overhead is not)
@@ -24,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-INCLUDES = ("compile", "eval", "save", "profile")
+INCLUDES = ("compile", "eval", "sample", "save", "profile")
 
 
 def percentile(values: list[float], q: float) -> float:
