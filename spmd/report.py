@@ -9,7 +9,9 @@ of each layer (and, where choices drop, each layer's dropped fraction), a line p
 run resumed on another mesh has a line per mesh (each start's config record begins a
 segment); dotted vertical lines mark each resume, dashed red ones each rollback. The picture
 goes to --out, by default the run folder's report.png when one run folder is given, else
-./report.png. Needs matplotlib (the optional extra `report`:
+./report.png. A run folder holding samples.jsonl (--sample-every) gets samples.md beside it, a
+Markdown table of prompts and completions per sampled step; an --epochs run's epoch count is in
+the closing line. Needs matplotlib (the optional extra `report`:
 pip install -e '.[report]').
 """
 
@@ -25,7 +27,7 @@ from spmd import paths
 from spmd.errors import UsageError, run_command
 from spmd.run import config
 from spmd.run.config import flat_values
-from spmd.training.run_folder import METRICS_FILE, REPORT_FILE, join
+from spmd.training.run_folder import METRICS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_REPORT, join
 
 PANELS = (  # (record kind, field, axis label, scale applied to the values)
     ("train", "loss", "loss (nats/token)", 1.0),
@@ -57,6 +59,7 @@ class Run:
     label: str  # the first segment's mesh label
     segments: list[tuple[str, list[dict]]]  # (mesh label, the train and eval records it wrote)
     markers: list[tuple[int, str]]  # (step, "resume" or "rollback")
+    epoch: float | None = None  # an --epochs run's passes over the data at its last record
 
 
 def load_run(path: str | Path) -> tuple[str, list[dict]]:
@@ -108,7 +111,14 @@ def load_segments(path: str | Path) -> Run:
                 markers.append((step, "resume" if kind == "resume" else "rollback"))
     if not any(r["kind"] == "train" for _, rs in segments for r in rs):
         raise UsageError(f"{path}: no config and train records; is it a spmd.train --metrics file?")
-    return Run(segments[0][0], segments, markers)
+    epochs = [
+        r
+        for r in records
+        if r.get("kind") == "config" and flat_values(r.get("config", {})).get("epochs")
+    ]
+    trained = [r for _, rs in segments for r in rs if r["kind"] == "train" and "epoch" in r]
+    epoch = trained[-1]["epoch"] if epochs and trained else None
+    return Run(segments[0][0], segments, markers, epoch)
 
 
 def mesh_label(config: dict) -> str:
@@ -284,13 +294,41 @@ def run(argv: list[str] | None) -> int:
     ]
     draw(runs, out)
     print(f"wrote {out}: {len(runs)} run(s): {', '.join(describe(n, r) for n, r in runs)}")
+    for folder in folders:
+        if folder and not paths.is_url(folder) and (Path(folder) / SAMPLES_FILE).is_file():
+            print(f"wrote {write_samples(folder)}: the samples of --sample-every")
     return 0
+
+
+def write_samples(folder: str) -> str:
+    """Write a run folder's samples.jsonl as samples.md beside it (a table per sampled step);
+    returns its path. UsageError for a line that is not a sample."""
+    from spmd.observe.trackers import samples_markdown
+
+    source = Path(folder) / SAMPLES_FILE
+    by_step: dict[int, list[dict]] = {}
+    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        fields = ("step", int), ("prompt", str), ("completion", str)
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), t) for k, t in fields):
+            raise UsageError(f"{source}: line {number} is not a sample (step, prompt, completion)")
+        by_step.setdefault(row["step"], []).append(row)
+    parts = [
+        f"## step {step}\n\n{samples_markdown(rows)}" for step, rows in sorted(by_step.items())
+    ]
+    target = Path(folder) / SAMPLES_REPORT
+    target.write_text(f"# Samples of {folder}\n\n" + "\n\n".join(parts) + "\n", encoding="utf-8")
+    return str(target)
 
 
 def describe(name: str, run: Run) -> str:
     """A run in the closing line: its name, and its meshes and markers where it has more."""
     meshes = [mesh for mesh, _ in run.segments]
     more = [f"meshes {' -> '.join(meshes)}"] if len(set(meshes)) > 1 else []
+    more += [f"{run.epoch:.2f} epochs"] if run.epoch is not None else []
     for what in MARKERS:
         count = sum(1 for _, kind in run.markers if kind == what)
         more += [f"{count} {what}(s)"] if count else []

@@ -213,9 +213,10 @@ def train_in_folder(
         trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)
-    sampler = (
-        samples.Sampler(cfg, program, folder, log) if folder and cfg.observe.sample_every else None
-    )
+    sampler = None
+    if folder and cfg.observe.sample_every:  # the model alone on the run's layout samples
+        model = builder.model_program(cfg.model, program.layout)
+        sampler = samples.Sampler(cfg, program, model, folder, log)
     from spmd.parallel import distributed
     from spmd.training.job import Heartbeat
     from spmd.training.loop import Run

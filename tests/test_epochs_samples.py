@@ -18,7 +18,7 @@ import shutil
 import numpy as np
 import pytest
 
-from spmd import generate
+from spmd import generate, report
 from spmd.io import data, epochs, mixture
 from spmd.observe import trackers
 from tests.cli import records, train_in_process
@@ -112,6 +112,15 @@ def test_samples_equal_generate_greedy_from_the_same_steps_checkpoint(runs):
         f"{i + 1} ===\n{p}{c}\n" for i, (p, c) in enumerate(zip(PROMPTS, by_step[8], strict=True))
     ]
     assert printed == expected
+
+
+def test_the_report_shows_the_epoch_and_writes_the_samples(runs, capsys):
+    _, moved, _ = runs
+    assert report.main([str(moved)]) == 0
+    assert f"({STEPS * BATCH / WINDOWS:.2f} epochs, 1 resume(s))" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (moved / "samples.jsonl").read_text().splitlines()]
+    table = trackers.samples_markdown([r for r in rows if r["step"] == 8])
+    assert f"## step 8\n\n{table}\n" in (moved / "samples.md").read_text()
 
 
 def test_samples_reach_tensorboard_as_text(runs):

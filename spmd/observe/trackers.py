@@ -156,7 +156,7 @@ class WandB:
         if kind == "samples":  # a table of the step's prompts and completions
             import wandb
 
-            columns = ["step", "prompt", "completion"]
+            columns: list[str | int] = ["step", "prompt", "completion"]
             data = [[r["step"], r["prompt"], r["completion"]] for r in fields["samples"]]
             self._run.log({"samples": wandb.Table(columns=columns, data=data)}, step=fields["step"])
             return

@@ -131,11 +131,13 @@ class Sampler:
     """`sampler(step, state)`: sample every prompt from the training state's params, write
     the samples, and say them. Built once per run (its decoder compiles on first use)."""
 
-    def __init__(self, cfg: Config, program: Any, folder: str, log: Any) -> None:
+    def __init__(self, cfg: Config, program: Any, model: Any, folder: str, log: Any) -> None:
+        """`program`: the run's; `model`: the model alone on its layout (spmd.run.builder's
+        model_program); `log`: the run's MetricsLog (its trackers)."""
         from spmd import lora_base
         from spmd.io import eos
         from spmd.io.tokens import _load_tokenizer
-        from spmd.run import builder, decoding
+        from spmd.run import decoding
 
         o = cfg.observe
         self.program, self.log = program, log
@@ -157,7 +159,7 @@ class Sampler:
         self.stops = tuple(stops)
         self.how = decoding.Sampling(o.sample_temperature)
         self.max_new_tokens, self.seed = o.sample_max_new_tokens, cfg.run.seed
-        self.model = builder.model_program(cfg.model, program.layout)
+        self.model = model
         self.path = str(Path(folder) / SAMPLES_FILE)
 
     def __call__(self, step: int, state: dict[str, Any]) -> None:

@@ -78,10 +78,10 @@ def open_checkpoints(
         current = run_data_state(cfg, restored.step, fingerprint)
         data.check_same_order(restored.data, current)
         if restored.data.get(ORDER) != current.get(ORDER):
-            given, saved = ("--epochs", "--steps") if cfg.run.epochs else ("--steps", "--epochs")
+            now, then = ("--epochs", "--steps") if cfg.run.epochs else ("--steps", "--epochs")
             raise UsageError(
-                f"the checkpoint was trained with {saved}, whose data order differs from "
-                f"{given}'s; resume it with {saved}"
+                f"the checkpoint was trained with {then}, whose data order differs from "
+                f"{now}'s; resume it with {then}"
             )
         if restored.data.get("diloco") != current.get("diloco"):
             raise UsageError(
