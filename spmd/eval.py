@@ -109,13 +109,14 @@ def run(argv: list[str] | None) -> int:
     resolved = config.resolve(argv, sections, "python -m spmd.eval", description=about)
     cfg, where = resolved["eval"], resolved["mesh"]
     names = check_choices(cfg, where)
-    harness.require_lm_eval("python -m spmd.eval")
     cfg = hub.resolve_section(cfg)
     from spmd.io import params_io
-    from spmd.run import harness_text, lm_eval_bridge, weights
 
     if cfg.checkpoint:  # the folder and step exist, before the tasks are indexed
         params_io.pick_step(cfg.checkpoint, cfg.step)
+    harness.require_lm_eval("python -m spmd.eval")
+    from spmd.run import harness_text, lm_eval_bridge, weights
+
     manager = lm_eval_bridge.task_manager(names, cfg.include_path)
     source = weights.describe("", 0, cfg.from_hf) if cfg.from_hf else None
     layout = weights.setup_layout(where.mesh, where.devices, where.zero)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from spmd.errors import UsageError
 from spmd.run import harness_text
 from spmd.run.decoding import Sampling, generate
 from spmd.run.harness_text import Text
+from spmd.sections import DataConfig
 
 if TYPE_CHECKING:
     from spmd.engine.step import Program
@@ -42,6 +44,25 @@ def require_lm_eval(flag: str) -> None:
             f"{flag} needs lm-evaluation-harness, which is not installed: {INSTALL} (or pip "
             f"install lm-eval)"
         )
+
+
+def check_training(data: DataConfig) -> None:
+    """UsageError for --eval-harness-* flags a training run cannot use (before device work)."""
+    if data.eval_harness_every < 0 or data.eval_harness_limit < 0:
+        flag = "every" if data.eval_harness_every < 0 else "limit"
+        value = getattr(data, f"eval_harness_{flag}")
+        raise UsageError(f"--eval-harness-{flag} {value} must be at least 0 (0: off / all)")
+    if not data.eval_harness_every:
+        return
+    require_lm_eval(f"--eval-harness-every {data.eval_harness_every}")
+    if not data.eval_harness_tasks.strip(","):
+        raise UsageError(
+            f"--eval-harness-every {data.eval_harness_every} needs --eval-harness-tasks: lm-eval "
+            f"task names, comma-separated"
+        )
+    folder = data.eval_harness_include_path
+    if folder and not Path(folder).is_dir():
+        raise UsageError(f"--eval-harness-include-path {folder} is not a folder of task YAMLs")
 
 
 def bucket(length: int, max_length: int) -> int:
