@@ -11,6 +11,7 @@ COMMANDS = {
     "bench-collectives": ("spmd.bench_collectives", "compare executors, buckets, prefetch"),
     "data": ("spmd.data", "look at the training data: windows as text, counts per source"),
     "generate": ("spmd.generate", "sample text from a checkpoint or a Hugging Face folder"),
+    "eval": ("spmd.eval", "lm-evaluation-harness tasks on a checkpoint, on any mesh"),
     "convert": ("spmd.convert", "Hugging Face folders <-> spmd checkpoints"),
     "checkpoint": ("spmd.checkpoint", "verify a checkpoint folder's steps against their manifests"),
     "report": ("spmd.report", "draw runs' metrics side by side"),

@@ -99,6 +99,11 @@ class DataConfig:
     # one eval before the first step of a fresh run (logged at step 0): the held-out loss of
     # the loaded weights, the "before" of a fine-tune
     eval_at_start: bool = False
+    # lm-evaluation-harness every N steps on the current params (0: never; docs/evaluation.md)
+    eval_harness_every: int = 0
+    eval_harness_tasks: str = ""  # its lm-eval task names, comma-separated
+    eval_harness_include_path: str = ""  # a folder of task YAMLs beside lm-eval's own tasks
+    eval_harness_limit: int = 0  # documents per task (0: all)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,6 +177,11 @@ def train_in_folder(
     from spmd.training.evaluation import check_eval_batches
 
     check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
+    harness_tasks = None
+    if cfg.data.eval_harness_every and not cfg.run.dry_run:  # its tasks checked before the mesh
+        from spmd.run import lm_eval_bridge
+
+        harness_tasks = lm_eval_bridge.training_tasks(cfg.data)
 
     mesh = setup_mesh(p.mesh, p.devices, p.dcn_mesh, n_processes)
     check_dcn_sync_mesh(cfg, mesh, n_processes)
@@ -225,6 +230,13 @@ def train_in_folder(
         rebuilt = builder.program(cfg, mesh, windows.fields, lr_factor=lr_factor)
         return rebuilt.compile_train_step(cfg.run.batch, cfg.run.seq_len)
 
+    harness_eval = None
+    if harness_tasks is not None:
+        from spmd.run.lm_eval_bridge import training_evaluator
+
+        rows = (cfg.run.seq_len, cfg.run.batch)
+        harness_eval = training_evaluator(cfg.data, harness_tasks, program, rows, log)
+
     def make_run(stop: Any) -> Run:
         return Run(
             cfg=cfg,
@@ -241,6 +253,7 @@ def train_in_folder(
             recompile=recompile,
             eval_sets=eval_sets,
             sampler=sampler,
+            harness_eval=harness_eval,
         )
 
     return train_until_stopped(make_run, restored, signals, closing=(manager, log))

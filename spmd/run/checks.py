@@ -16,7 +16,7 @@ from spmd.estimate import long_sequence
 from spmd.estimate.units import binary
 from spmd.log import say
 from spmd.observe import profile
-from spmd.run import config
+from spmd.run import config, harness
 from spmd.run.config import Config
 from spmd.run.output_paths import check_paths  # noqa: F401 (spmd.train reads it from here)
 
@@ -29,6 +29,7 @@ def check_choices(cfg: Config) -> None:
     check of a run's config, which asks the model family's, the data's, the optimizer's and
     the divergence section's own checks."""
     check_counts(cfg)
+    harness.check_training(cfg.data)
     if not 0 <= cfg.data.eval_fraction < 1:
         raise UsageError(f"--eval-fraction {cfg.data.eval_fraction} must be in [0, 1)")
     from spmd.engine import optimizers, precision

@@ -81,6 +81,8 @@ class Run:
     heartbeat: Any = None  # spmd.training.job.Heartbeat: touched after every step
     # --sample-every: sampler(step, state) samples the prompts from the state's params
     sampler: Callable[[int, dict[str, Any]], None] | None = None
+    # --eval-harness-every: (params, step) -> lm-eval's scores, logged (spmd.run.lm_eval_bridge)
+    harness_eval: Callable[[Any, int], Any] | None = None
 
     @property
     def evaluates(self) -> bool:
@@ -294,6 +296,10 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             progress.clock.include("eval")  # the next step's time holds it: marked
             if measured is None and not stop_reason:  # cut short by a stop all processes agreed
                 stop_reason, saving = run.stop.stop_now(step), run.manager is not None
+        every = run.cfg.data.eval_harness_every
+        if run.harness_eval is not None and every and step % every == 0 and not stop_reason:
+            run.harness_eval(state["params"], step)
+            progress.clock.include("eval")
         if saving:
             reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
             saved = save_checkpoint(run, step, state, reason)
