@@ -197,11 +197,13 @@ def open_source(
     token_file = open_token_file(data_cfg, path, "--data", fields)
     tokens.check_vocab(token_file, vocab_size)
     windows = windows_of(data_cfg, seq_len, token_file, data_cfg.eval_fraction, fields)
+    everything = fields is not None and fields.sft and fields.train_on_input
     extras = [
         name
         for name, on in (
             ("document mask", windows.document_mask),
-            ("loss on responses only", windows.loss_mask is not None),
+            ("loss on responses only", windows.loss_mask is not None and not everything),
+            ("loss on prompts and responses (--train-on-input)", everything),
         )
         if on
     ]
