@@ -11,10 +11,12 @@ from pathlib import Path
 import huggingface_hub.constants
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
-from spmd import convert
+from spmd import convert, generate
 from spmd.errors import UsageError
-from spmd.io import run_data, templates
+from spmd.io import params_io, run_data, templates
+from spmd.io.tokens import _load_tokenizer
 from spmd.sections import DataConfig
 from tests import cli
 from tests.test_hub import COMMIT
@@ -92,6 +94,12 @@ def test_a_hub_dataset_trains_resumes_with_its_template_and_exports_it(hub_cache
         *common, "--data", REPO, "--chat-template", "llama3", "--steps", "3"
     )
     assert other.returncode == 2 and "is not the chat template the checkpoint" in other.stderr
+    # spmd.generate --chat on the checkpoint renders with the template it was trained with
+    saved = params_io.saved_config(str(run / "checkpoints"), 2)
+    codec = generate.Codec(_load_tokenizer(str(BASE)), str(BASE))
+    ids = generate.encode_prompts(generate.GenerateConfig(chat=True), ["hi"], codec, saved)
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == [Tokenizer.from_file(str(BASE)).encode(prompt, add_special_tokens=False).ids]
     out = tmp_path / "export"
     assert convert.main(["--checkpoint", str(run / "checkpoints"), "--to-hf", str(out)]) == 0
     assert (out / "chat_template.jinja").read_text() == templates.CHATML
