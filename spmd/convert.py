@@ -35,7 +35,7 @@ from typing import Literal
 
 from spmd import paths
 from spmd.errors import UsageError, run_command
-from spmd.io import eos, hub, run_paths
+from spmd.io import eos, hub, run_paths, templates
 from spmd.run import config, output_paths
 from spmd.sections import MeshConfig
 from spmd.training import occupied
@@ -217,7 +217,25 @@ def export_text_files(tokenizer: Path | None, run_config: dict, folder: Path) ->
         files.append(Path(shutil.copyfile(tokenizer, folder / "tokenizer.json")))
     if not (folder / "generation_config.json").is_file():
         files += write_generation_config(folder, eos.ids(run_config.get(eos.KEY)))
+    text = run_config.get(templates.SAVED_KEY)
+    if isinstance(text, str):  # (over a copied chat_template.jinja of the tokenizer's)
+        written = write_chat_template(folder, text)
+        files = [f for f in files if f != written] + [written]
     return files
+
+
+def write_chat_template(folder: Path, text: str) -> Path:
+    """The run's --chat-template `text` written as transformers 5 saves a tokenizer's template:
+    `chat_template.jinja`, and no `chat_template` left in tokenizer_config.json (where the
+    tokenizer's own would otherwise disagree with it)."""
+    path = folder / templates.EXPORTED_FILE
+    path.write_text(text, encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        values = json.loads(config.read_text())
+        if isinstance(values, dict) and values.pop("chat_template", None) is not None:
+            config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+    return path
 
 
 def check_apart(source_flag: str, source: str, target_flag: str, target: str) -> None:

@@ -12,7 +12,8 @@ was trained with one (`--tokenizer` in its config; `tokenizer.json` in a Hugging
 All prompts (`--prompt`, or one per line of `--prompts-file`, each `--num-samples` times) form
 one batch (spmd/run/decoding.py: right-padded, each row at its own positions). Each row stops at
 the model's end-of-sequence ids (spmd/io/eos.py) unless `--ignore-eos`. `--chat` renders each
-prompt as a user message with the tokenizer's chat template. A single prompt's text is printed
+prompt as a user message with the chat template: the one a checkpoint was trained with
+(`--chat-template`, saved in it), else the tokenizer's. A single prompt's text is printed
 as it is sampled (`--stream`); a batch's at the end. stdout holds the text only; the closing
 line of counts and tokens/s goes to stderr.
 """
@@ -25,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError, run_command
-from spmd.io import chat, eos, hub, run_paths
-from spmd.io.tokens import _load_tokenizer
+from spmd.io import chat, eos, hub, run_paths, templates
+from spmd.io.tokens import _load_tokenizer, default_cache_dir
 from spmd.run import config, decoding
 from spmd.run.codec import Codec
 from spmd.run.decoding import Sampling, generate
-from spmd.sections import MeshConfig
+from spmd.sections import MeshConfig, flat_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +158,24 @@ def check_vocab(prompts: list[list[int]], vocab: int) -> None:
             )
 
 
-def encode_prompts(cfg: GenerateConfig, texts: list[str], codec: Codec) -> list[list[int]]:
+def encode_prompts(
+    cfg: GenerateConfig, texts: list[str], codec: Codec, run_config: dict[str, Any] | None = None
+) -> list[list[int]]:
     """The prompts' token ids; with --chat, each rendered first as a user message and the
-    template's generation prompt (UsageError where there is no template)."""
+    template's generation prompt: the checkpoint's --chat-template where it was trained with
+    one (its text saved in `run_config`), else the tokenizer's (UsageError where there is
+    none)."""
     if not cfg.chat:
         return [codec.encode(text) for text in texts]
 
     if codec.tokenizer is None:  # byte-level text has no template
         chat.load_template("", "--chat")
-    render = chat.Renderer(codec.path, "--chat")
+    saved = (run_config or {}).get(templates.SAVED_KEY)
+    override = ""
+    if isinstance(saved, str) and run_config:
+        named = str(flat_values(run_config).get("chat_template", ""))
+        override = templates.adopted(named, saved, default_cache_dir())
+    render = chat.Renderer(codec.path, "--chat", override)
     rendered = []
     for i, text in enumerate(texts):
         try:
@@ -269,7 +279,7 @@ def run(argv: list[str] | None) -> int:
     layout = weights.setup_layout(where.mesh, where.devices, where.zero)
     source = source or weights.describe(cfg.checkpoint, cfg.step, "")  # no param read yet
     codec = codec_for(cfg, source.run_config, source.model.vocab_size)
-    prompts = encode_prompts(cfg, texts, codec)
+    prompts = encode_prompts(cfg, texts, codec, source.run_config)
     check_vocab(prompts, source.model.vocab_size)
     stops = stop_ids(cfg, source.run_config, codec)
     check_length(cfg, prompts, source, layout)

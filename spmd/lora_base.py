@@ -45,7 +45,7 @@ from models import family, finetune
 from spmd import sections
 from spmd.engine import frozen
 from spmd.errors import UsageError
-from spmd.io import run_paths
+from spmd.io import run_paths, templates
 
 if TYPE_CHECKING:
     from models.contract import ModelConfig
@@ -93,6 +93,8 @@ def config_record(cfg: Config) -> dict[str, Any]:
     record: dict[str, Any] = cfg.as_dict()
     if cfg.data.tokenizer:
         record[run_paths.TOKENIZER_KEY] = run_paths.absolute(cfg.data.tokenizer)
+    if cfg.data.chat_template:  # its text: export and resume need no file (spmd.io.templates)
+        record[templates.SAVED_KEY] = templates.source(cfg.data.chat_template)
     if adapter_only(cfg):
         record[KEY] = reference(cfg.run.init_from_hf)
     return record

@@ -87,6 +87,18 @@ class DataConfig:
     # --prompt-field's prompt (docs/strategies/preference.md); + rejected_field
     chosen_field: str = ""
     rejected_field: str = ""  # preference pairs: the dispreferred response column
+    # what a record is (auto: told by the first record's fields, and printed): text (a text
+    # field), chat (OpenAI `messages`), sharegpt (`conversations` of from/value), alpaca
+    # (instruction/input/output, in the Alpaca prompt), preference (prompt/chosen/rejected)
+    data_format: Literal["auto", "text", "chat", "sharegpt", "alpaca", "preference"] = "auto"
+    # a record's renamed fields, FORMAT_KEY=NAME,...: e.g. conversations=dialog,from=speaker
+    # (the keys each format reads: docs/data.md)
+    data_fields: str = ""
+    # the chat template of chats: chatml, llama3 or a FILE.jinja (empty: the tokenizer's)
+    chat_template: str = ""
+    # count the prompt tokens in the loss too (system and user turns, alpaca's instruction and
+    # input, SFT prompts); off: the responses only
+    train_on_input: bool = False
     skip_bad_records: bool = False  # count and report unusable records instead of exit 2
     tokenize_workers: int = 0  # processes tokenizing record shards (0: the machine's cores)
     # on: attention stays within each packed document, positions restart; off: as plain text;

@@ -56,7 +56,7 @@ from spmd.run.checks import (
 )
 from spmd.run.config import Config
 from spmd.training import claims, run_folder
-from spmd.training.resume import open_checkpoints
+from spmd.training.resume import open_checkpoints, with_saved_template
 
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyCompiled, AnyProgram
@@ -170,6 +170,8 @@ def train_in_folder(
     samples.check(cfg, folder)  # --sample-every writes into the run folder
     checkpointing = bool(cfg.checkpoint.checkpoint_dir) and not cfg.run.dry_run
     resumes = checkpointing and checkpoint_resumes(cfg)
+    if resumes:  # the chat template it was trained with, before its data is read
+        cfg = with_saved_template(cfg)
     vocab, seq_len = cfg.model.vocab_size, cfg.run.seq_len
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     cfg = resolve.with_epochs(cfg, windows)  # --epochs: the steps its windows make

@@ -195,16 +195,22 @@ def test_completion_knows_the_actions_and_the_gpus(tmp_path, capsys):
     ]
 
 
-def test_a_hub_dataset_id_as_data_says_what_data_reads(tmp_path, monkeypatch, capsys):
+def test_a_hub_dataset_id_not_cached_while_offline_exits_2_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    import huggingface_hub.constants
+
     monkeypatch.chdir(tmp_path)  # where no HuggingFaceH4/ folder is
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     argv = ["--data", "HuggingFaceH4/ultrachat_200k", "--messages-field", "messages"]
     assert data.main(["stats", *argv, "--data-cache", str(tmp_path / "cache")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: --data HuggingFaceH4/ultrachat_200k: no such file or folder; ")
-    assert "a token .bin, JSONL / Parquet / Arrow records" in line
-    assert line.endswith("as a Hugging Face dataset id is not downloaded: download its files "
-                         "and give their folder")  # fmt: skip
-    assert "is text or tokens" not in line
+    assert line.startswith(
+        "error: --data HuggingFaceH4/ultrachat_200k: no such local path, and the Hugging Face "
+        "Hub dataset HuggingFaceH4/ultrachat_200k is not (completely) in the local cache"
+    )
+    assert "HF_HUB_OFFLINE forbids downloading it" in line and "--repo-type dataset" in line
 
 
 def test_the_report_hint_shows_only_where_matplotlib_is_missing(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """Chat records: a `messages` list of {role, content} rendered with the tokenizer's chat
 template, the loss counting the assistant turns only.
 
-The template is the `chat_template` of the `tokenizer_config.json` beside `--tokenizer`, or
-the `chat_template.jinja` file there (Hugging Face's conventions, older and newer): Jinja,
+The template is `--chat-template`'s (a built-in of spmd.io.templates, or a .jinja file), else
+the `chat_template` of the `tokenizer_config.json` beside `--tokenizer`, or the
+`chat_template.jinja` file there (Hugging Face's conventions, older and newer): Jinja,
 rendered by jinja2 in a sandbox with the settings those templates are written for
 (trim_blocks, lstrip_blocks, loop controls, a `raise_exception` function, a `strftime_now`
 function, a `tojson` filter that writes plain JSON, the config's special tokens such as
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
+from spmd.io import templates
 
 ASSISTANT = "assistant"
 RANGE_BUDGET = 1_000_000  # numbers all of one rendering's ranges may yield together
@@ -44,69 +46,74 @@ def config_path(tokenizer: str) -> Path:
     return Path(tokenizer).parent / "tokenizer_config.json"
 
 
-def load_template(tokenizer: str, flag: str) -> tuple[str, dict[str, str]]:
-    """(the chat template's source, the special tokens it may use) of `tokenizer`'s folder;
-    UsageError naming `flag` (the flag that wants it) where there is none."""
+def load_template(tokenizer: str, flag: str, override: str = "") -> tuple[str, dict[str, str]]:
+    """(the chat template's source, the special tokens it may use) of `tokenizer`'s folder, or
+    of `override` (a --chat-template value) with the folder's special tokens where it has a
+    tokenizer_config.json; UsageError naming `flag` (the flag that wants it) where there is
+    none."""
     if not tokenizer:
         raise UsageError(
             f"{flag} needs a chat template: pass --tokenizer with a tokenizer.json whose "
-            f"folder's tokenizer_config.json has a chat_template (byte-level tokens have none)"
+            f"folder's tokenizer_config.json has a chat_template, or --chat-template (byte-level "
+            f"tokens have none)"
         )
     path = config_path(tokenizer)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"{flag} needs {path} with a chat_template; cannot read it ({e})"
-        ) from None
-    template = config.get("chat_template") if isinstance(config, dict) else None
+    if override:
+        config = _read_config(path) if path.is_file() else {}
+        return templates.source(override), _specials(config)
+    config = _read_config(path, f"{flag} needs {path} with a chat_template; cannot read it")
+    template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    beside = path.parent / "chat_template.jinja"  # where transformers >= 4.43 saves it
-    if not template and beside.is_file():
+    # where transformers >= 4.43 saves it; transformers 5 reads it before the config's
+    beside = path.parent / templates.EXPORTED_FILE
+    if beside.is_file():
         template = beside.read_text(encoding="utf-8")
     if not isinstance(template, str) or not template:
         raise UsageError(
             f"{flag}: {path} has no chat_template (a Jinja string) and there is no {beside.name} "
-            f"beside it; use a tokenizer that ships one"
+            f"beside it; use a tokenizer that ships one, or give --chat-template "
+            f"{' | '.join(templates.BUILTIN)} | FILE.jinja"
         )
+    return template, _specials(config)
+
+
+def _read_config(path: Path, why: str = "") -> dict:
+    """tokenizer_config.json's object; UsageError (`why`, else naming the file) where it cannot
+    be read."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{why or f'cannot read {path}'} ({e})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _specials(config: dict) -> dict[str, str]:
+    """The config's `*_token` entries (bos_token, eos_token, ...) as strings."""
     specials = {}
     for key, value in config.items():
         if key.endswith("_token"):
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
                 specials[key] = value
-    return template, specials
+    return specials
 
 
-def template_id(tokenizer: str, flag: str) -> str:
+def template_id(tokenizer: str, flag: str, override: str = "") -> str:
     """A hash of what the rendering depends on (for the cache key)."""
-    template, specials = load_template(tokenizer, flag)
+    template, specials = load_template(tokenizer, flag, override)
     blob = json.dumps([template, specials], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def message_problem(value: object) -> str | None:
-    """Why `value` is not a usable conversation, or None."""
-    if not isinstance(value, list) or not value:
-        return "has no message list in"
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            return f"has a message {i} without a string 'role' in"
-        if not isinstance(message.get("content"), str):
-            return f"has a message {i} without a string 'content' in"
-    if not any(m["role"] == ASSISTANT for m in value):
-        return "has no assistant message in"
-    return None
 
 
 class Renderer:
     """A compiled chat template: conversation -> (text, assistant character spans)."""
 
-    def __init__(self, tokenizer: str, flag: str):
-        """The template of `tokenizer`'s folder; `flag` (e.g. "--chat") names what wants it in
-        the UsageError where it is missing or not valid Jinja."""
+    def __init__(self, tokenizer: str, flag: str, override: str = ""):
+        """The template of `tokenizer`'s folder, or `override` (a --chat-template value);
+        `flag` (e.g. "--chat") names what wants it in the UsageError where it is missing or
+        not valid Jinja."""
         try:
             import jinja2.sandbox
         except ImportError:
@@ -118,7 +125,7 @@ class Renderer:
         def raise_exception(message: str) -> None:
             raise jinja2.TemplateError(message)
 
-        source, self.specials = load_template(tokenizer, flag)
+        source, self.specials = load_template(tokenizer, flag, override)
         env = _bounded_environment()(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
@@ -133,9 +140,13 @@ class Renderer:
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
+            what = (
+                f"--chat-template {override}"
+                if override
+                else f"the chat_template of {config_path(tokenizer)}"
+            )
             raise UsageError(
-                f"{flag}: the chat_template of {config_path(tokenizer)} is not valid Jinja "
-                f"(line {e.lineno}: {e.message})"
+                f"{flag}: {what} is not valid Jinja (line {e.lineno}: {e.message})"
             ) from None
 
     def _range(self, *args: int) -> range:

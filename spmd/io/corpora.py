@@ -26,89 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from spmd.errors import UsageError
-from spmd.io import chat
+from spmd.io import chat, hf_datasets
+from spmd.io.formats import Fields
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
 ARROW_SUFFIXES = (".parquet", ".arrow")
 RECORD_SUFFIXES = JSON_SUFFIXES + ARROW_SUFFIXES
 ROWS_PER_BATCH = 1024  # Parquet / Arrow rows read at a time
-
-
-@dataclasses.dataclass(frozen=True)
-class Fields:
-    """Which fields of a record hold the text: `text`, `prompt` + `response` (SFT), or
-    `messages` (a chat: a list of {role, content}, rendered by spmd.io.chat)."""
-
-    text: str = "text"
-    prompt: str = ""
-    response: str = ""
-    messages: str = ""
-    chosen: str = ""  # preference pairs: prompt + chosen, prompt + rejected
-    rejected: str = ""
-
-    @property
-    def sft(self) -> bool:
-        return bool(self.prompt or self.response or self.messages or self.pairs)
-
-    @property
-    def pairs(self) -> bool:
-        return bool(self.chosen or self.rejected)
-
-    @property
-    def chats(self) -> bool:
-        """Whether the values are message lists (a chat, or chat pairs: pairs without a prompt
-        field, whose shared leading messages are the prompt)."""
-        return bool(self.messages or (self.pairs and not self.prompt))
-
-    @property
-    def chat_flag(self) -> str:
-        """The flag that asks for the chat template, for messages."""
-        return (
-            f"--messages-field {self.messages}"
-            if self.messages
-            else f"--chosen-field {self.chosen}"
-        )
-
-    def names(self) -> tuple[str, ...]:
-        if self.messages:
-            return (self.messages,)
-        if self.pairs:
-            return (
-                (self.prompt, self.chosen, self.rejected)
-                if self.prompt
-                else (self.chosen, self.rejected)
-            )
-        return (self.prompt, self.response) if self.sft else (self.text,)
-
-    def problem(self, value: object) -> str | None:
-        """Why a field's value is unusable ("has no field" style, before the field's name)."""
-        if self.chats:
-            return chat.message_problem(value)
-        if isinstance(value, str):
-            return None
-        return "has no field" if value is None else "has a non-string"
-
-    def check(self) -> None:
-        """UsageError unless both or neither of prompt and response are named, and messages
-        only without them; pairs name prompt, chosen and rejected, and no response."""
-        if self.pairs:
-            if not (self.chosen and self.rejected) or self.response or self.messages:
-                raise UsageError(
-                    f"--chosen-field {self.chosen!r} / --rejected-field {self.rejected!r}: "
-                    f"preference pairs need both (with --prompt-field for text, without it "
-                    f"for message lists), and no --response-field or --messages-field"
-                )
-            return
-        if self.messages and (self.prompt or self.response):
-            raise UsageError(
-                f"--messages-field {self.messages} reads chats; leave out --prompt-field and "
-                f"--response-field, or --messages-field"
-            )
-        if bool(self.prompt) != bool(self.response):
-            raise UsageError(
-                f"--prompt-field {self.prompt!r} and --response-field {self.response!r}: give "
-                f"both (supervised fine-tuning) or neither (--text-field {self.text!r})"
-            )
 
 
 @dataclasses.dataclass
@@ -131,10 +55,13 @@ def has_record_suffix(path: str) -> bool:
 
 
 def is_record_corpus(data: str) -> bool:
-    """Whether `--data` names record shards (a shard, a glob of them, a folder holding them)
-    rather than text files or a token .bin."""
+    """Whether `--data` names record shards (a shard, a glob of them, a folder holding them, a
+    Hugging Face `save_to_disk` folder or a folder's split) rather than text files or a token
+    .bin."""
     if not data:
         return False
+    if hf_datasets.split_files(data, RECORD_SUFFIXES) is not None:
+        return True
     if glob.has_magic(data):
         return any(has_record_suffix(p) for p in glob.glob(data, recursive=True))
     root = Path(data)
@@ -144,7 +71,11 @@ def is_record_corpus(data: str) -> bool:
 
 
 def record_shards(data: str) -> list[Path]:
-    """The shards `data` names, sorted (the order is part of the corpus's identity)."""
+    """The shards `data` names, sorted (the order is part of the corpus's identity); a Hugging
+    Face dataset folder's in its own order (spmd.io.hf_datasets)."""
+    layout = hf_datasets.split_files(data, RECORD_SUFFIXES)
+    if layout is not None:
+        return layout
     if glob.has_magic(data):
         found = [Path(p) for p in glob.glob(data, recursive=True)]
     elif Path(data).is_dir():
@@ -236,14 +167,14 @@ def _values(record: object, fields: Fields, where: str, bad: BadRecords, skip: b
         bad.add(f"{where} is not a JSON object", skip)
         return None
     values = []
-    for name in fields.names():
+    for index, name in enumerate(fields.names()):
         value = record.get(name)
-        what = fields.problem(value)
+        what = fields.problem(index, value)
         if what is not None:
             bad.add(f"{where} {what} {name!r} (fields: {', '.join(record) or 'none'})", skip)
             return None
         values.append(value)
-    return tuple(values)
+    return fields.convert(tuple(values))
 
 
 def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> Iterator[tuple]:
@@ -254,7 +185,7 @@ def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
         raise
     except Exception as e:  # pyarrow reports damaged files as several exception types
         raise UsageError(f"--data {path}: cannot read it as {path.suffix[1:]} ({e})") from None
-    missing = [n for n in names if n not in schema.names]
+    missing = [n for i, n in enumerate(names) if n not in schema.names and not fields.optional(i)]
     if missing:
         raise UsageError(
             f"--data {path} has no column {missing[0]!r} (columns: {', '.join(schema.names)}); "
@@ -263,11 +194,14 @@ def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
     row = 0
     try:
         for batch in batches:
-            columns = [batch.column(batch.schema.get_field_index(n)).to_pylist() for n in names]
+            columns = [
+                batch.column(n).to_pylist() if n in batch.schema.names else [None] * len(batch)
+                for n in names
+            ]
             for values in zip(*columns, strict=True):
-                problems = [fields.problem(v) for v in values]
+                problems = [fields.problem(i, v) for i, v in enumerate(values)]
                 if all(p is None for p in problems):
-                    yield f"{path} row {row}", values
+                    yield f"{path} row {row}", fields.convert(values)
                 else:
                     i = next(i for i, p in enumerate(problems) if p is not None)
                     what = "has no string in" if not fields.chats else problems[i]
@@ -277,6 +211,28 @@ def _arrow_rows(path: Path, fields: Fields, bad: BadRecords, skip_bad: bool) -> 
         raise
     except Exception as e:
         raise UsageError(f"--data {path}: unreadable after row {row} ({e})") from None
+
+
+def first_record_names(path: Path) -> tuple[str, list[str]]:
+    """(where, the field names of the first record of shard `path`): a JSON line's keys, a
+    Parquet or Arrow file's columns."""
+    if path.name.endswith(JSON_SUFFIXES):
+        opener = gzip.open if path.name.endswith(".gz") else open
+        try:
+            with opener(path, "rt", encoding="utf-8", errors="strict") as f:
+                for number, line in enumerate(f, start=1):
+                    if line.strip():
+                        record = json.loads(line)
+                        where = f"{path} line {number}"
+                        return where, list(record) if isinstance(record, dict) else []
+        except (OSError, EOFError, ValueError) as e:
+            raise UsageError(f"--data {path}: cannot read its first record ({e})") from None
+        return str(path), []
+    try:
+        _, schema = _record_batches(path, ())
+    except Exception as e:  # pyarrow reports damaged files as several exception types
+        raise UsageError(f"--data {path}: cannot read it as {path.suffix[1:]} ({e})") from None
+    return f"{path} (columns)", list(schema.names)
 
 
 def _record_batches(path: Path, names: tuple[str, ...]):

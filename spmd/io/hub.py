@@ -11,6 +11,10 @@ exactly one slash) names a Hub repo, which is looked up
    tokenizer and generation config; not the `original/` folders or other formats), unless
    HF_HUB_OFFLINE=1 forbids the network.
 
+`--data` and `--eval-data` take a Hub dataset id the same way (spmd.io.hf_datasets), looked up
+in the cache's `datasets--ORG--NAME` folder and downloaded (its data files only: Parquet, JSON
+lines, Arrow) where it is not there.
+
 Neither works: a UsageError naming the id and why (not cached while offline, no such repo,
 gated, the network unreachable). A value that is neither an existing path nor a repo id is
 returned as it is, for the reader to report as a missing file.
@@ -39,6 +43,8 @@ MODEL_FILES = (
     *TOKENIZER_FILES,
 )
 SUBFOLDERS = ["*/*"]  # e.g. Llama's original/ (consolidated .pth): never read here
+# a dataset's files spmd reads (at any depth: the Hub's data/train-*.parquet)
+DATASET_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.json")
 # config fields naming a Hugging Face folder
 FOLDER_FIELDS = ("init_from_hf", "from_hf", "lora_base")
 TOKENIZER_FIELDS = ("tokenizer",)  # config fields naming a tokenizer.json
@@ -89,6 +95,12 @@ def tokenizer_file(value: str, flag: str) -> str:
     return str(snapshot(value, flag, TOKENIZER_FILES, "tokenizer.json") / "tokenizer.json")
 
 
+def dataset_folder(repo_id: str, flag: str) -> Path:
+    """The local snapshot folder of Hub dataset `repo_id` (its data files): the cache's, else
+    a download; UsageError naming the id where neither works."""
+    return snapshot(repo_id, flag, DATASET_FILES, "", "dataset")
+
+
 def resolve_names(sections: dict[str, Any]) -> dict[str, Any]:
     """`sections` (a command's resolved config) with each section's Hub ids resolved."""
     return {
@@ -110,36 +122,53 @@ def resolve_section(section: Any) -> Any:
     return dataclasses.replace(section, **changes) if changes else section
 
 
-def snapshot(repo_id: str, flag: str, patterns: tuple[str, ...], needed: str) -> Path:
-    """The local snapshot folder of Hub repo `repo_id` holding `patterns`: the cache's, where
-    it holds `needed`, else a download; UsageError naming the id where neither works."""
+def _holds(folder: Path, needed: str) -> bool:
+    """Whether `folder` holds file `needed` ("": any file at all)."""
+    if needed:
+        return (folder / needed).is_file()
+    return any(p.is_file() for p in folder.rglob("*"))
+
+
+def snapshot(
+    repo_id: str, flag: str, patterns: tuple[str, ...], needed: str, repo_type: str = "model"
+) -> Path:
+    """The local snapshot folder of Hub repo `repo_id` (a `repo_type` repo: model or dataset)
+    holding `patterns`: the cache's, where it holds `needed` ("": any file), else a download;
+    UsageError naming the id where neither works."""
     import huggingface_hub
     from huggingface_hub import constants, errors
 
-    wanted, unwanted = list(patterns), list(SUBFOLDERS)
-    try:
-        cached = Path(
+    wanted = list(patterns)
+    unwanted = list(SUBFOLDERS) if repo_type == "model" else None
+
+    def download(local_files_only: bool) -> Path:
+        return Path(
             huggingface_hub.snapshot_download(
-                repo_id, local_files_only=True, allow_patterns=wanted, ignore_patterns=unwanted
+                repo_id,
+                repo_type=repo_type,
+                local_files_only=local_files_only,
+                allow_patterns=wanted,
+                ignore_patterns=unwanted,
             )
         )
-        if (cached / needed).is_file():
+
+    try:
+        cached = download(local_files_only=True)
+        if _holds(cached, needed):
             return cached
     except errors.LocalEntryNotFoundError:  # not cached, or known to be incomplete
         pass
-    where = f"{flag} {repo_id}: no such local path, and the Hugging Face Hub repo {repo_id}"
+    kind = "repo" if repo_type == "model" else repo_type
+    where = f"{flag} {repo_id}: no such local path, and the Hugging Face Hub {kind} {repo_id}"
     if constants.HF_HUB_OFFLINE:
+        typed = "" if repo_type == "model" else f" --repo-type {repo_type}"
         raise UsageError(
             f"{where} is not (completely) in the local cache {constants.HF_HUB_CACHE} and "
-            f"HF_HUB_OFFLINE forbids downloading it; download it first (hf download {repo_id}) "
-            f"or unset HF_HUB_OFFLINE"
+            f"HF_HUB_OFFLINE forbids downloading it; download it first (hf download {repo_id}"
+            f"{typed}) or unset HF_HUB_OFFLINE"
         )
     try:
-        folder = Path(
-            huggingface_hub.snapshot_download(
-                repo_id, allow_patterns=wanted, ignore_patterns=unwanted
-            )
-        )
+        folder = download(local_files_only=False)
     except errors.GatedRepoError:
         raise UsageError(
             f"{where} is gated: accept its terms on huggingface.co and log in (hf auth login, "
@@ -158,6 +187,8 @@ def snapshot(repo_id: str, flag: str, patterns: tuple[str, ...], needed: str) ->
             f"{where} is not in the local cache {constants.HF_HUB_CACHE} and cannot be "
             f"downloaded ({type(cause).__name__}: {reason})"
         ) from None
-    if not (folder / needed).is_file():
-        raise UsageError(f"{where} has no {needed}; is it a Hugging Face Transformers repo?")
+    if not _holds(folder, needed):
+        if needed:
+            raise UsageError(f"{where} has no {needed}; is it a Hugging Face Transformers repo?")
+        raise UsageError(f"{where} holds no data files ({', '.join(patterns)})")
     return folder

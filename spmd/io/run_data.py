@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import UsageError
-from spmd.io import corpora, data, fetch, mixture, pairs, shards, tokens
+from spmd.io import corpora, data, fetch, formats, hf_datasets, mixture, pairs, shards, tokens
 from spmd.log import say
 from spmd.sections import DataConfig, choices
 
@@ -28,38 +28,52 @@ def check_choices(data_cfg: DataConfig) -> None:
             f"--tokenize-workers {data_cfg.tokenize_workers} must be 0 (the machine's cores) or a "
             f"process count"
         )
-    fields_of(data_cfg).check()
+    formats.check(data_cfg)
 
 
-def fields_of(data_cfg: DataConfig) -> corpora.Fields:
-    return corpora.Fields(
-        data_cfg.text_field,
-        data_cfg.prompt_field,
-        data_cfg.response_field,
-        data_cfg.messages_field,
-        data_cfg.chosen_field,
-        data_cfg.rejected_field,
-    )
+def fields_of(data_cfg: DataConfig, path: str = "") -> corpora.Fields:
+    """The fields record corpus `path` is read by: the field flags', or --data-format's (told
+    by its first record's fields under auto, and printed); without a path, the field flags'."""
+    if not path:
+        return formats.legacy_fields(data_cfg) or corpora.Fields()
+
+    def first() -> tuple[str, list[str]]:
+        return corpora.first_record_names(corpora.record_shards(path)[0])
+
+    return formats.fields_for(data_cfg, first, say)
 
 
-def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> tokens.TokenFile:
-    """The token file of one source (`path`: text, token .bin or record shards); `flag`
-    names the flag that gave it, for messages. A URL is read from its local copy
-    (spmd.io.fetch)."""
+def source_path(data_cfg: DataConfig, path: str, flag: str = "--data") -> str:
+    """`path` as read locally: a URL's local copy (spmd.io.fetch), a Hub dataset id's cached
+    snapshot and split (spmd.io.hf_datasets)."""
     cache = Path(data_cfg.data_cache) if data_cfg.data_cache else tokens.default_cache_dir()
     path = fetch.local_copy(path, cache, flag) if path else path
+    return hf_datasets.local(path, flag)
+
+
+def open_token_file(
+    data_cfg: DataConfig, path: str, flag: str = "--data", fields: corpora.Fields | None = None
+) -> tokens.TokenFile:
+    """The token file of one source (`path`: text, token .bin or record shards, read as
+    `fields`, else as fields_of says); `flag` names the flag that gave it, for messages."""
+    path = source_path(data_cfg, path, flag)
     if corpora.is_record_corpus(path):
         return shards.open_records(
             path,
             data_cfg.tokenizer,
             data_cfg.data_cache,
-            fields_of(data_cfg),
+            fields or fields_of(data_cfg, path),
             data_cfg.tokenize_workers or os.cpu_count() or 1,
             data_cfg.skip_bad_records,
             say=say,
         )
     if path and not Path(path).exists():  # (before the fields: the path is the mistake)
         raise tokens.missing(path, flag)
+    if data_cfg.data_format not in ("auto", "text"):
+        raise UsageError(
+            f"--data-format {data_cfg.data_format} needs JSONL / Parquet / Arrow records; --data "
+            f"{path or '(the stdlib sources)'} is text or tokens"
+        )
     named = data_cfg.prompt_field or data_cfg.messages_field or data_cfg.chosen_field
     if named:
         flag = next(
@@ -80,12 +94,16 @@ def open_token_file(data_cfg: DataConfig, path: str, flag: str = "--data") -> to
 
 
 def windows_of(
-    data_cfg: DataConfig, seq_len: int, token_file: tokens.TokenFile, eval_fraction: float
+    data_cfg: DataConfig,
+    seq_len: int,
+    token_file: tokens.TokenFile,
+    eval_fraction: float,
+    fields: corpora.Fields | None = None,
 ) -> data.TokenWindows | pairs.PairWindows:
-    """The windows of a token file under the run's --document-mask (preference pairs: one
-    padded row per document, spmd.io.pairs)."""
+    """The windows of a token file (read as `fields`, else the field flags') under the run's
+    --document-mask (preference pairs: one padded row per document, spmd.io.pairs)."""
     ends = token_file.document_ends()
-    if fields_of(data_cfg).pairs:
+    if (fields or fields_of(data_cfg)).pairs:
         assert ends is not None  # pairs are read record by record (check_choices)
         mask = token_file.loss_mask()
         assert mask is not None  # a pair's documents are prompt/response ones
@@ -118,7 +136,8 @@ def open_run_data(
     (name=path:weight,...) a MixtureData and a spmd.io.mixture.Mixture."""
     if not (mixture.is_mixture(data_cfg.data) and not Path(data_cfg.data).exists()):
         return open_source(data_cfg, seq_len, data_cfg.data, vocab_size, "data")
-    if fields_of(data_cfg).pairs:  # a mixture draws rows one by one: pairs would split
+    pairs_named = fields_of(data_cfg).pairs or data_cfg.data_format == "preference"
+    if pairs_named:  # a mixture draws rows one by one: pairs would split
         raise UsageError(
             f"--data {data_cfg.data}: preference pairs (--chosen-field) come from one source, "
             f"not a mixture, yet; give one source"
@@ -148,11 +167,12 @@ def open_eval_sets(
     if mixture.is_mixture(data_cfg.eval_data) and not Path(data_cfg.eval_data).exists():
         named = mixture.parse_sources(data_cfg.eval_data, "--eval-data", weighted=False)
     for name, path, _ in named:
-        token_file = open_token_file(data_cfg, path, "--eval-data")
+        fields = source_fields(data_cfg, path, "--eval-data")
+        token_file = open_token_file(data_cfg, path, "--eval-data", fields)
         tokens.check_vocab(token_file, vocab_size)
         if name in sets:
             raise UsageError(f"--eval-data: the eval set name {name!r} is taken; rename it")
-        sets[name] = windows_of(data_cfg, seq_len, token_file, 1.0)
+        sets[name] = windows_of(data_cfg, seq_len, token_file, 1.0, fields)
         if sets[name].fields != windows.fields:
             raise UsageError(
                 f"--eval-data {path} gives batches of {'/'.join(sets[name].fields)}, the training "
@@ -162,18 +182,28 @@ def open_eval_sets(
     return sets
 
 
+def source_fields(data_cfg: DataConfig, path: str, flag: str) -> corpora.Fields | None:
+    """The fields of source `path` where it is a record corpus (told once, for both its token
+    file and its windows), else None."""
+    local = source_path(data_cfg, path, flag)
+    return fields_of(data_cfg, local) if corpora.is_record_corpus(local) else None
+
+
 def open_source(
     data_cfg: DataConfig, seq_len: int, path: str, vocab_size: int, label: str
 ) -> tuple[Any, Any]:
     """(token file, windows) of one source."""
-    token_file = open_token_file(data_cfg, path)
+    fields = source_fields(data_cfg, path, "--data")
+    token_file = open_token_file(data_cfg, path, "--data", fields)
     tokens.check_vocab(token_file, vocab_size)
-    windows = windows_of(data_cfg, seq_len, token_file, data_cfg.eval_fraction)
+    windows = windows_of(data_cfg, seq_len, token_file, data_cfg.eval_fraction, fields)
+    everything = fields is not None and fields.sft and fields.train_on_input
     extras = [
         name
         for name, on in (
             ("document mask", windows.document_mask),
-            ("loss on responses only", windows.loss_mask is not None),
+            ("loss on responses only", windows.loss_mask is not None and not everything),
+            ("loss on prompts and responses (--train-on-input)", everything),
         )
         if on
     ]

@@ -56,13 +56,20 @@ def open_records(
         "records": [(str(s.resolve()), *tokens._stat(s)) for s in shards],
         "fields": [fields.text, fields.prompt, fields.response],
         **({"pairs": [fields.chosen, fields.rejected]} if fields.pairs else {}),
+        **({"alpaca": list(fields.alpaca)} if fields.alpaca else {}),
+        **(
+            {"format": [fields.format, *fields.keys]}
+            if fields.format or fields.keys != ("role", "content")
+            else {}
+        ),
+        **({"train_on_input": True} if fields.train_on_input else {}),
         "skip_bad": skip_bad,
         "tokenizer": tokenizer_id,
     }
     if fields.chats:  # chats: the field and the template (its absence exits 2 here)
         flag = fields.chat_flag
-        identity["chat"] = [fields.messages, chat.template_id(tokenizer, flag)]
-        chat.Renderer(tokenizer, flag)  # compiles: a broken template exits 2 here
+        identity["chat"] = [fields.messages, chat.template_id(tokenizer, flag, fields.template)]
+        chat.Renderer(tokenizer, flag, fields.template)  # compiles: a broken one exits 2 here
     key = tokens._hash_json(identity)
     what = f"{len(shards)} record shard(s) of {data}, fields {'/'.join(fields.names())}, " + (
         f"tokenizer {tokenizer}" if tokenizer else "byte-level"
@@ -163,9 +170,10 @@ def tokenize_shard(
     separator = _separator(encoder)
     render = None
     if fields.chats:
-        if (tokenizer, fields.chat_flag) not in _RENDERERS:
-            _RENDERERS[tokenizer, fields.chat_flag] = chat.Renderer(tokenizer, fields.chat_flag)
-        render = _RENDERERS[tokenizer, fields.chat_flag]
+        key = (tokenizer, fields.chat_flag, fields.template)
+        if key not in _RENDERERS:
+            _RENDERERS[key] = chat.Renderer(tokenizer, fields.chat_flag, fields.template)
+        render = _RENDERERS[key]
     bad = corpora.BadRecords()
     pid = os.getpid()
     paths = {kind: Path(f"{prefix}.{kind}.partial-{pid}") for kind in ("tokens", "lengths", "mask")}
@@ -178,7 +186,7 @@ def tokenize_shard(
                 pending.append(record)
             if pending and (record is None or len(pending) == ENCODE_BATCH):
                 encode = _encode_chats if render else _encode
-                for ids, mask in encode(pending, encoder, separator, fields.sft, dtype):
+                for ids, mask in encode(pending, encoder, separator, fields, dtype):
                     out.write(ids.tobytes())
                     if fields.sft:
                         mask_out.write(mask.tobytes())
@@ -209,9 +217,12 @@ def _separator(encoder) -> int | None:
     return 0 if encoder is None else tokens.end_of_text_id(encoder)
 
 
-def _encode(records: list[tuple], encoder, separator: int | None, sft: bool, dtype: str):
+def _encode(
+    records: list[tuple], encoder, separator: int | None, fields: corpora.Fields, dtype: str
+):
     """(token ids, loss mask) of each record: its text (or prompt then response) and the end
-    token. The mask is 1 on the response and the end token (the model learns to stop)."""
+    token. The mask is 1 on the response and the end token (the model learns to stop), and on
+    the prompt too under --train-on-input."""
     end = np.asarray([] if separator is None else [separator], dtype)
     columns = list(zip(*records, strict=True))
     if encoder is None:  # bytes: numpy views of the UTF-8 encoding, no per-token Python work
@@ -223,23 +234,26 @@ def _encode(records: list[tuple], encoder, separator: int | None, sft: bool, dty
     for parts in zip(*encoded, strict=True):
         ids = np.concatenate([np.asarray(part, dtype) for part in parts] + [end])
         mask = None
-        if sft:
+        if fields.sft:
             mask = np.zeros(len(ids), np.uint8)
-            mask[len(parts[0]) :] = 1
+            mask[0 if fields.train_on_input else len(parts[0]) :] = 1
         if len(ids):
             yield ids, mask
 
 
-def _encode_chats(records: list[tuple], encoder, separator: int | None, sft: bool, dtype: str):
+def _encode_chats(
+    records: list[tuple], encoder, separator: int | None, fields: corpora.Fields, dtype: str
+):
     """(token ids, loss mask) of each rendered chat (text, assistant spans): the text tokenized
     whole, without the tokenizer's own special tokens (the template writes those), then the
     end token; the mask is 1 on the tokens that start in an assistant span and on the end
-    token."""
+    token (on every token under --train-on-input)."""
     end = [] if separator is None else [separator]
     encoded = encoder.encode_batch([text for text, _ in records], add_special_tokens=False)
     for (_, spans), e in zip(records, encoded, strict=True):
         ids = np.asarray(e.ids + end, dtype)
-        mask = np.asarray(chat.counted(e.offsets, spans) + [1] * len(end), np.uint8)
+        counted = [1] * len(e.ids) if fields.train_on_input else chat.counted(e.offsets, spans)
+        mask = np.asarray(counted + [1] * len(end), np.uint8)
         if len(ids):
             yield ids, mask
 

@@ -107,21 +107,14 @@ def corpus_files(path: str, flag: str = "--data") -> list[Path]:
 
 def missing(path: str, flag: str = "--data") -> UsageError:
     """The error for a `flag` (--data, --eval-data) path that does not exist: what the flag
-    reads, and for a Hugging Face dataset id (org/name) that it is not downloaded."""
-    from spmd.io import hub
-
-    hub_id = (
-        f", and {path} as a Hugging Face dataset id is not downloaded: download its files "
-        f"and give their folder"
-        if hub.is_repo_id(path)
-        else ""
-    )
+    reads (a Hugging Face dataset id is resolved before this, spmd.io.hf_datasets)."""
     # a glob names no file itself: say that it matched none, not that it does not exist
     what = "matches no file" if any(c in path for c in "*?[") else "no such file or folder"
     return UsageError(
         f"{flag} {path}: {what}; {flag} reads local files (a text file or a "
         f"folder of them, a token .bin, JSONL / Parquet / Arrow records: a file, folder or "
-        f"glob) or a gs://, s3:// or other fsspec URL of them{hub_id}"
+        f"glob, a Hugging Face save_to_disk folder), a Hugging Face dataset id ORG/NAME[:SPLIT] "
+        f"or a gs://, s3:// or other fsspec URL of them"
     )
 
 

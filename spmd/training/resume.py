@@ -8,6 +8,7 @@ them (with this run's shardings), so new state such as a loss scale joins there.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spmd import sections
@@ -111,6 +112,33 @@ def open_checkpoints(
     if changed:
         say(f"changed since the checkpoint was saved: {', '.join(changed)}")
     return manager, restored
+
+
+def with_saved_template(cfg: Config) -> Config:
+    """Run `cfg`, resuming from its --checkpoint-dir, with the chat template its newest
+    checkpoint was trained with (saved there as text, spmd.io.templates): adopted where the run
+    gives none; UsageError where it gives another (the tokens would not be the same)."""
+    from spmd.io import checkpoint, params_io, templates, tokens
+
+    directory = cfg.checkpoint.checkpoint_dir
+    steps = checkpoint.complete_steps(directory)
+    saved = params_io.saved_config(directory, steps[-1]) if steps else {}
+    text = saved.get(templates.SAVED_KEY)
+    if not isinstance(text, str):
+        return cfg
+    given = cfg.data.chat_template
+    if given:
+        if templates.source(given) != text:
+            raise UsageError(
+                f"--chat-template {given} is not the chat template the checkpoint in {directory} "
+                f"was trained with (saved in it); resume without --chat-template to use that one"
+            )
+        return cfg
+    cache = Path(cfg.data.data_cache) if cfg.data.data_cache else tokens.default_cache_dir()
+    named = str(sections.flat_values(saved).get("chat_template", ""))
+    value = templates.adopted(named, text, cache)
+    say(f"resuming with the checkpoint's chat template (--chat-template {value})")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=value))
 
 
 def check_settings(cfg: Config, saved_config: dict[str, Any], where: str) -> None:
