@@ -220,10 +220,7 @@ def train_in_folder(
         trackers=run_folder.trackers_of(cfg, folder, require_tensorboard=bool(given_tensorboard)),
     )
     write_config_record(log, cfg, program, facts, pipe_report)
-    sampler = None
-    if folder and cfg.observe.sample_every:  # the model alone on the run's layout samples
-        model = builder.model_program(cfg.model, program.layout)
-        sampler = samples.Sampler(cfg, program, model, folder, log)
+    sampler, harness_eval = run_setup.watchers(cfg, program, folder, log, harness_tasks)
     from spmd.parallel import distributed
     from spmd.training.job import Heartbeat
     from spmd.training.loop import Run
@@ -231,13 +228,6 @@ def train_in_folder(
     def recompile(lr_factor: float) -> Any:
         rebuilt = builder.program(cfg, mesh, windows.fields, lr_factor=lr_factor)
         return rebuilt.compile_train_step(cfg.run.batch, cfg.run.seq_len)
-
-    harness_eval = None
-    if harness_tasks is not None:
-        from spmd.run.lm_eval_bridge import training_evaluator
-
-        rows = (cfg.run.seq_len, cfg.run.batch)
-        harness_eval = training_evaluator(cfg.data, harness_tasks, program, rows, log)
 
     def make_run(stop: Any) -> Run:
         return Run(

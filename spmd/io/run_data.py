@@ -182,6 +182,22 @@ def open_eval_sets(
     return sets
 
 
+def first_source_fields(data_cfg: DataConfig) -> corpora.Fields | None:
+    """The fields --data's (first) source is read by, told again without printing: what
+    prompts outside the data (--sample-prompts) are rendered like; None for text or tokens."""
+    path = data_cfg.data
+    if mixture.is_mixture(path) and not Path(path).exists():
+        path = mixture.parse_sources(path)[0][1]
+    local = source_path(data_cfg, path)
+    if not corpora.is_record_corpus(local):
+        return None
+
+    def first() -> tuple[str, list[str]]:
+        return corpora.first_record_names(corpora.record_shards(local)[0])
+
+    return formats.fields_for(data_cfg, first, lambda _line: None)
+
+
 def source_fields(data_cfg: DataConfig, path: str, flag: str) -> corpora.Fields | None:
     """The fields of source `path` where it is a record corpus (told once, for both its token
     file and its windows), else None."""

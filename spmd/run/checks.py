@@ -67,6 +67,11 @@ def check_choices(cfg: Config) -> None:
     from spmd.run import samples
 
     samples.check(cfg)
+    if cfg.data.eval_harness_every and samples.not_yet(cfg):  # it feeds the model alone too
+        raise UsageError(
+            f"--eval-harness-every does not evaluate under {samples.not_yet(cfg)} yet; run "
+            f"spmd.eval on a checkpoint, or leave --eval-harness-every out"
+        )
     check_paths(cfg)
     check_parallel(cfg)
     check_dcn_sync(cfg)

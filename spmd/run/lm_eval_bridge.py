@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
@@ -21,6 +21,9 @@ from spmd.log import say
 from spmd.run import harness_text
 from spmd.run.harness import Harness
 from spmd.sections import DataConfig
+
+if TYPE_CHECKING:
+    from spmd.engine.step import Program
 
 
 class SpmdLM(LM):
@@ -99,7 +102,11 @@ def training_tasks(data: DataConfig) -> tuple[list[str], TaskManager]:
 
 
 def training_evaluator(
-    data: DataConfig, tasks: tuple[list[str], TaskManager], program: Any, rows: tuple, log: Any
+    data: DataConfig,
+    tasks: tuple[list[str], TaskManager],
+    program: Program,
+    rows: tuple,
+    log: Any,
 ) -> Callable[[Any, int], dict[str, float]]:
     """evaluate(params, step) of a training run's --eval-harness-every: the `tasks` on the
     current params with the run's program and shardings (no copy of the weights), `rows`

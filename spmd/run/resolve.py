@@ -16,7 +16,7 @@ from spmd.errors import UsageError
 from spmd.io import hub
 from spmd.run import config
 from spmd.run.section_views import model_section
-from spmd.sections import LoraConfig, RunConfig, flag_name
+from spmd.sections import Config, LoraConfig, RunConfig, flag_name
 
 # MoE training knobs that --init-from-hf takes from the flags when given (config.json has none)
 ROUTER_KNOBS = ("capacity_factor", "aux_loss_coef", "aux_loss_scope", "z_loss_coef")
@@ -80,7 +80,7 @@ def steps_from_epochs(resolved: dict[str, Any]) -> dict[str, Any]:
     return {**resolved, "run": dataclasses.replace(run, steps=0)}
 
 
-def with_epochs(cfg: Any, windows: Any) -> Any:
+def with_epochs(cfg: Config, windows: Any) -> Config:
     """The run's Config (`cfg`) with the --steps that --epochs makes of its `windows` (read as
     one stream of epochs from now on, spmd.io.epochs), printed; `cfg` itself without --epochs.
     UsageError for what must fit in those steps (spmd.run.checks.check_steps)."""

@@ -20,6 +20,7 @@ from spmd.run.config import Config
 
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
+    from spmd.observe.metrics import MetricsLog
 
 
 def describe_program(cfg: Config, program: AnyProgram) -> dict[str, Any] | None:
@@ -110,3 +111,28 @@ def field_defaults(cls: type) -> dict[str, Any]:
         elif field.default_factory is not dataclasses.MISSING:
             found[field.name] = field.default_factory()
     return found
+
+
+def watchers(
+    cfg: Config, program: AnyProgram, folder: str | None, log: MetricsLog, harness_tasks: Any
+) -> tuple[Any, Any]:
+    """(sampler, harness evaluator) of a run: what --sample-every and --eval-harness-every run
+    on the training params between steps (None where off). Both feed the model alone on the
+    run's layout, which DiLoCo, pipelines and LoRA are refused (spmd.run.samples.not_yet)."""
+    from spmd.engine.step import Program
+    from spmd.io import run_data
+    from spmd.run import samples
+
+    sampler = harness_eval = None
+    if folder and cfg.observe.sample_every:
+        assert isinstance(program, Program)
+        model = builder.model_program(cfg.model, program.layout)
+        fields = run_data.first_source_fields(cfg.data)
+        sampler = samples.Sampler(cfg, program, model, folder, log, fields)
+    if harness_tasks is not None:
+        from spmd.run.lm_eval_bridge import training_evaluator
+
+        assert isinstance(program, Program)
+        rows = (cfg.run.seq_len, cfg.run.batch)
+        harness_eval = training_evaluator(cfg.data, harness_tasks, program, rows, log)
+    return sampler, harness_eval

@@ -12,9 +12,10 @@ same with or without samples. Greedy by default (`--sample-temperature 0`).
 
 FILE is text with one prompt per line (as spmd.generate's --prompts-file), or JSONL (a name
 ending in .jsonl) of records with a "prompt" string, which may span lines. A chat run
-(`--messages-field`) renders each prompt as a user message with the tokenizer's chat template
-and its generation prompt, as `spmd.generate --chat` does. Each row stops at the end-of-sequence
-ids spmd.generate would stop at for the checkpoint the run saves.
+(its records message lists: chat or sharegpt data) renders each prompt as a user message with
+the run's chat template (--chat-template, else the tokenizer's) and its generation prompt,
+as `spmd.generate --chat` does. Each row stops at the end-of-sequence ids spmd.generate would
+stop at for the checkpoint the run saves.
 
 Each sample goes to the run folder's samples.jsonl (`{"step", "prompt", "completion"}`, one
 line a prompt, appended by a resumed run), one console line per prompt, and the trackers (a W&B
@@ -27,13 +28,16 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spmd.errors import UsageError
 from spmd.log import is_primary, say
 from spmd.run.codec import Codec
 from spmd.sections import Config
 from spmd.training import run_folder
+
+if TYPE_CHECKING:
+    from spmd.engine.step import Program
 
 SAMPLES_FILE = run_folder.SAMPLES_FILE  # in the run folder
 PROMPT_FIELD = "prompt"  # a JSONL prompts file's field
@@ -71,18 +75,24 @@ def check(cfg: Config, folder: str | None = "") -> None:
         raise UsageError(
             f"--sample-temperature {o.sample_temperature} must be a finite number >= 0 (0: greedy)"
         )
+    what = not_yet(cfg)
+    if what:
+        raise UsageError(
+            f"--sample-every does not sample under {what} yet; sample from a checkpoint "
+            f"with spmd.generate, or leave --sample-every out"
+        )
+
+
+def not_yet(cfg: Config) -> str:
+    """What of a run the model alone cannot be fed the training params under yet (the
+    samples and --eval-harness-every run the model program on them): "" where nothing."""
     p = cfg.parallel
     refused = [
         ("a pipeline (pp > 1)", _axis(p.mesh, ("pp", "pipeline"))),
         ("LoRA", cfg.lora.lora_rank > 0),
         ("--dcn-sync diloco", p.dcn_sync == "diloco"),
     ]
-    for what, on in refused:
-        if on:
-            raise UsageError(
-                f"--sample-every does not sample under {what} yet; sample from a checkpoint "
-                f"with spmd.generate, or leave --sample-every out"
-            )
+    return next((what for what, on in refused if on), "")
 
 
 def _axis(mesh: str, names: tuple[str, ...]) -> bool:
@@ -131,9 +141,18 @@ class Sampler:
     """`sampler(step, state)`: sample every prompt from the training state's params, write
     the samples, and say them. Built once per run (its decoder compiles on first use)."""
 
-    def __init__(self, cfg: Config, program: Any, model: Any, folder: str, log: Any) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        program: Program,
+        model: Any,
+        folder: str,
+        log: Any,
+        fields: Any = None,
+    ) -> None:
         """`program`: the run's; `model`: the model alone on its layout (spmd.run.builder's
-        model_program); `log`: the run's MetricsLog (its trackers)."""
+        model_program); `log`: the run's MetricsLog (its trackers); `fields`: the training
+        data's (spmd.io.formats.Fields, as the data was read): a chat's are rendered."""
         from spmd import lora_base
         from spmd.io import eos
         from spmd.io.tokens import _load_tokenizer
@@ -144,7 +163,7 @@ class Sampler:
         self.texts = read_prompts(o.sample_prompts)
         tokenizer = cfg.data.tokenizer
         self.codec = Codec(_load_tokenizer(tokenizer), tokenizer) if tokenizer else Codec(None)
-        self.prompts = encode(cfg, self.texts, self.codec)
+        self.prompts = encode(fields, self.texts, self.codec)
         vocab = cfg.model.vocab_size
         for i, ids in enumerate(self.prompts):
             if any(not 0 <= t < vocab for t in ids):
@@ -194,14 +213,15 @@ class Sampler:
             say(f"  {row['prompt']!r} -> {row['completion']!r}")
 
 
-def encode(cfg: Config, texts: list[str], codec: Codec) -> list[list[int]]:
-    """The prompts' ids; a chat run's rendered as a user message and the generation prompt
-    with the tokenizer's chat template first."""
-    if not cfg.data.messages_field:
+def encode(fields: Any, texts: list[str], codec: Codec) -> list[list[int]]:
+    """The prompts' ids; a chat run's (its data `fields` are message lists, told by
+    --data-format or the records) rendered as a user message and the generation prompt with
+    the run's chat template (--chat-template, else the tokenizer's) first."""
+    if fields is None or not fields.chats:
         return [codec.encode(text) for text in texts]
     from spmd.io import chat
 
-    render = chat.Renderer(codec.path, "--sample-prompts")
+    render = chat.Renderer(codec.path, "--sample-prompts", fields.template)
     rendered = []
     for i, text in enumerate(texts):
         try:
