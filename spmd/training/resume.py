@@ -118,11 +118,20 @@ def with_saved_template(cfg: Config) -> Config:
     """Run `cfg`, resuming from its --checkpoint-dir, with the chat template its newest
     checkpoint was trained with (saved there as text, spmd.io.templates): adopted where the run
     gives none; UsageError where it gives another (the tokens would not be the same)."""
-    from spmd.io import checkpoint, params_io, templates, tokens
+    import json
+
+    from spmd import paths
+    from spmd.io import checkpoint, templates, tokens
 
     directory = cfg.checkpoint.checkpoint_dir
     steps = checkpoint.complete_steps(directory)
-    saved = params_io.saved_config(directory, steps[-1]) if steps else {}
+    # The saved config's JSON read as a file, not through orbax: this runs before the mesh,
+    # and orbax's restore starts JAX (a multi-process job, or --devices, needs it unstarted).
+    config_file = paths.epath(directory) / str(steps[-1]) / checkpoint.CONFIG / "metadata"
+    try:
+        saved = json.loads(config_file.read_text()) if steps else {}
+    except (OSError, ValueError):
+        return cfg  # an unreadable config: the restore names the problem after the mesh
     text = saved.get(templates.SAVED_KEY)
     if not isinstance(text, str):
         return cfg
