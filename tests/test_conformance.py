@@ -46,6 +46,7 @@ from tests.hf_fixtures import (
     state_bytes,
     train_run,
 )
+from tests.hf_fixtures import STEPS as TRAIN_STEPS
 
 ROPE_KEYS = ("architectures", "model_type", "rope_parameters")
 
@@ -305,13 +306,15 @@ def test_training_steps_on_a_sharded_mesh_equal_one_device(row, run):
     print(f"{row.name} {run}: losses {sharded.losses}, relative to one device {difference:.1e}")
     assert difference <= 1e-4
     assert sharded.losses[2] < sharded.losses[1] < sharded.losses[0]  # every step trains
-    # Adam's update of a near-zero gradient is about its sign: tests/test_parity.py's bound
+    # Adam's update of a near-zero gradient is about its sign: tests/test_parity.py's bound,
+    # and a rare element whose sign flipped between the layouts' reduction orders
+    flip = 2 * 3e-3 * TRAIN_STEPS  # train_run's lr
     for (path, value), expected in zip(
         jax.tree_util.tree_flatten_with_path(sharded.params)[0],
         jax.tree.leaves(one.params),
         strict=True,
     ):
-        np.testing.assert_allclose(value, expected, rtol=1e-3, atol=2e-5, err_msg=str(path))
+        trainer.assert_close_but_sign_flips(value, expected, flip, 1e-3, 2e-5, str(path))
 
 
 def setup(cfg, mesh: str, zero: int) -> cost.Setup:

@@ -218,7 +218,10 @@ def test_lion_sharded_trains_as_one_device():
     for mesh, zero, executor in [("fsdp=4", 1, "explicit"), ("dp=2,fsdp=2,tp=2", 3, "explicit")]:
         losses, params = _trained("lion", mesh, zero, executor)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert _max_difference(params, ref_params) < 1e-5, (mesh, zero, executor)
+        # every Lion update is a sign: a near-zero one may flip with the reduction order
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+            what = f"{mesh} zero {zero} {executor}"
+            trainer.assert_close_but_sign_flips(got, want, 2 * CFG.lr * STEPS, 0, 1e-5, what)
 
 
 def test_a_muon_of_the_slices_would_fail_the_sharded_check():
