@@ -53,6 +53,10 @@ class Optimizer:
     # model's spmd.model_shape.ModelShape: Muon's Newton-Schulz matmuls); None: elementwise
     # work, not counted
     update_flops: Callable[[Any], float] | None = None
+    # values of state per trained param that depend on the matrices' shapes (Adafactor's
+    # factored moments: m + n per m x n matrix), a function of the planner's
+    # spmd.estimate.cost.Setup, which the planner counts instead of the slots; None: the slots
+    state_values: Callable[[Any], float] | None = None
 
 
 def update_count(opt_state: Any) -> jax.Array | None:
