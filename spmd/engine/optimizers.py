@@ -18,14 +18,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.engine import adafactor, lion, muon, sgd
+from spmd.engine import adafactor, lion, muon, schedule_free, sgd
 from spmd.engine.optim import ADAMW, Optimizer, check_number, clip_by_global_norm, lr_schedule
 from spmd.errors import UsageError
 from spmd.sections import OptimizerConfig
 
 # The registry: one line per optimizer.
 OPTIMIZERS: dict[str, Optimizer] = {
-    o.name: o for o in (ADAMW, sgd.MOMENTUM, sgd.SGD, lion.LION, muon.MUON, adafactor.ADAFACTOR)
+    o.name: o
+    for o in (
+        ADAMW,
+        sgd.MOMENTUM,
+        sgd.SGD,
+        lion.LION,
+        muon.MUON,
+        adafactor.ADAFACTOR,
+        schedule_free.SCHEDULE_FREE_ADAMW,
+    )
 }
 
 
@@ -90,6 +99,8 @@ def check_fields(cfg: OptimizerConfig) -> None:
         raise UsageError(
             f"--adafactor-min-dim {cfg.adafactor_min_dim} must be 1 or more (a matrix side)"
         )
+    if chosen.check is not None:
+        chosen.check(cfg)
 
 
 def make_optimizer(
