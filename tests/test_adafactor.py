@@ -2,7 +2,7 @@
 alone (the matrices reshaped as Muon's, vectors whole) within 1e-6 over 10 fp32 steps; on
 fsdp=4 ZeRO-3 under the explicit executor it trains the tiny model as one device within 1e-5,
 and an Adafactor of the executor's slices would not; a resume is bitwise; the planner counts
-the factored state the engine allocates; its flag with another optimizer exits 2."""
+the factored state the engine allocates (its bad flags are rows of tests/test_bad_inputs.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from spmd.io import checkpoint, checkpoint_restore, data
 from spmd.run import builder
 from spmd.run.config import flat
 from tests import trainer
-from tests.cli import train_in_process
 from tests.test_muon_lion import CFG, NAMES, STEPS, _max_difference, _random_tree, _updates
 
 MIN_DIM = 32  # the tiny model's matrices are 32 to 256 wide: all factored from 32
@@ -182,12 +181,3 @@ def test_the_planner_counts_the_factored_state_the_engine_allocates():
         else:  # the tiny model has no side of 128: every param keeps its whole moment
             assert planned == 4
     assert adafactor.state_values(s) == 1.0
-
-
-def test_an_adafactor_flag_with_another_optimizer_exits_2():
-    done = train_in_process("--model", "tiny", "--adafactor-min-dim", "8", "--run-dir", "none")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "error: --adafactor-min-dim is --optimizer adafactor's; this run's --optimizer is "
-        "adamw (drop --adafactor-min-dim, or use --optimizer adafactor)"
-    )
