@@ -105,7 +105,9 @@ def saved_state(cfg: Config, view: dict[str, Any]) -> dict[str, Any]:
     frozen base."""
     if not adapter_only(cfg):
         return view
-    return {**view, "params": frozen.trainable(view["params"])}
+    held = [key for key in ("params", "eval_params") if key in view]  # eval: schedule-free's
+    stripped = {key: frozen.trainable(view[key]) for key in held}
+    return {**view, **stripped}
 
 
 def restore_target(cfg: Config, program: AnyProgram) -> dict[str, Any]:

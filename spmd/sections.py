@@ -149,6 +149,9 @@ class OptimizerConfig:
     # muon: the matrices' update RMS, as Moonlight's 0.2 x sqrt(max(m, n)) scale gives AdamW's
     # (so AdamW's LR transfers); 0: optax's unscaled update (orthogonal, RMS 1/sqrt(min(m, n)))
     muon_rms: float = 0.2
+    # adafactor: factor a matrix's second moment into row and column means when both its sides
+    # are at least this (optax's min_dim_size_to_factor); smaller ones keep it whole
+    adafactor_min_dim: int = 128
     outer_lr: float = 0.7  # diloco: outer optimizer (SGD, Nesterov momentum) learning rate
     outer_momentum: float = 0.9  # diloco: outer Nesterov momentum (0: plain SGD)
 

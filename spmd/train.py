@@ -273,7 +273,7 @@ def report_dry_run(
             facts["state_bytes_by_memory"],
             cfg.parallel.offload,
             lora_base.planner_fields(model_cfg, cfg.lora),
-            cfg.optimizer.optimizer,
+            cfg.optimizer,
         )
     )
     shape = family.of(model_cfg).shape(model_cfg)

@@ -116,6 +116,17 @@ CASES = [
     train("--optimizer muon --lion-beta1 0.5", says="--lion-beta1 is --optimizer lion's"),
     *map(train, ["--optimizer muon --muon-ns-steps 0", "--optimizer muon --muon-rms -1"]),
     *map(train, ["--optimizer lion --lion-beta2 1", "--optimizer muon --muon-momentum nan"]),
+    train("--adafactor-min-dim 8", says="--adafactor-min-dim is --optimizer adafactor's"),
+    train("--optimizer adafactor --adafactor-min-dim 0", says="must be 1 or more"),
+    train(
+        "--optimizer schedule-free-adamw --lr-schedule wsd",
+        says="--lr-schedule wsd decays the LR, which --optimizer schedule-free-adamw replaces",
+    ),
+    train("--optimizer schedule-free-adamw", says="--lr-schedule cosine decays the LR"),
+    train(
+        "--optimizer schedule-free-adamw --lr-schedule constant --dcn-sync diloco",
+        says="evaluates averaged params, which DiLoCo's outer step does not keep",
+    ),
     # the layout
     *map(train, ["--mesh dp=2,,tp=2", "--mesh dp=2,", "--mesh ''", "--mesh dp=1_6"]),
     *map(train, ["--mesh dp=0", "--devices -1", "--zero 4", "--collectives bogus"]),

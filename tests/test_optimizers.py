@@ -63,12 +63,15 @@ def test_planner_counts_the_state_the_engine_allocates(name, monkeypatch):
     # Muon's split is the planner's mean over its param kinds; its 3 Newton-Schulz
     # coefficients (12 B per run, not per param) are all that the planner leaves out
     rel = 0 if entry.matrix_state_slots is None else 12 / trainer.tiny_config().n_params()
+    # Adafactor's size-1 placeholders, which the planner leaves out: at most 2 fp32 values per
+    # array slice (the tiny model has 4 layers x 9 block arrays + embedding, head, final norm: 39)
+    slack = 0 if entry.state_values is None else 2 * 4 * 40 / trainer.tiny_config().n_params()
     for policy in ("fp32", "bf16"):  # bf16 adds the fp32 master copy
         allocated = allocated_bytes_per_param(name, policy)
         planned = planned_bytes_per_param(name, policy)
-        assert allocated == pytest.approx(planned, rel=rel, abs=0), (name, policy)
-    if entry.matrix_state_slots is None:
-        assert allocated == 4 + 4 * entry.state_slots
+        assert allocated == pytest.approx(planned, rel=rel, abs=slack), (name, policy)
+    if entry.matrix_state_slots is None:  # (Adafactor: nothing of the tiny model is factored)
+        assert allocated == pytest.approx(4 + 4 * entry.state_slots, rel=0, abs=slack)
     else:  # between the matrices' figure and the rest's
         assert 4 + 4 * entry.matrix_state_slots < allocated < 4 + 4 * entry.state_slots
 

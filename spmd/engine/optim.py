@@ -53,6 +53,17 @@ class Optimizer:
     # model's spmd.model_shape.ModelShape: Muon's Newton-Schulz matmuls); None: elementwise
     # work, not counted
     update_flops: Callable[[Any], float] | None = None
+    # values of state per trained param that depend on the matrices' shapes (Adafactor's
+    # factored moments: m + n per m x n matrix), a function of the planner's
+    # spmd.estimate.cost.Setup, which the planner counts instead of the slots; None: the slots
+    state_values: Callable[[Any], float] | None = None
+    # more checks of the run's optimizer section when this optimizer is chosen (UsageError),
+    # e.g. schedule-free AdamW's refusal of a decaying LR schedule
+    check: Callable[[OptimizerConfig], None] | None = None
+    # (master weights, the optimizer's own state) -> the params to evaluate, sample and export,
+    # for an optimizer that trains other params than those (schedule-free AdamW's average x);
+    # None: the params themselves
+    eval_params: Callable[[Any, Any], Any] | None = None
 
 
 def update_count(opt_state: Any) -> jax.Array | None:

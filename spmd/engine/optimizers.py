@@ -18,14 +18,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmd.engine import lion, muon, sgd
+from spmd.engine import adafactor, lion, muon, schedule_free, sgd
 from spmd.engine.optim import ADAMW, Optimizer, check_number, clip_by_global_norm, lr_schedule
 from spmd.errors import UsageError
 from spmd.sections import OptimizerConfig
 
 # The registry: one line per optimizer.
 OPTIMIZERS: dict[str, Optimizer] = {
-    o.name: o for o in (ADAMW, sgd.MOMENTUM, sgd.SGD, lion.LION, muon.MUON)
+    o.name: o
+    for o in (
+        ADAMW,
+        sgd.MOMENTUM,
+        sgd.SGD,
+        lion.LION,
+        muon.MUON,
+        adafactor.ADAFACTOR,
+        schedule_free.SCHEDULE_FREE_ADAMW,
+    )
 }
 
 
@@ -48,12 +57,15 @@ def check_resume(name: str, saved: dict[str, Any], where: str) -> None:
         )
 
 
-def state_bytes(name: str, value_bytes: int, matrix_share: float = 0.0) -> float:
+def state_bytes(name: str, value_bytes: int, matrix_share: float = 0.0, setup: Any = None) -> float:
     """Bytes of state optimizer `name` keeps per trained param, beside the master copy, when
     each of its values takes `value_bytes` (the master weights' dtype) and `matrix_share` of
     the trained params are hidden matrices (which an optimizer with `matrix_state_slots`
-    treats apart): what the planner counts, the mean over the params."""
+    treats apart): what the planner counts, the mean over the params. An entry with
+    `state_values` counts them from the planner's `setup` (spmd.estimate.cost.Setup) instead."""
     entry = get(name)
+    if entry.state_values is not None and setup is not None:
+        return entry.state_values(setup) * value_bytes
     if entry.matrix_state_slots is None or matrix_share == 0:
         return entry.state_slots * value_bytes  # whole bytes: an int, printed as one
     matrices = matrix_share * entry.matrix_state_slots
@@ -83,6 +95,12 @@ def check_fields(cfg: OptimizerConfig) -> None:
     if cfg.muon_ns_steps < 1:
         raise UsageError(f"--muon-ns-steps {cfg.muon_ns_steps} must be 1 or more iterations")
     check_number("--muon-rms", cfg.muon_rms, 0.0, math.inf, "0 (unscaled) or a positive RMS")
+    if cfg.adafactor_min_dim < 1:
+        raise UsageError(
+            f"--adafactor-min-dim {cfg.adafactor_min_dim} must be 1 or more (a matrix side)"
+        )
+    if chosen.check is not None:
+        chosen.check(cfg)
 
 
 def make_optimizer(

@@ -38,6 +38,8 @@ class StepOptions:
     - elementwise: the optimizer's update of each element reads only that element (AdamW,
       Lion; spmd.engine.optim.Optimizer.elementwise); False (Muon): the explicit executor
       updates whole params, gathered, instead of each device's slice.
+    - eval_params: (master weights, optimizer state) -> the params to evaluate and export
+      (schedule-free AdamW's average; Program.checkpoint_view's "eval_params"); None: the params.
     - exclude_axes: mesh axes the auto executor's activation rules leave to an enclosing vmap
       (spmd.engine.diloco sets them; `Program.train_fn` is then the step to vmap).
     """
@@ -53,6 +55,8 @@ class StepOptions:
     offload_state: str = "none"
     exclude_axes: tuple[str, ...] = ()
     elementwise: bool = True
+    # the optimizer's params to evaluate (spmd.engine.optim.Optimizer.eval_params), or None
+    eval_params: Any = None
 
     def pipelined(self, mesh: Any) -> bool:
         """Whether a pipeline schedule runs on `mesh`: one is given and pp > 1."""

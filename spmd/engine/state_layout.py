@@ -48,9 +48,13 @@ def state_shardings(
 
 
 def with_sharding(shapes: Any, shardings: Any) -> Any:
-    """`shapes` (ShapeDtypeStructs) carrying the matching leaves of `shardings`."""
+    """`shapes` (ShapeDtypeStructs) carrying the matching leaves of `shardings`; where one is
+    None (a compiled step's input it never reads, as Adafactor's size-1 placeholders), the
+    leaf keeps its own sharding."""
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh or s.sharding),
+        shapes,
+        shardings,
     )
 
 
@@ -67,18 +71,26 @@ def opt_state_shardings(
     shapes = jax.eval_shape(lambda m: precision.init_opt_state(tx, m, policy), master)
     per_param = rules.tree_shardings(names, master, layout.mesh, layout.zero_stage, "opt_state")
     _, inner_shapes = precision.split_opt_state(master, shapes, policy)
-    inner = optimizer_shardings(inner_shapes, per_param, layout.replicated)
+    inner = optimizer_shardings(inner_shapes, per_param, layout.replicated, master)
     return shapes, precision.join_opt_state(per_param, inner, policy)
 
 
-def optimizer_shardings(opt_shapes: Any, per_param: Any, replicated: Any) -> Any:
+def optimizer_shardings(
+    opt_shapes: Any, per_param: Any, replicated: Any, param_shapes: Any = None
+) -> Any:
     """Shardings of an optimizer state `opt_shapes`: a param-shaped leaf (Adam's m and v, Muon's
     momentum) takes the sharding in `per_param` of the param it copies, the rest (step counts,
     Muon's Newton-Schulz coefficients) `replicated`. A state leaf copies a param when its key
     path ends with the param's and the shapes agree: optax keeps each param-shaped tree whole
     under a field of its state, however deep partitions and masks nest it (optax's own
     tree_map_params needs an init that takes one placeholder for the whole tree, which
-    optax.contrib.muon's does not)."""
+    optax.contrib.muon's does not). With `param_shapes` (the params' ShapeDtypeStructs) the
+    shapes must be equal: a leaf at a param's path of another shape (Adafactor's row and column
+    means, its size-1 placeholders) is replicated."""
+    shape_of = {
+        tuple(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes)[0]
+    }
     by_path = {
         tuple(path): sharding
         for path, sharding in jax.tree_util.tree_flatten_with_path(
@@ -89,7 +101,10 @@ def optimizer_shardings(opt_shapes: Any, per_param: Any, replicated: Any) -> Any
 
     def sharding_of(path: tuple, leaf: Any) -> Any:
         for depth in depths:  # the longest param path that ends the leaf's
-            sharding = by_path.get(tuple(path[len(path) - depth :])) if depth <= len(path) else None
+            key = tuple(path[len(path) - depth :]) if depth <= len(path) else None
+            sharding = by_path.get(key) if key is not None else None
+            if param_shapes is not None and shape_of.get(key) != tuple(getattr(leaf, "shape", ())):
+                continue
             if sharding is not None and _fits(sharding, leaf):
                 return sharding
         return replicated

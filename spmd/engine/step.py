@@ -87,6 +87,8 @@ class Program:
     # --prefetch asked of the explicit executor: its ZeRO-3 layer scan gathers one layer ahead
     # when the layers are rematerialised (hooks.scan_layers; theory.prefetching)
     prefetch: bool = False
+    # the optimizer's (master, opt state) -> params to evaluate and export (StepOptions')
+    eval_params: Callable[[Any, Any], Any] | None = None
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """One optimizer step: (new state, metrics). `state` is donated: use the new one."""
@@ -101,7 +103,21 @@ class Program:
         master, inner = precision.split_opt_state(state["params"], state["opt_state"], self.policy)
         # frozen params (a LoRA base) are saved as held: in the working dtype
         master = frozen.join(frozen.trainable(master), frozen.split(state["params"])[1])
-        return {"params": master, "opt_state": inner, "loss_scale": state["loss_scale"]}
+        view = {"params": master, "opt_state": inner, "loss_scale": state["loss_scale"]}
+        if self.eval_params is not None:  # what evals, samples and exports read (fp32)
+            trained, fixed = frozen.split(master)
+            is_abstract = isinstance(jax.tree.leaves(trained)[0], jax.ShapeDtypeStruct)
+            averaged = trained if is_abstract else self.eval_params(trained, inner)
+            view["eval_params"] = frozen.join(averaged, fixed)
+        return view
+
+    def evaluated_params(self, state: Any) -> Any:
+        """The params the evals and the harness of `state` read, in the working dtype: its
+        params, or the optimizer's `eval_params` of them (schedule-free AdamW's average)."""
+        state = state if isinstance(state, dict) else TrainState(*state)._asdict()
+        if self.eval_params is None:
+            return state["params"]
+        return precision.cast(self.checkpoint_view(state)["eval_params"], self.policy.param_dtype)
 
     def abstract_checkpoint(self) -> dict[str, Any]:
         """The restore target of `checkpoint_view` on this program's mesh (resharding)."""
@@ -223,6 +239,7 @@ def build_program(
         makers=makers,
         prefetch=options.prefetch and executor == "explicit",
         batch_fields=options.batch_fields,
+        eval_params=options.eval_params,
         **abstract,
         **_jitted(abstract, makers, train_step, eval_step, shardings["batch"], layout.replicated),
     )

@@ -75,6 +75,8 @@ class Setup:
     # how attention crosses the context split (cp > 1; --cp-mode): ring (key / value blocks
     # passed round) or ulysses (all-to-alls to whole sequences of heads / cp heads each)
     cp_mode: str = "ring"
+    # --optimizer adafactor: the smaller side from which a matrix's second moment is factored
+    adafactor_min_dim: int = 128
 
     @property
     def devices(self) -> int:

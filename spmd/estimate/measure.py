@@ -220,21 +220,25 @@ def state_against_formula(
     by_memory: dict[str, dict[str, int]] | None = None,
     offload: str = "none",
     lora_fields: dict[str, Any] | None = None,
-    optimizer: str = OptimizerConfig.optimizer,
+    optimizer: OptimizerConfig | str = OptimizerConfig.optimizer,
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
     the ZeRO paper's formula for the same layout (spmd.estimate.memory), with compiled/formula
     ratios; under --offload also the bytes in device and in host memory (`by_memory`, from
     spmd.engine.offload.state_bytes_by_memory) beside the formula's split.
-    `model_cfg` is the run's model config (any family's: it describes its shape)."""
+    `model_cfg` is the run's model config (any family's: it describes its shape); `optimizer`
+    the run's optimizer section (or its --optimizer name: its other fields' defaults)."""
+    if isinstance(optimizer, str):
+        optimizer = OptimizerConfig(optimizer=optimizer)
     s = cost.Setup(
         shape=model_cfg.shape(),  # any model family's config describes its shape
         n_params=model_cfg.shape().n_params(),
         mesh=dict(mesh_sizes),
         zero=zero,
         precision=precision.precision,
-        optimizer=optimizer,
+        optimizer=optimizer.optimizer,
+        adafactor_min_dim=optimizer.adafactor_min_dim,
         batch=run.batch,
         seq_len=run.seq_len,
         accum=run.accum,

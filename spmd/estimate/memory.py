@@ -42,9 +42,11 @@ SCORE_COPIES = 3
 
 def bytes_per_param(s: cost.Setup) -> dict[str, float]:
     """Unsharded bytes per parameter: working params, gradients, master copy + moments (the
-    mean over the params for an optimizer that keeps more state on some: Muon)."""
+    mean over the params for an optimizer that keeps more state on some: Muon; Adafactor's
+    m + n per factored m x n matrix, spmd.engine.adafactor.state_values, which assumes its
+    factored means are sharded as the params are: they are replicated, m + n values)."""
     master = s.policy.itemsize("master") if s.policy.has_master else 0
-    state = optimizers.state_bytes(s.optimizer, s.policy.itemsize("master"), matrix_share(s))
+    state = optimizers.state_bytes(s.optimizer, s.policy.itemsize("master"), matrix_share(s), s)
     return {
         "params": s.bytes_of("weights"),
         "grads": s.bytes_of("grads"),

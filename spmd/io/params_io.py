@@ -3,7 +3,8 @@
 Any checkpoint folder of spmd.io.checkpoint (a training run's, or one written by `spmd.convert
 --from-hf`) can give back its params without its optimizer state: `saved_config` reads the
 config item (which says what model to build) and `restore_params` reads only the `params`
-subtree of the state item, straight into the shardings of the current mesh.
+subtree of the state item (its `eval_params` where it has them: schedule-free AdamW's
+average), straight into the shardings of the current mesh.
 
 A converted checkpoint is an ordinary checkpoint folder with one step, 0 (no optimizer step
 done), whose state holds only `params`: a Hugging Face model has no optimizer or data state, and
@@ -31,6 +32,9 @@ from spmd.log import warn
 
 CONVERTED_FROM = "converted_from"  # config key of a converted checkpoint: the source folder
 CONVERTED_STEP = 0
+# the state item's params to evaluate and export, where the optimizer trains others
+# (schedule-free AdamW: its average x; spmd.engine.step.Program.checkpoint_view)
+EVAL_PARAMS = "eval_params"
 
 
 def pick_step(directory: str, step: int = 0) -> int:
@@ -82,8 +86,10 @@ def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
         raise UsageError(
             f"{directory} step {step}: cannot read its state ({checkpoint.error_line(e)})"
         ) from None
-    _check_shapes(saved.get("params", {}), abstract_params, f"{directory} step {step}")
-    target = {"params": abstract_params}
+    # a schedule-free run's checkpoint holds the params to evaluate beside its train state's
+    key = EVAL_PARAMS if EVAL_PARAMS in saved else "params"
+    _check_shapes(saved.get(key, {}), abstract_params, f"{directory} step {step}")
+    target = {key: abstract_params}
     stray_reads.quiet_stray_reads()  # a failed read's others would print tracebacks
     try:
         restored = ocp.PyTreeCheckpointer().restore(
@@ -98,7 +104,7 @@ def restore_params(directory: str, step: int, abstract_params: Any) -> Any:
         raise UsageError(
             f"{directory} step {step}: cannot read its params ({checkpoint.error_line(e)})"
         ) from None
-    return restored["params"]
+    return restored[key]
 
 
 def _check_shapes(saved: Any, abstract_params: Any, where: str) -> None:

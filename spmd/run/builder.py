@@ -247,6 +247,7 @@ def options_of(
         # a program without an optimizer (loading, converting weights) has no state to offload
         offload_state=p.offload if train else "none",
         elementwise=optimizers.get(cfg.optimizer.optimizer).elementwise,
+        eval_params=optimizers.get(cfg.optimizer.optimizer).eval_params,
     )
 
 

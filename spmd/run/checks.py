@@ -37,6 +37,11 @@ def check_choices(cfg: Config) -> None:
 
     check_hyperparameters(cfg.optimizer)
     optimizers.check_fields(cfg.optimizer)  # another optimizer's flag; Lion's, Muon's numbers
+    if optimizers.get(cfg.optimizer.optimizer).eval_params and cfg.parallel.dcn_sync == "diloco":
+        raise UsageError(
+            f"--optimizer {cfg.optimizer.optimizer} evaluates averaged params, which DiLoCo's "
+            f"outer step does not keep: use --dcn-sync every-step or another --optimizer"
+        )
     if not cfg.run.epochs:  # else once the data says how many steps --epochs makes
         check_steps(cfg)
     precision.from_section(cfg.precision)  # UsageError naming the valid values

@@ -85,7 +85,7 @@ TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parall
 TRAIN_FLAGS += ("cp_mode",)
 TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather", "optimizer")
 TRAIN_FLAGS += ("init_from_hf", "init_from_peft", "lora_rank", "lora_targets")
-TRAIN_FLAGS += ("lora_base_dtype",)
+TRAIN_FLAGS += ("lora_base_dtype", "adafactor_min_dim")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
@@ -110,7 +110,9 @@ HELP = {
     # from the registry entries (fp32 values of state per param)
     "optimizer": "the update rule and its state per param beside the master weights: "
     + ", ".join(
-        f"{o.name} {4 * o.state_slots} B"
+        f"{o.name} 4 B, 4 (m + n) B per factored m x n matrix"
+        if o.state_values is not None
+        else f"{o.name} {4 * o.state_slots} B"
         if o.matrix_state_slots is None
         else f"{o.name} {4 * o.matrix_state_slots} B on hidden matrices, {4 * o.state_slots} B "
         "on the rest"

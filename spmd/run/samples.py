@@ -187,7 +187,8 @@ class Sampler:
         from spmd.run import decoding
 
         started = time.perf_counter()
-        params = self.program.checkpoint_view(state)["params"]  # the master weights
+        view = self.program.checkpoint_view(state)  # the master weights, or the optimizer's
+        params = view.get("eval_params", view["params"])  # params to evaluate (schedule-free)
         shardings = jax.tree.map(lambda x: x.sharding, self.model.abstract_params)
         params = jax.device_put(params, shardings)  # where they already are: no copy
         completions = decoding.generate(

@@ -160,6 +160,14 @@ class Progress:
         return record
 
 
+def evaluated(run: Run, state: dict[str, Any]) -> Any:
+    """The params the evals and the harness read: the state's, or its optimizer's params to
+    evaluate (schedule-free AdamW's average, Program.evaluated_params; a DiLoCo program has
+    none: refused with such an optimizer)."""
+    of = getattr(run.program, "evaluated_params", None)
+    return of(state) if of is not None else state["params"]
+
+
 def save_checkpoint(run: Run, step: int, state: dict[str, Any], reason: str) -> bool:
     """Save `state` at `step` with the data state and config (async; returns once queued), or
     refuse (and report) when the step was not finite. Returns whether it saved."""
@@ -252,7 +260,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     pending: tuple[int, dict] | None = None  # a step whose metrics are still on the device
     step, last = first, run.cfg.run.stop_after or run.cfg.run.steps
     if run.evaluates and run.cfg.data.eval_at_start and first == 1:
-        evaluate(state["params"], 0)
+        evaluate(evaluated(run, state), 0)
         progress.restart_clock()
     while step <= last:
         state, metrics = run_step(run, progress, state, step)
@@ -291,14 +299,14 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
             run.sampler(step, state)
             progress.clock.include("sample")  # the next step's time holds it: marked
         if evaluating:
-            measured = evaluate(state["params"], step)
+            measured = evaluate(evaluated(run, state), step)
             eval_loss = eval_loss if measured is None else measured
             progress.clock.include("eval")  # the next step's time holds it: marked
             if measured is None and not stop_reason:  # cut short by a stop all processes agreed
                 stop_reason, saving = run.stop.stop_now(step), run.manager is not None
         every = run.cfg.data.eval_harness_every
         if run.harness_eval is not None and every and step % every == 0 and not stop_reason:
-            run.harness_eval(state["params"], step)
+            run.harness_eval(evaluated(run, state), step)
             progress.clock.include("eval")
         if saving:
             reason = stop_reason or ("end" if step == run.cfg.run.steps else "every")
@@ -311,7 +319,7 @@ def train_loop(run: Run, state: dict[str, Any], first: int) -> int:
     if run.evaluates and (
         not run.cfg.data.eval_every or run.cfg.run.steps % run.cfg.data.eval_every
     ):
-        eval_loss = evaluate(state["params"], run.cfg.run.steps)
+        eval_loss = evaluate(evaluated(run, state), run.cfg.run.steps)
     write_summary(run, progress, eval_loss)
     return 0
 
