@@ -164,7 +164,7 @@ def test_lora_dpo_learns_the_preferred_rule(tmp_path):
             "--objective dpo trains on preference pairs, and the data has none",
         ),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--dpo-beta", "0"), "--dpo-beta 0.0 must"),
-        ((*FIELDS, "--data", PAIRS), "takes its reference model from LoRA's frozen base"),
+        ((*FIELDS, "--data", PAIRS), "needs a reference model: LoRA's frozen base"),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--mesh", "dp=2,cp=2"), "cp=2); use"),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--accum", "2"), "--accum 2 yet"),
         ((*FIELDS, "--data", f"a={PAIRS}:1,b={PAIRS}:1", "--lora-rank", "4"), "not a mixture"),
