@@ -115,3 +115,17 @@ def test_a_reference_that_cannot_serve_exits_2(tmp_path, flags, says):
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_accumulation_keeps_a_pairs_rows_in_one_micro_batch():
+    """Both executors' micro-batches (spmd.engine.accumulate.micro_batches): every accum-th
+    row, or under pairs every accum-th pair of rows (chosen 2i, rejected 2i + 1)."""
+    from spmd.engine.accumulate import micro_batches
+    from spmd.engine.options import StepOptions
+    from spmd.sections import PAIRS as RESPONSE
+
+    rows = jnp.arange(8)
+    assert micro_batches(rows, 2).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert micro_batches(rows, 2, 2).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert StepOptions(batch_fields=("inputs", "targets", RESPONSE)).row_group == 2
+    assert StepOptions().row_group == 1

@@ -284,24 +284,14 @@ def check_pairs(cfg: Config, layout: Layout, batch_fields: tuple[str, ...]) -> N
             f"--chosen-field / --rejected-field give preference pairs, which --objective {name} "
             f"does not read; use --objective dpo or orpo, or --response-field for SFT"
         )
-    if pairs and layout.mesh.shape["context"] > 1:
-        # the step's loss is right under cp, the metrics' forward (outside the step) is not yet
-        raise UsageError(
-            f"--objective {name} does not run under context parallelism yet (cp="
-            f"{layout.mesh.shape['context']}); use a mesh with cp=1"
-        )
-    if pairs and cfg.run.accum > 1:
-        # micro-batches take every accum-th row (spmd.engine.accumulate): a pair's two rows
-        # would land in different ones
-        raise UsageError(
-            f"--objective {name} does not run with --accum {cfg.run.accum} yet (a pair's rows "
-            f"would split across micro-batches); use --accum 1"
-        )
-    ways = layout.data_parallel
+    # accumulation keeps a pair's rows in one micro-batch (StepOptions.row_group), and the
+    # metrics' forward puts a batch in context parallelism's order as the step does
+    ways = layout.data_parallel * cfg.run.accum
     if pairs and cfg.run.batch % (2 * ways):
         raise UsageError(
             f"--batch {cfg.run.batch} must be a multiple of {2 * ways} under --objective {name}: "
-            f"2 rows (chosen, rejected) per pair on each of {ways} data-parallel ways"
+            f"2 rows (chosen, rejected) per pair on each of {layout.data_parallel} "
+            f"data-parallel ways x --accum {cfg.run.accum}"
         )
 
 
