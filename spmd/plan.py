@@ -186,6 +186,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: ModelConfig, plan
         offload=cfg.parallel.offload,
         **lora_base.planner_fields(model_cfg, cfg.lora),  # LoRA: a frozen base, adapters trained
         fp8_all_gather=cfg.precision.fp8_all_gather,
+        objective=cfg.run.objective,
     )
 
 

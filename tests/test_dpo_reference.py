@@ -129,3 +129,42 @@ def test_accumulation_keeps_a_pairs_rows_in_one_micro_batch():
     assert micro_batches(rows, 2, 2).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert StepOptions(batch_fields=("inputs", "targets", RESPONSE)).row_group == 2
     assert StepOptions().row_group == 1
+
+
+def test_the_planner_counts_the_reference_forward_and_the_copy(capsys):
+    """spmd.estimate: DPO's model FLOPs are next-token training's plus one forward of every
+    row (4/3 of them in a full fine-tune: 8 N against 6 N, as the run's own count), its
+    executed FLOPs the same forward more, and a full fine-tune's frozen copy doubles the
+    params and nothing else; LoRA-DPO's reference is the base (no bytes added). The plan
+    prints the figure."""
+    import dataclasses
+
+    from spmd import plan
+    from spmd.estimate import cost, memory, timing
+    from spmd.parallel.mesh import parse_mesh
+    from tests import trainer
+
+    model = trainer.tiny_config()
+    base = cost.Setup(
+        shape=model.shape(), n_params=model.n_params(), mesh=parse_mesh("dp=2,fsdp=2"),
+        zero=3, precision="bf16", optimizer="adamw", batch=16, seq_len=64,
+    )  # fmt: skip
+    dpo = dataclasses.replace(base, objective="dpo")
+    assert timing.model_flops(dpo) == pytest.approx(timing.model_flops(base) * 4 / 3)
+    forward = timing.reference_flops(dpo)
+    assert forward == pytest.approx(timing.model_flops(base) / 3)
+    assert timing.executed_flops(dpo) - timing.executed_flops(base) < forward
+    assert timing.executed_flops(dpo) - timing.executed_flops(base) > 0.9 * forward
+    plain, with_copy = memory.model_state_bytes(base), memory.model_state_bytes(dpo)
+    assert with_copy["params"] == pytest.approx(2 * plain["params"])
+    assert with_copy["optimizer"] == plain["optimizer"] and with_copy["grads"] == plain["grads"]
+    lora = dataclasses.replace(dpo, lora_rank=4, lora_targets=("q", "v"))
+    lora_next = dataclasses.replace(lora, objective="next_token")
+    assert memory.model_state_bytes(lora)["params"] == memory.model_state_bytes(lora_next)["params"]
+    assert timing.reference_flops(lora) == pytest.approx(forward)
+    assert timing.reference_flops(dataclasses.replace(base, objective="orpo")) == 0.0
+    args = ["--model", "tiny", "--mesh", "dp=2,fsdp=2", "--batch", "16", "--seq-len", "64"]
+    assert plan.main([*args, "--objective", "dpo"]) == 0
+    shown = capsys.readouterr().out
+    assert "DPO: 8 pairs per step (16 rows); the reference forward" in shown
+    assert "the reference is a frozen copy" in shown

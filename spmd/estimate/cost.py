@@ -75,6 +75,22 @@ class Setup:
     # how attention crosses the context split (cp > 1; --cp-mode): ring (key / value blocks
     # passed round) or ulysses (all-to-alls to whole sequences of heads / cp heads each)
     cp_mode: str = "ring"
+    # --objective (spmd.engine.objectives): DPO runs a reference forward (no backward) per
+    # step, on LoRA's frozen base or, in a full fine-tune, on a frozen copy of the params
+    objective: str = "next_token"
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each step runs a reference model's forward too (DPO)."""
+        from spmd.engine import objectives
+
+        return objectives.get(self.objective).reference is not None
+
+    @property
+    def reference_copy(self) -> bool:
+        """Whether the reference is a frozen copy of the params (a full fine-tune's DPO,
+        --dpo-reference) rather than LoRA's own base."""
+        return self.reference_forward and not self.lora_rank
 
     @property
     def devices(self) -> int:
