@@ -2,9 +2,11 @@
 
 Under LoRA the reference is the policy's own frozen base (models/lora.py `with_reference`).
 A full fine-tune trains every param, so its reference is a second model: a copy of the
-policy's architecture holding the weights of an spmd checkpoint folder (its newest step; a
-LoRA checkpoint merged, as spmd.generate reads it) or a Hugging Face folder / Hub id, read by
-the code `spmd.generate` and `--init-from-hf` read them with (spmd.run.weights).
+policy's architecture holding the weights of an spmd checkpoint folder of a whole model (its
+newest step: a full fine-tune's, or `spmd.convert --to`'s; a LoRA checkpoint is refused, to
+be merged with `--to-hf` first) or a Hugging Face folder / Hub id, read straight onto the
+copy's shardings by the readers `--init-from-hf` and `spmd.generate` use (models.family,
+spmd.io.params_io).
 
 The copy is attached to the policy module under the engine's `frozen` key
 (spmd.engine.frozen), so the params are {the policy's own, "frozen": the reference's}: the
@@ -30,7 +32,6 @@ from spmd.errors import UsageError
 
 if TYPE_CHECKING:
     from spmd.engine.diloco import AnyProgram
-    from spmd.parallel.layout import Layout
     from spmd.sections import Config
 
 FLAG = "--dpo-reference"
@@ -77,21 +78,21 @@ def _kind(source: str) -> str:
     )
 
 
-def check(cfg: Config, layout: Layout) -> None:
+def check(cfg: Config) -> None:
     """UsageError (one line, naming the value and what is valid) unless run `cfg`'s
     --dpo-reference is meaningful for its objective and LoRA, and names a model of the
-    policy's vocabulary and param shapes on `layout`: read from its config alone, before
-    anything compiles or loads."""
+    policy's vocabulary and param shapes: read from its config alone, before anything
+    compiles or loads."""
     source = cfg.preference.dpo_reference
     check_flags(cfg.run.objective, cfg.lora.lora_rank, source)
     if not source:
         return
-    from spmd.run import weights
+    from models import family
 
     if _kind(source) == "hf":
-        model_cfg = weights.describe("", 0, source).model
+        model_cfg = family.hf_model_config(source)
     else:
-        model_cfg = weights.describe(source, 0, "").model
+        model_cfg = family.config_from_dict(_saved_config(source).get("model", {}))
     theirs, ours = model_cfg.vocab_size, cfg.model.vocab_size
     if theirs != ours:
         raise UsageError(
@@ -99,8 +100,7 @@ def check(cfg: Config, layout: Layout) -> None:
             f"reference must be a model of the policy's vocabulary and shapes (e.g. the one "
             f"it was fine-tuned from)"
         )
-    found = _shapes(weights.model_program(model_cfg, layout).abstract_params)
-    want = _shapes(weights.model_program(cfg.model, layout).abstract_params)
+    found, want = _shapes(model_cfg), _shapes(cfg.model)
     for name, shape in want.items():
         if found.get(name) != shape:
             raise UsageError(
@@ -114,27 +114,43 @@ def check(cfg: Config, layout: Layout) -> None:
         )
 
 
-def _shapes(abstract: Any) -> dict[str, tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+def _saved_config(source: str) -> dict[str, Any]:
+    """The run config of the newest step of spmd checkpoint folder `source`; UsageError for
+    a LoRA run's (its adapters need merging into their base first)."""
+    from spmd.io import params_io
+
+    saved = params_io.saved_config(source, params_io.pick_step(source, 0))
+    if int(saved.get("lora", {}).get("lora_rank", 0) or 0):
+        raise UsageError(
+            f"{FLAG} {source} holds a LoRA run's adapters, not a whole model; merge them first "
+            f"(python -m spmd.convert --checkpoint {source} --to-hf DIR) and give {FLAG} DIR"
+        )
+    return saved
+
+
+def _shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Each param's shape (by path) of the family model `model_cfg`, traced, none made."""
+    from models import family
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: family.of(model_cfg).create(model_cfg, 0))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
     return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in leaves}
 
 
 def load(cfg: Config, program: AnyProgram) -> Any:
     """The reference params of run `cfg`'s --dpo-reference (`check`ed) on `program`'s frozen
-    part: its master dtypes and shardings."""
+    part: its master dtypes and shardings, read straight onto them."""
     from models import family
-    from spmd.run import weights
+    from spmd.io import params_io
 
     source = cfg.preference.dpo_reference
     target = program.abstract_master[frozen.FROZEN]
     if _kind(source) == "hf":
         return family.load_hf(family.open_hf(source), target)
-    params = weights.from_checkpoint(source, 0, program.layout).params
-    shardings = jax.tree.map(lambda t: t.sharding, target)
-    cast = jax.jit(
-        lambda p: jax.tree.map(lambda x, t: x.astype(t.dtype), p, target), out_shardings=shardings
-    )
-    return cast(params)
+    step = params_io.pick_step(source, 0)
+    params_io.verify_step(source, step)
+    return params_io.restore_params(source, step, target)
 
 
 def initial(cfg: Config, program: AnyProgram) -> tuple[Any, Any, Any]:

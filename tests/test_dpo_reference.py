@@ -29,20 +29,27 @@ def at_root(monkeypatch, request):
 
 
 @pytest.fixture(scope="module")
-def peft_checkpoint(tmp_path_factory, request) -> str:
-    """An spmd checkpoint of the peft policy of make_preference.py (BASE under the peft_llama
-    adapter): a LoRA run's one step at lr 1e-30, which leaves every value as it was."""
-    folder = tmp_path_factory.mktemp("peft_ck")
+def references(tmp_path_factory, request) -> dict[str, str]:
+    """Reference sources: "lora", an spmd checkpoint of the peft policy of make_preference.py
+    (BASE under the peft_llama adapter: a LoRA run's one step at lr 1e-30, which leaves every
+    value as it was); "peft", that model merged as a Hugging Face folder (spmd.convert
+    --to-hf); "base", BASE as an spmd checkpoint (spmd.convert --to)."""
+    from spmd import convert
+
+    folder = tmp_path_factory.mktemp("references")
     root = request.config.rootpath
     done = train_in_process(
         "--init-from-hf", str(root / BASE), "--init-from-peft", str(root / PEFT),
         "--data", str(root / PAIRS), "--prompt-field", "prompt", "--response-field", "chosen",
         "--seq-len", "16", "--batch", "4", "--steps", "1", "--lr", "1e-30",
         "--eval-fraction", "0", "--precision", "fp32", "--run-dir", "none", "--mesh", "dp=1",
-        "--checkpoint-dir", str(folder / "ck"), "--data-cache", str(folder / "cache"),
+        "--checkpoint-dir", str(folder / "lora"), "--data-cache", str(folder / "cache"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return str(folder / "ck")
+    lora, peft, base = (str(folder / name) for name in ("lora", "peft", "base"))
+    assert convert.main(["--checkpoint", lora, "--to-hf", peft, "--mesh", "dp=1"]) == 0
+    assert convert.main(["--from-hf", str(root / BASE), "--to", base, "--mesh", "dp=1"]) == 0
+    return {"lora": lora, "peft": peft, "base": base}
 
 
 def dpo_run(tmp_path, reference: str, *flags: str) -> list[dict]:
@@ -59,8 +66,9 @@ def dpo_run(tmp_path, reference: str, *flags: str) -> list[dict]:
     return [r for r in records(metrics) if r["kind"] in ("config", "train")]
 
 
-def test_a_reference_equal_to_the_policy_gives_log_2_and_stays_frozen(tmp_path):
-    config, first, second = dpo_run(tmp_path, BASE, "--steps", "2", "--warmup", "0")
+def test_a_reference_equal_to_the_policy_gives_log_2_and_stays_frozen(tmp_path, references):
+    # the reference from an spmd checkpoint of the policy's own weights
+    config, first, second = dpo_run(tmp_path, references["base"], "--steps", "2", "--warmup", "0")
     assert abs(first["loss"] - math.log(2)) < 1e-6
     for name in ("chosen", "rejected", "margins"):
         assert first[f"rewards/{name}"] == 0.0, name
@@ -74,20 +82,25 @@ def test_a_reference_equal_to_the_policy_gives_log_2_and_stays_frozen(tmp_path):
     assert state["opt_state"] == pytest.approx(2 * n * 4 / 2, rel=0.02)  # AdamW: mu, nu
 
 
-def test_a_reference_that_differs_gives_the_loss_of_both_models_logps(tmp_path, peft_checkpoint):
-    """Policy BASE, reference the peft model from an spmd (LoRA, adapter-only) checkpoint:
-    make_preference.py's two models with their roles swapped, so the loss is computed here
-    from transformers' log-probs."""
+def test_a_reference_that_differs_gives_the_loss_of_both_models_logps(tmp_path, references):
+    """Policy BASE, reference the peft model as a Hugging Face folder: make_preference.py's
+    two models with their roles swapped, so the loss is computed here from transformers'
+    log-probs. A LoRA checkpoint itself is refused, naming the export that merges it."""
     with np.load("tests/fixtures/preference/expected.npz") as npz:
         policy_c, policy_r = npz["reference_chosen"], npz["reference_rejected"]  # BASE's
         ref_c, ref_r = npz["policy_chosen"], npz["policy_rejected"]  # the peft model's
     margin = jnp.asarray((policy_c - policy_r) - (ref_c - ref_r))
     want = float(jnp.mean(-jax.nn.log_sigmoid(BETA * margin)))
-    _, got = dpo_run(tmp_path, peft_checkpoint, "--steps", "1")
+    _, got = dpo_run(tmp_path, references["peft"], "--steps", "1")
     assert abs(got["loss"] - want) < 1e-5, (got["loss"], want)
     assert abs(got["rewards/chosen"] - BETA * np.mean(policy_c - ref_c)) < 1e-5
     assert abs(got["rewards/rejected"] - BETA * np.mean(policy_r - ref_r)) < 1e-5
     assert abs(got["loss"] - math.log(2)) > 0.1  # the two models differ
+    done = train_in_process(
+        "--init-from-hf", BASE, "--objective", "dpo", "--dpo-reference", references["lora"],
+        "--data", PAIRS, *FIELDS, "--run-dir", "none", "--data-cache", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert done.returncode == 2 and "holds a LoRA run's adapters" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(

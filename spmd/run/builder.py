@@ -314,7 +314,7 @@ def program(
         if why is not None:
             raise UsageError(why)
     check_pairs(cfg, layout, batch_fields)
-    dpo_reference.check(cfg, layout)  # a full fine-tune's DPO reference, from its config
+    dpo_reference.check(cfg)  # a full fine-tune's DPO reference, from its config
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)
