@@ -187,6 +187,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: ModelConfig, plan
         **lora_base.planner_fields(model_cfg, cfg.lora),  # LoRA: a frozen base, adapters trained
         fp8_all_gather=cfg.precision.fp8_all_gather,
         adafactor_min_dim=cfg.optimizer.adafactor_min_dim,
+        objective=cfg.run.objective,
     )
 
 

@@ -344,6 +344,9 @@ class PreferenceConfig:
     # sigmoid: DPO's -log sigmoid(beta x margin); ipo: (margin - 1 / (2 beta))^2 on mean log-probs
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
     orpo_lambda: float = 0.1  # ORPO's weight of the odds-ratio term beside the chosen NLL (> 0)
+    # a full fine-tune's DPO reference: a frozen copy read from this spmd checkpoint folder,
+    # Hugging Face folder or Hub id, laid out as the policy (spmd.dpo_reference); "" = none
+    dpo_reference: str = ""
 
 
 SECTIONS: dict[str, type] = {

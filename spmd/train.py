@@ -413,15 +413,9 @@ def initial_state(run: Run, restored: Any) -> tuple[dict[str, Any], int] | None:
             say(f"the checkpoint at step {restored.step} already completes --steps {cfg.run.steps}")
             return None
         return program.from_checkpoint(restored.state)._asdict(), restored.step + 1
-    if cfg.run.init_from_hf:
-        from spmd.run.weights import init_from_hf
+    from spmd.run.weights import initial  # --init-from-hf, --dpo-reference or the seed
 
-        adapters = builder.lora_spec(cfg.model, cfg.lora)  # --init-from-peft's adapters
-        params, opt_state, loss_scale = init_from_hf(
-            cfg.run.init_from_hf, program, cfg.run.init_from_peft, adapters
-        )
-    else:
-        params, opt_state, loss_scale = program.init()
+    params, opt_state, loss_scale = initial(cfg, program)
     return {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}, 1
 
 

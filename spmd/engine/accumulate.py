@@ -44,6 +44,13 @@ def replica_axes(mesh: jax.sharding.Mesh, zero_stage: int) -> tuple[str, ...]:
     return tuple(a for a in split if a == "data" or zero_stage == 1)
 
 
+def micro_batches(x: jax.Array, accum: int, group: int = 1) -> jax.Array:
+    """[B, ...] -> [accum, B / accum, ...]: micro-batch i takes every accum-th group of `group`
+    consecutive rows, starting at group i (both executors' rule: a device's rows stay its)."""
+    x = x.reshape(x.shape[0] // (accum * group), accum, group, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(accum, x.shape[1] * group, *x.shape[3:])
+
+
 def accumulated_grads(
     grad_fn: GradFn,
     params: Any,
@@ -54,6 +61,7 @@ def accumulated_grads(
     grad_shardings: Any,
     reduce_dtype: Any = jnp.float32,
     exclude: tuple[str, ...] = (),
+    group: int = 1,
 ) -> tuple[jax.Array, Any]:
     """(loss, grads) of the whole batch from `accum` micro-batches, where `grad_fn(params,
     micro)` gives a micro-batch's per-token mean loss and its gradients.
@@ -62,7 +70,9 @@ def accumulated_grads(
     sequences of equal length, no padding), so the mean of those per-token means is the
     per-token mean of the whole batch: accum k trains exactly like one batch of k times the
     size. Gradients are accumulated in `reduce_dtype`. Mesh axes in `exclude` belong to an
-    enclosing `vmap(spmd_axis_name=...)` (spmd.engine.diloco's replicas) and are left alone."""
+    enclosing `vmap(spmd_axis_name=...)` (spmd.engine.diloco's replicas) and are left alone.
+    `group` consecutive rows stay in one micro-batch (2: a preference pair's chosen and
+    rejected rows, spmd.io.pairs)."""
     replicas = tuple(a for a in replica_axes(mesh, zero_stage) if a not in exclude)
     n_replicas = math.prod(mesh.shape[a] for a in replicas)
     within = tuple(
@@ -70,10 +80,11 @@ def accumulated_grads(
     )
 
     def split(x: jax.Array) -> jax.Array:
-        # [B, ...] -> [accum, R, B / (accum R), ...]. Micro-batch i takes every accum-th row,
-        # so each device's rows stay on that device and replica r's rows are replica r's.
+        # [B, ...] -> [accum, R, B / (accum R), ...]. Micro-batch i takes every accum-th row
+        # (group of rows), so each device's rows stay on that device and replica r's rows are
+        # replica r's.
         rows = x.shape[0] // (accum * n_replicas)
-        x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        x = micro_batches(x, accum, group)
         x = x.reshape(accum, n_replicas, rows, *x.shape[2:])
         spec = PartitionSpec(None, replicas or None, within or None)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

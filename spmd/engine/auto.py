@@ -57,6 +57,7 @@ def auto_steps(
                     shardings["grads"],
                     policy.reduce_dtype,
                     exclude,
+                    options.row_group,
                 )
         grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
         params, opt_state, loss_scale, grads = precision.apply_gradients(

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.engine import frozen, optim, precision
+from spmd.engine.accumulate import micro_batches
 from spmd.engine.options import StepOptions
 from spmd.parallel import buckets, collectives, traced_layout
 from spmd.parallel.layout import Layout
@@ -46,16 +47,21 @@ def _zeros_like(x: jax.Array) -> jax.Array:
 
 
 def local_grads(
-    grad_fn: Callable, params: Any, batch: dict[str, jax.Array], accum: int, reduce_dtype: Any
+    grad_fn: Callable,
+    params: Any,
+    batch: dict[str, jax.Array],
+    accum: int,
+    reduce_dtype: Any,
+    group: int = 1,
 ) -> tuple[jax.Array, Any]:
     """(mean loss, mean gradients) of this device's rows, unreduced across devices. With
-    accum > 1 micro-batch i takes every accum-th local row (the auto executor's rows) and the
-    gradients are summed in `reduce_dtype` by a lax.scan."""
+    accum > 1 micro-batch i takes every accum-th local row (group of `group` rows: a pair's;
+    the auto executor's rows) and the gradients are summed in `reduce_dtype` by a lax.scan."""
     if accum == 1:
         return grad_fn(params, batch)
 
     def split(x: jax.Array) -> jax.Array:
-        return x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        return micro_batches(x, accum, group)
 
     def body(carry: tuple, micro: dict) -> tuple[tuple, None]:
         loss_sum, grad_sum = carry
@@ -63,7 +69,7 @@ def local_grads(
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(reduce_dtype), grad_sum, grads)
         return (loss_sum + loss, grad_sum), None
 
-    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[::accum], batch))
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: split(x)[0], batch))
     shapes = (shapes[0], jax.tree.map(lambda g: g.update(dtype=reduce_dtype), shapes[1]))
     zeros = jax.tree.map(_zeros_like, shapes)
     # Each device adds only its own gradients: nothing crosses the wire inside the loop
@@ -209,6 +215,7 @@ def explicit_steps(
                 trained,
                 batch_axes,
                 bucket_bytes,
+                options.row_group,
             )
             grad_norm = collectives.global_norm(grads)
             params, opt_state, loss_scale = sliced_update(
@@ -268,14 +275,16 @@ def reduced_grads(
     specs: dict[str, Any],
     batch_axes: tuple[str, ...],
     bucket_bytes: int,
+    group: int = 1,
 ) -> tuple[jax.Array, Any]:
     """(the loss averaged over `batch_axes`, the gradients in the layout of specs["grads"],
     in the master dtype, unscaled): each device's local gradients of `local_loss`, summed over
-    the micro-batches, then reduced once per param or per bucket."""
+    the micro-batches (`group` rows kept together: local_grads), then reduced once per param
+    or per bucket."""
     grad_fn = precision.scaled_value_and_grad(local_loss, loss_scale, policy)
     # Gradients come out, are accumulated and reduced in the reduce dtype.
     varying = precision.cast(collectives.vary_over(params, batch_axes), policy.reduce_dtype)
-    loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype)
+    loss, grads = local_grads(grad_fn, varying, batch, accum, policy.reduce_dtype, group)
     # Buckets run in the reverse order of the forward pass's first use of each param.
     order = buckets.first_use_order(local_loss, varying, batch) if bucket_bytes > 0 else None
     grads = buckets.reduce_grads(

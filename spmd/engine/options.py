@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from spmd.engine import precision
-from spmd.sections import ParallelConfig
+from spmd.sections import PAIRS, ParallelConfig
 
 if TYPE_CHECKING:
     from spmd.parallel.pipeline import Pipeline
@@ -32,7 +32,8 @@ class StepOptions:
       collective each (0: one per param); auto leaves it to XLA's combine thresholds.
     - prefetch: explicit executor with ZeRO-3: gather each layer's params while the layer before
       it computes (spmd.parallel.layer_scan).
-    - batch_fields: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields).
+    - batch_fields: the keys of the batches the step takes (spmd.io.data.TokenWindows.fields);
+      a pair batch's (PAIRS) rows go to the micro-batches two by two (`row_group`).
     - offload_state: "none", "optimizer" (optimizer state and master weights in host memory
       between steps) or "params" (the params too); spmd.engine.offload.
     - elementwise: the optimizer's update of each element reads only that element (AdamW,
@@ -61,6 +62,13 @@ class StepOptions:
     def pipelined(self, mesh: Any) -> bool:
         """Whether a pipeline schedule runs on `mesh`: one is given and pp > 1."""
         return self.pipeline is not None and mesh.shape["pipeline"] > 1
+
+    @property
+    def row_group(self) -> int:
+        """Consecutive rows of a batch that accumulation keeps in one micro-batch: 2 for a
+        batch of preference pairs (its PAIRS field: a pair's chosen and rejected rows), else
+        1 (spmd.engine.accumulate.micro_batches)."""
+        return 2 if PAIRS in self.batch_fields else 1
 
     @property
     def bucket_bytes(self) -> int:

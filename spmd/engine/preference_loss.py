@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd.engine.objective import PAIRS, REFERENCE, FamilyLosses
+from spmd.parallel import hooks
 from spmd.sections import PreferenceConfig
 
 
@@ -24,8 +25,18 @@ def sequence_logps(fam: FamilyLosses, model: Any, batch: dict, mean: bool) -> ja
     """log p(response | prompt) of each row, fp32 [rows]: the sum over its response tokens
     (`mean`: divided by their count, at least 1)."""
     mask = batch[PAIRS].astype(jnp.float32)
-    logps = -jnp.sum(fam.token_losses(model, batch) * mask, axis=-1)
-    return logps / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if mean else logps
+    logps = -row_sum(fam.token_losses(model, batch) * mask)
+    return logps / jnp.maximum(row_sum(mask), 1.0) if mean else logps
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """The sum over each row's positions of x [rows, length], fp32 [rows]: where the explicit
+    executor splits a sequence over context parallelism's devices, with its other chunks'
+    (a psum), marked varying again as the chunk's own sum is, so that the per-device loss is
+    as the next-token loss is and its gradient the one device's (the cast transposes to a
+    psum, hooks.batch_mean)."""
+    own = jnp.sum(x, axis=-1)
+    return hooks.vary_like(hooks.sequence_sum(own), own)
 
 
 def _pairs(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,10 +72,10 @@ def orpo_terms(fam: FamilyLosses, knobs: PreferenceConfig, model: Any, batch: di
     mean log-probs, the rewards lambda x mean log-prob, and those log-probs."""
     mask = batch[PAIRS].astype(jnp.float32)
     token_losses = fam.token_losses(model, batch) * mask
-    counts = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    chosen, rejected = _pairs(-jnp.sum(token_losses, axis=-1) / counts)
-    chosen_sum, _ = _pairs(jnp.sum(token_losses, axis=-1))
-    chosen_count, _ = _pairs(jnp.sum(mask, axis=-1))
+    sums, tokens = row_sum(token_losses), row_sum(mask)
+    chosen, rejected = _pairs(-sums / jnp.maximum(tokens, 1.0))
+    chosen_sum, _ = _pairs(sums)
+    chosen_count, _ = _pairs(tokens)
     nll = jnp.sum(chosen_sum) / jnp.maximum(jnp.sum(chosen_count), 1.0)
     # log odds(p) = log p - log(1 - p), on the mean log-prob as TRL's ORPOTrainer
     log_odds = (chosen - rejected) - (jnp.log1p(-jnp.exp(chosen)) - jnp.log1p(-jnp.exp(rejected)))

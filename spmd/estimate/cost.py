@@ -77,6 +77,22 @@ class Setup:
     cp_mode: str = "ring"
     # --optimizer adafactor: the smaller side from which a matrix's second moment is factored
     adafactor_min_dim: int = 128
+    # --objective (spmd.engine.objectives): DPO runs a reference forward (no backward) per
+    # step, on LoRA's frozen base or, in a full fine-tune, on a frozen copy of the params
+    objective: str = "next_token"
+
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each step runs a reference model's forward too (DPO)."""
+        from spmd.engine import objectives
+
+        return objectives.get(self.objective).reference is not None
+
+    @property
+    def reference_copy(self) -> bool:
+        """Whether the reference is a frozen copy of the params (a full fine-tune's DPO,
+        --dpo-reference) rather than LoRA's own base."""
+        return self.reference_forward and not self.lora_rank
 
     @property
     def devices(self) -> int:

@@ -18,7 +18,7 @@ import jax
 from spmd.engine import offload as engine_offload
 from spmd.engine.state_layout import state_bytes_per_device
 from spmd.errors import UsageError
-from spmd.estimate import comms, cost, memory
+from spmd.estimate import comms, cost, memory, timing
 from spmd.estimate import offload as offload_model
 from spmd.parallel import mesh as mesh_lib
 from spmd.parallel.mesh import format_mesh
@@ -244,6 +244,7 @@ def state_against_formula(
         accum=run.accum,
         grad_reduce=precision.grad_reduce,
         **(lora_fields or {}),  # LoRA: spmd.estimate.lora.of_run
+        objective=run.objective,
     )
     state = memory.model_state_bytes(s)
     parts = []
@@ -261,6 +262,7 @@ def state_against_formula(
         f"{per_param['grads']} + {per_param['optimizer']:g} B/param, stage {zero}): "
         + "; ".join(parts)
     )
+    line += "\n" + timing.reference_words(s, state) if s.reference_forward else ""
     if offload == "none" or by_memory is None:
         return line
     formula = offload_model.split(state, offload)

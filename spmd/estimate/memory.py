@@ -67,7 +67,10 @@ def matrix_share(s: cost.Setup) -> float:
 
 def model_state_bytes(s: cost.Setup) -> dict[str, float]:
     """Bytes per device of params, grads and master + optimizer state, and their sum
-    ("model_state"); for an MoE also "experts", the routed experts' part of model_state."""
+    ("model_state"); for an MoE also "experts", the routed experts' part of model_state; for
+    a full fine-tune's DPO "reference", its frozen copy's part of the params (no gradient or
+    optimizer state; its forward keeps no activations for a backward pass, so activations
+    are the policy's)."""
     per_param = bytes_per_param(s)
     out = {
         role: per_param[role] * cost.params_per_device(s, s.zero >= SHARDED_FROM[role])
@@ -79,7 +82,13 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
             for role in ROLES
         }
         out["params"] += frozen_base_bytes(s, per_param["params"])
+    # a full fine-tune's DPO holds a frozen reference copy: params only, sharded as they are
+    reference = per_param["params"] * cost.params_per_device(s, s.zero >= SHARDED_FROM["params"])
+    reference = reference if s.reference_copy else 0.0
+    out["params"] += reference
     out["model_state"] = sum(out.values())
+    if reference:
+        out["reference"] = reference  # of the params
     if s.shape.n_experts:  # of which the routed experts' (split over ep x fsdp)
         roles = ("params",) if s.lora_rank else ROLES  # LoRA: frozen experts, no state
         out["experts"] = sum(

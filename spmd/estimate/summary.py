@@ -174,6 +174,8 @@ def report(s: cost.Setup, cluster: search.Cluster, name: str) -> dict[str, Any]:
         "sequence_parallel": s.sequence_parallel,
         "bytes_per_param": memory.bytes_per_param(s),
     }
+    if s.reference_forward:  # DPO: its reference's forward, and a full fine-tune's copy
+        out["reference"] = timing.reference_words(s, mem)
     if s.lora_rank:
         out["lora"] = {
             "rank": s.lora_rank,
@@ -417,6 +419,7 @@ def _measured_lines(m: dict) -> list[str]:
 def format_report(r: dict) -> str:
     """The plan as a table (decimal units: 1 GB = 1e9 bytes, not GiB)."""
     lines = _header(r) + _memory_lines(r) + _expert_lines(r) + _sequence_lines(r)
+    lines += [f"  {r['reference']}"] if "reference" in r else []
     lines += _time_lines(r)
     if "measured" in r:
         lines += _measured_lines(r["measured"])

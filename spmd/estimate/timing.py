@@ -20,6 +20,10 @@ its projection: models/adapter.py) adds 2 r (in + out) FLOPs per token forward, 
 that with its backward (A's and B's gradients, and x's through the adapter); under tensor
 parallelism the adapter halves on the unsplit `embed` side run whole on every tensor device
 (spmd.estimate.lora.tensor_replicated_flops), executed tp times.
+
+DPO (Setup.objective) adds its reference model's forward of every row, blocks, attention and
+head, with no backward (`reference_flops`): 8 N per token + attention where next-token
+training is 6 N, as the run's own count (spmd.observe.observer).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from spmd.estimate import (
     pipeline_figures,
 )
 from spmd.estimate.shape import shape_params
+from spmd.estimate.units import si
 
 
 def forward_flops_per_token(s: cost.Setup) -> dict[str, float]:
@@ -61,10 +66,34 @@ def weight_passes(s: cost.Setup) -> int:
 
 
 def model_flops(s: cost.Setup) -> float:
-    """Model FLOPs of one optimizer step over all devices (recomputation not counted)."""
+    """Model FLOPs of one optimizer step over all devices (recomputation not counted), with
+    DPO's reference forward (`reference_flops`)."""
     f = forward_flops_per_token(s)
     per_token = weight_passes(s) * (f["blocks"] + f["head"]) + 3 * (f["attention"] + f["adapters"])
-    return s.batch * s.seq_len * per_token
+    return s.batch * s.seq_len * per_token + reference_flops(s)
+
+
+def reference_flops(s: cost.Setup) -> float:
+    """FLOPs per step of DPO's reference model (LoRA's base with the adapters off, or the
+    frozen copy): one forward of every row, blocks, attention and head, and no backward; 0
+    for an objective without a reference."""
+    if not s.reference_forward:
+        return 0.0
+    f = forward_flops_per_token(s)
+    return s.batch * s.seq_len * (f["blocks"] + f["head"] + f["attention"])
+
+
+def reference_words(s: cost.Setup, state: dict[str, float]) -> str:
+    """The dry run's and the plan's line on DPO's reference: the pairs per step, the
+    reference forward's FLOPs per step (no backward) and, for a full fine-tune's frozen copy,
+    its bytes per device among the params (`state`: spmd.estimate.memory.model_state_bytes)."""
+    held = state.get("reference", 0.0)
+    where = f"a frozen copy, {held / 2**20:.2f} MiB of the params" if held else "LoRA's base"
+    return (
+        f"DPO: {s.batch // 2} pairs per step ({s.batch} rows); the reference forward "
+        f"{si(reference_flops(s), 'FLOP')} per step of the model's {si(model_flops(s), 'FLOP')}"
+        f" (no backward); the reference is {where}"
+    )
 
 
 def executed_flops(s: cost.Setup) -> float:
@@ -76,7 +105,7 @@ def executed_flops(s: cost.Setup) -> float:
     # the kernel computes only the causal share of the scores (its query chunks or key
     # blocks, the ring's blocks); model FLOPs count them whole, so the rest is taken off
     attention = f["attention"] * long_sequence.score_share(s.seq_len, s.context, s.cp_mode)
-    skipped = 3 * (f["attention"] - attention)
+    skipped = (3 + s.reference_forward) * (f["attention"] - attention)  # DPO: its reference's
     layer = f["blocks"] + attention + f["adapters"]
     replays = layer * (s.pipelined + (s.remat == "full"))
     replays += attention * (s.remat in ("dots_saveable", "offload"))

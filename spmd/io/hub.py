@@ -46,7 +46,7 @@ SUBFOLDERS = ["*/*"]  # e.g. Llama's original/ (consolidated .pth): never read h
 # a dataset's files spmd reads (at any depth: the Hub's data/train-*.parquet)
 DATASET_FILES = ("*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.json")
 # config fields naming a Hugging Face folder
-FOLDER_FIELDS = ("init_from_hf", "from_hf", "lora_base")
+FOLDER_FIELDS = ("init_from_hf", "from_hf", "lora_base", "dpo_reference")
 TOKENIZER_FIELDS = ("tokenizer",)  # config fields naming a tokenizer.json
 
 

@@ -149,15 +149,21 @@ def make_observer(
 
 def model_metrics(program: AnyProgram, metrics_fn: Any) -> Any:
     """jitted (params, batch) -> metrics_fn(model, batch): a forward pass under the auto layout
-    of the program's mesh (the same math under either executor), metrics replicated."""
+    of the program's mesh (the same math under either executor), metrics replicated. Under
+    context parallelism the batch is put in the ring's order and attention runs as the step's
+    does (the loss's own wrapper, spmd.engine.step, does the same for the step)."""
 
-    from spmd.parallel import traced_layout
+    from spmd.parallel import hooks, traced_layout
 
-    mesh, zero = program.layout.mesh, program.layout.zero_stage
+    layout = program.layout
+    mesh, zero = layout.mesh, layout.zero_stage
 
     def run(params: Any, batch: Any) -> Any:
-        with traced_layout.activation_layout(mesh, zero):
-            return metrics_fn(program.model(params), batch)
+        with (
+            traced_layout.activation_layout(mesh, zero),
+            traced_layout.context_attention(layout.cp_mode),
+        ):
+            return metrics_fn(program.model(params), hooks.split_sequences(batch))
 
     return jax.jit(run, out_shardings=program.layout.replicated)
 

@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from models import family, finetune
+from spmd import dpo_reference
 from spmd.engine import diloco, objectives, optimizers, precision
 from spmd.engine.diloco import AnyProgram
 from spmd.engine.objective import PAIRS, REFERENCE
@@ -135,7 +136,10 @@ def build(
         tx = with_sign_rule(tx, *spec.sign_rule)
     if sync is not None:
         if spec.frozen:
-            raise UsageError("LoRA (--lora-rank > 0) does not run under --dcn-sync diloco yet")
+            raise UsageError(
+                "frozen params (LoRA's base, --dpo-reference's copy) do not run under "
+                "--dcn-sync diloco yet; leave --dcn-sync out"
+            )
         return diloco.build(spec.make, spec.loss, tx, layout, sync, options)
     return build_program(spec.make, spec.loss, tx, layout, options)
 
@@ -175,15 +179,21 @@ def model_spec(
     adapted model (the LoraModel has only the CausalLM pieces of the family's model).
     UsageError for an objective no entry of the registry names, or knobs (`knobs`: the
     [preference] section) it refuses. An objective with a reference (DPO) reads it from LoRA's
-    frozen base, adapters off: without adapters it is refused (no frozen copy yet)."""
+    frozen base, adapters off, or (a full fine-tune) from the frozen copy of --dpo-reference
+    (spmd.dpo_reference), and is refused with neither."""
     fam = family.of(model_cfg)
     chosen, knobs = objectives.get(objective), knobs or PreferenceConfig()
     objective_loss = chosen.loss(fam, knobs)
     tensors = fam.hf.tensors if fam.hf else ()
+    rank = adapters.rank if adapters is not None else 0
+    dpo_reference.check_flags(objective, rank, knobs.dpo_reference)
+    copy = bool(knobs.dpo_reference)  # a full fine-tune's frozen reference copy
 
     def make(seed: int) -> nnx.Module:
         model = fam.create(model_cfg, seed, policy.compute_dtype)
         assert isinstance(model, nnx.Module)  # a family's CausalLM is an NNX module
+        if copy:  # its weights come from --dpo-reference (spmd.dpo_reference.initial)
+            return dpo_reference.attach(model, fam.create(model_cfg, seed, policy.compute_dtype))
         return model if adapters is None else finetune.with_lora(model, adapters, tensors, seed)
 
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
@@ -207,17 +217,17 @@ def model_spec(
         own = own if adapters is None else finetune.lora_metrics(own)
         metrics = own if metrics is None else _both(metrics, own)
     if chosen.reference is not None:
-        if adapters is None:
+        if adapters is None and not copy:
             raise UsageError(
-                f"--objective {objective} takes its reference model from LoRA's frozen base; "
-                f"give --lora-rank > 0 (a full fine-tune's frozen reference copy is not built yet)"
+                f"--objective {objective} needs a reference model: LoRA's frozen base "
+                f"(--lora-rank > 0) or, for a full fine-tune, --dpo-reference PATH_OR_HUB_ID"
             )
         reference = chosen.reference(fam, knobs)
         loss = finetune.with_reference(loss, reference, REFERENCE)
         assert metrics is not None  # a reference objective logs its rewards
         metrics = finetune.with_reference(metrics, reference, REFERENCE)
     dropout = adapters.dropout if adapters is not None else 0.0
-    frozen = adapters is not None
+    frozen = adapters is not None or copy
     rate = shape.router_bias_rate  # an MoE's balancing (models/moe_routing.py)
     rule = ("router_bias", rate) if moe and rate else None
     return ModelSpec(make, loss, check_layout, moe, frozen, dropout, metrics, rule)
@@ -275,24 +285,14 @@ def check_pairs(cfg: Config, layout: Layout, batch_fields: tuple[str, ...]) -> N
             f"--chosen-field / --rejected-field give preference pairs, which --objective {name} "
             f"does not read; use --objective dpo or orpo, or --response-field for SFT"
         )
-    if pairs and layout.mesh.shape["context"] > 1:
-        # the step's loss is right under cp, the metrics' forward (outside the step) is not yet
-        raise UsageError(
-            f"--objective {name} does not run under context parallelism yet (cp="
-            f"{layout.mesh.shape['context']}); use a mesh with cp=1"
-        )
-    if pairs and cfg.run.accum > 1:
-        # micro-batches take every accum-th row (spmd.engine.accumulate): a pair's two rows
-        # would land in different ones
-        raise UsageError(
-            f"--objective {name} does not run with --accum {cfg.run.accum} yet (a pair's rows "
-            f"would split across micro-batches); use --accum 1"
-        )
-    ways = layout.data_parallel
+    # accumulation keeps a pair's rows in one micro-batch (StepOptions.row_group), and the
+    # metrics' forward puts a batch in context parallelism's order as the step does
+    ways = layout.data_parallel * cfg.run.accum
     if pairs and cfg.run.batch % (2 * ways):
         raise UsageError(
             f"--batch {cfg.run.batch} must be a multiple of {2 * ways} under --objective {name}: "
-            f"2 rows (chosen, rejected) per pair on each of {ways} data-parallel ways"
+            f"2 rows (chosen, rejected) per pair on each of {layout.data_parallel} "
+            f"data-parallel ways x --accum {cfg.run.accum}"
         )
 
 
@@ -315,6 +315,7 @@ def program(
         if why is not None:
             raise UsageError(why)
     check_pairs(cfg, layout, batch_fields)
+    dpo_reference.check(cfg)  # a full fine-tune's DPO reference, from its config
     options = options_of(cfg, layout, batch_fields, train)
     tx = optimizer(cfg, lr_factor) if train else optax.identity()
     spec = run_model(cfg)

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from models import family, finetune
-from spmd import lora_base
+from spmd import dpo_reference, lora_base
 from spmd.engine import frozen
 from spmd.engine.step import Program
 from spmd.errors import UsageError
@@ -27,6 +27,7 @@ from spmd.sections import LoraConfig
 if TYPE_CHECKING:
     from models.contract import ModelConfig
     from spmd.engine.diloco import AnyProgram
+    from spmd.sections import Config
 
 
 @dataclasses.dataclass
@@ -176,6 +177,18 @@ def init_from_hf(
         return tuple(program.start(frozen.join(trained, base)))
     fresh = frozen.trainable(program.checkpoint_view(program.init())["params"])
     return tuple(program.start(frozen.join(fresh, base)))
+
+
+def initial(cfg: Config, program: AnyProgram) -> tuple[Any, Any, Any]:
+    """(params, optimizer state, loss scale) a fresh run `cfg` starts from: DPO's reference
+    copy read with the policy (spmd.dpo_reference), --init-from-hf's weights (and
+    --init-from-peft's adapters), or the seed's init."""
+    if dpo_reference.wanted(cfg):
+        return dpo_reference.initial(cfg, program)
+    if cfg.run.init_from_hf:
+        adapters = builder.lora_spec(cfg.model, cfg.lora)  # --init-from-peft's adapters
+        return init_from_hf(cfg.run.init_from_hf, program, cfg.run.init_from_peft, adapters)
+    return tuple(program.init())
 
 
 def from_hf(directory: str, layout: Layout) -> Loaded:
