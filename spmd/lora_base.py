@@ -108,7 +108,7 @@ def saved_state(cfg: Config, view: dict[str, Any]) -> dict[str, Any]:
     if not adapter_only(cfg):
         return view
     held = [key for key in ("params", "eval_params") if key in view]  # eval: schedule-free's
-    stripped = {key: frozen.trainable(view[key]) for key in held}
+    stripped: dict[str, Any] = {key: frozen.trainable(view[key]) for key in held}
     return {**view, **stripped}
 
 

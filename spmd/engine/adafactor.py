@@ -98,10 +98,11 @@ def _as_matrices(
         return matrix.reshape(view.rows, -1)
 
     def from_matrix(view: View, u: Any, p: Any) -> Any:
-        if _masked(u) or not view.factored:
+        if _masked(u) or view.order is None or not view.factored:
             return u
-        stacked = u.reshape([p.shape[i] for i in view.order])
-        inverse = sorted(range(len(view.order)), key=view.order.__getitem__)
+        order = view.order
+        stacked = u.reshape([p.shape[i] for i in order])
+        inverse = sorted(range(len(order)), key=order.__getitem__)
         return stacked.transpose(inverse)
 
     def matrices(tree: Any) -> Any:

@@ -101,8 +101,10 @@ def optimizer_shardings(
 
     def sharding_of(path: tuple, leaf: Any) -> Any:
         for depth in depths:  # the longest param path that ends the leaf's
-            key = tuple(path[len(path) - depth :]) if depth <= len(path) else None
-            sharding = by_path.get(key) if key is not None else None
+            if depth > len(path):
+                continue
+            key = tuple(path[len(path) - depth :])
+            sharding = by_path.get(key)
             if param_shapes is not None and shape_of.get(key) != tuple(getattr(leaf, "shape", ())):
                 continue
             if sharding is not None and _fits(sharding, leaf):

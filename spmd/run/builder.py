@@ -193,7 +193,9 @@ def model_spec(
         model = fam.create(model_cfg, seed, policy.compute_dtype)
         assert isinstance(model, nnx.Module)  # a family's CausalLM is an NNX module
         if copy:  # its weights come from --dpo-reference (spmd.dpo_reference.initial)
-            return dpo_reference.attach(model, fam.create(model_cfg, seed, policy.compute_dtype))
+            reference = fam.create(model_cfg, seed, policy.compute_dtype)
+            assert isinstance(reference, nnx.Module)
+            return dpo_reference.attach(model, reference)
         return model if adapters is None else finetune.with_lora(model, adapters, tensors, seed)
 
     def check_layout(mesh: jax.sharding.Mesh, executor: str) -> None:
