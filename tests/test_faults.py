@@ -81,7 +81,8 @@ def stopped_step(out: str) -> int:
     return next(iter(announced.values()))
 
 
-@pytest.mark.parametrize("target", ["rank 1", "both, 0.5 s apart", "the launcher"])
+# "rank 1": one process asks and both agree; "the launcher": it forwards the signal to both
+@pytest.mark.parametrize("target", ["rank 1", "the launcher"])
 def test_a_stop_signal_ends_the_job_at_one_saved_step(tmp_path, target):
     checkpoints = tmp_path / "ck"
     command = [sys.executable, "-m", "spmd.train", *RUN, "--steps", "2000"]
@@ -95,9 +96,6 @@ def test_a_stop_signal_ends_the_job_at_one_saved_step(tmp_path, target):
         launcher.send_signal(signal.SIGTERM)
     else:
         os.kill(rank1, signal.SIGTERM)
-        if target.startswith("both"):
-            time.sleep(0.5)
-            os.kill(rank0, signal.SIGTERM)
     out = finish(launcher, lines, started)
     assert launcher.returncode == 0, out[-3000:]
     for pid in (rank0, rank1):  # nothing left behind

@@ -58,8 +58,9 @@ def loss_and_grads(model: gemma2.Gemma, blocks, x: jax.Array) -> tuple:
 
 @pytest.mark.parametrize(
     "cfg, remat, scanned",
-    [(GEMMA2, "none", True), (GEMMA3, "full", True), (GEMMA3, "dots_saveable", False)],
-    ids=["gemma2", "gemma3-remat-full", "gemma3-unrolled"],
+    # the unrolled stack's windows are ints (no lax.cond): the forward test below covers it
+    [(GEMMA2, "none", True), (GEMMA3, "full", True)],
+    ids=["gemma2", "gemma3-remat-full"],
 )
 def test_static_windows_equal_the_traced_window_program(cfg, remat, scanned, monkeypatch):
     model = gemma2.create(dataclasses.replace(cfg, remat=remat, scan_layers=scanned), seed=0)

@@ -89,7 +89,8 @@ def assert_same(losses: dict, reference: dict) -> None:
     assert np.max(np.abs(got - want) / want) <= 1e-4, (steps, got, want)
 
 
-@pytest.mark.parametrize("mesh", ["dp=8", "dp=2,tp=4"])
+# dp=2,tp=4 over two processes is the resume test's last leg (tp across them, --dcn-mesh tp=2)
+@pytest.mark.parametrize("mesh", ["dp=8"])
 def test_two_processes_match_one(reference, mesh):
     tmp, want = reference
     losses = train(tmp, mesh, 2, "--mesh", mesh)
