@@ -315,9 +315,8 @@ def resolve_sections(argv: list[str] | None) -> dict[str, Any]:
     """The config tree of the command line (and `print_config`, whether --print-config was
     given; "given", the fields the user gave); with --init-from-hf the Hugging Face folder's
     config.json is the architecture."""
-    return resolve.steps_from_epochs(
-        resolve.run_config(argv, "python -m spmd.train", printable=True)
-    )
+    resolved = resolve.run_config(argv, "python -m spmd.train", printable=True)
+    return resolve.with_optimizer_defaults(resolve.steps_from_epochs(resolved))
 
 
 def compile_step(cfg: Config, program: AnyProgram) -> tuple:

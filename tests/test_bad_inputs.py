@@ -122,7 +122,10 @@ CASES = [
         "--optimizer schedule-free-adamw --lr-schedule wsd",
         says="--lr-schedule wsd decays the LR, which --optimizer schedule-free-adamw replaces",
     ),
-    train("--optimizer schedule-free-adamw", says="--lr-schedule cosine decays the LR"),
+    train(
+        "--optimizer schedule-free-adamw --lr-schedule cosine",
+        says="--lr-schedule cosine decays the LR",
+    ),
     train(
         "--optimizer schedule-free-adamw --lr-schedule constant --dcn-sync diloco",
         says="evaluates averaged params, which DiLoCo's outer step does not keep",

@@ -86,3 +86,15 @@ def test_evals_and_exports_read_the_average(tmp_path):
 
 def test_schedule_free_resume_is_bitwise(tmp_path):
     resume_is_bitwise(_program(), jax.device_get(tuple(_program().init())), tmp_path)
+
+
+def test_without_a_schedule_given_it_takes_its_own_constant_one():
+    from spmd import train
+
+    def schedule(*argv: str) -> str:
+        return train.resolve_sections(["--model", "tiny", *argv])["optimizer"].lr_schedule
+
+    assert schedule("--optimizer", "schedule-free-adamw") == "constant"
+    given = ("--optimizer", "schedule-free-adamw", "--lr-schedule", "linear")
+    assert schedule(*given) == "linear"  # given: kept (and refused by the run's check)
+    assert schedule("--optimizer", "adamw") == "cosine"  # the section's default

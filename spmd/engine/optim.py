@@ -64,6 +64,9 @@ class Optimizer:
     # for an optimizer that trains other params than those (schedule-free AdamW's average x);
     # None: the params themselves
     eval_params: Callable[[Any, Any], Any] | None = None
+    # OptimizerConfig fields this optimizer sets where the user gave none (spmd.run.resolve):
+    # schedule-free AdamW's constant LR schedule, which its average replaces the decay of
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 def update_count(opt_state: Any) -> jax.Array | None:

@@ -54,7 +54,8 @@ def averaged(params: Any, opt_state: Any) -> Any:
 
 
 def check(cfg: OptimizerConfig) -> None:
-    """UsageError for an LR schedule that decays: schedule-free replaces the decay."""
+    """UsageError for an LR schedule that decays, given by the user (without one the run takes
+    `defaults`' constant): schedule-free replaces the decay."""
     if cfg.lr_schedule != "constant":
         raise UsageError(
             f"--lr-schedule {cfg.lr_schedule} decays the LR, which --optimizer "
@@ -71,4 +72,5 @@ SCHEDULE_FREE_ADAMW = Optimizer(
     state_slots=2,  # z and the second moment
     check=check,
     eval_params=averaged,
+    defaults=(("lr_schedule", "constant"),),
 )

@@ -80,6 +80,21 @@ def steps_from_epochs(resolved: dict[str, Any]) -> dict[str, Any]:
     return {**resolved, "run": dataclasses.replace(run, steps=0)}
 
 
+def with_optimizer_defaults(resolved: dict[str, Any]) -> dict[str, Any]:
+    """`resolved` with the chosen optimizer's own defaults (its entry's `defaults`) in the
+    optimizer section's fields the user did not give: --optimizer schedule-free-adamw alone
+    trains on a constant LR, where the section's default schedule decays."""
+    from spmd.engine import optimizers
+
+    section = resolved["optimizer"]
+    own = {
+        field: value
+        for field, value in optimizers.get(section.optimizer).defaults
+        if field not in resolved["given"]
+    }
+    return {**resolved, "optimizer": dataclasses.replace(section, **own)} if own else resolved
+
+
 def with_epochs(cfg: Config, windows: Any) -> Config:
     """The run's Config (`cfg`) with the --steps that --epochs makes of its `windows` (read as
     one stream of epochs from now on, spmd.io.epochs), printed; `cfg` itself without --epochs.
