@@ -45,7 +45,18 @@ FAST_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     " --xla_cpu_parallel_codegen_split_count=1"
 )
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+# XLA:CPU aborts a process whose devices do not all reach a collective within 40 s. On CI's
+# loaded 2 cores one simulated device of the sequence classifier's dp=4 run arrived later than
+# that (2026-12-02: 3 of 4 threads waiting, then SIGABRT), though a late device is not a hang:
+# the same psum with one device held 6 s finishes at 600 s and aborts at 3 s. 240 s stays
+# under the tests' 300 s subprocess limits, so a real hang still ends in XLA's own message.
+COLLECTIVE_PATIENCE_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=240"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60"
+)
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS} {COLLECTIVE_PATIENCE_FLAGS}".strip()
+)
 
 import jax  # noqa: E402
 
