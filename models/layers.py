@@ -140,10 +140,10 @@ Weight = jax.Array | adapter.Adapted  # what `dense` multiplies: a weight, or on
 
 def stored(module: nnx.Module, name: str) -> jax.Array:
     """The param `name` of `module`, gathered (hooks.gather) and, where a QLoRA base holds it
-    as NF4 codes (models/nf4.py), dequantized to the compute dtype: this layer's slice only
-    inside the layer scan, never the whole model's weights at once."""
+    as NF4 or int8 codes (models/nf4.py), dequantized to the compute dtype: this layer's slice
+    only inside the layer scan, never the whole model's weights at once."""
     value = gather(getattr(module, name))
-    quantized = getattr(module, name + nf4.SUFFIX, None)
+    quantized = nf4.site_of(module, name)
     return value if quantized is None else quantized.dequantize(value)
 
 

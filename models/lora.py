@@ -61,8 +61,9 @@ class Spec:
     """One run's adapters: rank r (count), alpha (scale = alpha / r), the targets, each
     name -> its param paths (the family's table, narrowed to the chosen names), the
     dropout probability on the adapters' input in training, and the frozen base's storage
-    (`base_dtype`, models/nf4.py: "" the working dtype, "nf4" 4-bit codes of every
-    projection the family's table names, adapted or not, in `quantized`)."""
+    (`base_dtype`, models/nf4.py: "" the working dtype, "nf4" 4-bit codes or "int8" int8
+    codes, models/int8.py, of every projection the family's table names, adapted or not, in
+    `quantized`)."""
 
     rank: int
     alpha: float
@@ -93,7 +94,7 @@ def spec_of(
     if base_dtype not in nf4.BASE_DTYPES:
         raise UsageError(
             f"--lora-base-dtype {base_dtype!r} is not a base storage; valid: nf4 (4-bit "
-            f"NormalFloat), or empty for the working dtype"
+            f"NormalFloat), int8 (blockwise absmax int8), or empty for the working dtype"
         )
     if rank < 0:
         raise UsageError(f"--lora-rank {rank} must be 0 (no LoRA) or a positive rank")
@@ -192,13 +193,13 @@ class LoraModel(nnx.Module):
         for name, paths in targets.items():
             adapters[name] = self._adapter(state, paths, spec.rank, rngs)
         self.lora = nnx.data(adapters)
-        # QLoRA: the base's projections as NF4 codes, after the adapters took their shapes
+        # QLoRA: the base's projections as NF4 (or int8) codes, after the adapters took their shapes
         stored = [p for ps in with_dense_twins(spec.quantized, state).values() for p in ps]
         if stored:
             stored += EMBEDDINGS
         self.quantized = nnx.static(tuple(p for p in stored if _has(state, p)))
         if self.quantized:
-            nf4.quantize_base(base, list(self.quantized), base.dtype)
+            nf4.quantize_base(base, list(self.quantized), base.dtype, spec.base_dtype)
 
     def _adapter(self, state: Any, paths: tuple, rank: int, rngs: nnx.Rngs) -> dict:
         first = _get(state, paths[0])

@@ -21,16 +21,25 @@ in bf16 would move every value of its block.
 and a `Quantized` at `<weight>_nf4` its scales; models.layers.weight dequantizes a layer's
 slice (per layer, inside the scan: the whole model's weights are never dequantized at once)
 before the matmul. `dequantized` gives the plain model back (export: --to-hf).
+
+The same machinery stores --lora-base-dtype int8 (models/int8.py: int8 codes, one fp32 step
+per 64 values along embed): `FORMATS` is keyed by the flag's value, each entry its block
+functions, its codes' packing along embed and the suffix of its scales' site (`<weight>_nf4`,
+`<weight>_int8`), and everything else here (the sites, the shardings, the dequantizing inside
+each matmul, an --init-from-hf base's quantizing, the export's dequantizing) is shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import int8
 from spmd.errors import UsageError
 from spmd.parallel.hooks import gather
 
@@ -58,7 +67,6 @@ BLOCK = 64  # values per absmax scale, bitsandbytes' QLoRA default
 SUFFIX = "_nf4"  # a quantized weight's scales: the weight's name + SUFFIX
 AXIS = "embed"  # the logical dim the blocks run along
 TINY = 1e-12  # absmax floor: an all-zero block dequantizes to zeros, not NaN
-BASE_DTYPES = ("", "nf4")  # --lora-base-dtype: "" the working dtype, "nf4" 4-bit codes
 
 
 def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -87,18 +95,62 @@ def dequantize_blocks(codes: jax.Array, absmax: jax.Array, dtype: Any) -> jax.Ar
     return (values * scales).astype(dtype)
 
 
-def quantize(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """(codes, scale bits) of w with its blocks along dim `axis`: codes uint8 of w's shape with
-    that dim halved, scales uint32 (fp32 bits) with it divided by BLOCK."""
-    codes, absmax = quantize_blocks(jnp.moveaxis(w, axis, -1))
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One --lora-base-dtype value's storage: its block functions (values [..., n] ->
+    (codes, fp32 scales [..., n / BLOCK]) and back), how many values one code element holds
+    along the blocks' dim, and the suffix naming its scales' site."""
+
+    quantize_blocks: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+    dequantize_blocks: Callable[[jax.Array, jax.Array, Any], jax.Array]
+    packing: int
+    suffix: str
+
+
+FORMATS = {
+    "nf4": Format(quantize_blocks, dequantize_blocks, 2, SUFFIX),
+    "int8": Format(int8.quantize_blocks, int8.dequantize_blocks, 1, "_int8"),
+}
+assert int8.BLOCK == BLOCK  # one block rule, one embed-divisibility check (spmd.run.checks)
+BASE_DTYPES = ("", *FORMATS)  # --lora-base-dtype: "" the working dtype, or a FORMATS key
+SUFFIXES = tuple(f.suffix for f in FORMATS.values())
+SCALE_BYTES = 4 / BLOCK  # one fp32 scale per block, either format
+
+
+def quantize(w: jax.Array, axis: int, kind: str = "nf4") -> tuple[jax.Array, jax.Array]:
+    """(codes, scale bits) of w with its blocks along dim `axis` in format `kind`: codes of
+    w's shape with that dim divided by the packing (nf4: uint8, halved; int8: int8, whole),
+    scales uint32 (fp32 bits) with it divided by BLOCK."""
+    codes, absmax = FORMATS[kind].quantize_blocks(jnp.moveaxis(w, axis, -1))
     bits = jax.lax.bitcast_convert_type(absmax, jnp.uint32)
     return jnp.moveaxis(codes, -1, axis), jnp.moveaxis(bits, -1, axis)
 
 
-def dequantize(codes: jax.Array, bits: jax.Array, axis: int, dtype: Any) -> jax.Array:
+def dequantize(
+    codes: jax.Array, bits: jax.Array, axis: int, dtype: Any, kind: str = "nf4"
+) -> jax.Array:
     """`quantize`'s inverse: the weight in `dtype`."""
     absmax = jax.lax.bitcast_convert_type(jnp.moveaxis(bits, axis, -1), jnp.float32)
-    return jnp.moveaxis(dequantize_blocks(jnp.moveaxis(codes, axis, -1), absmax, dtype), -1, axis)
+    values = FORMATS[kind].dequantize_blocks(jnp.moveaxis(codes, axis, -1), absmax, dtype)
+    return jnp.moveaxis(values, -1, axis)
+
+
+def site_of(module: Any, name: str) -> Quantized | None:
+    """The scales' site of weight `name` of `module` where a quantized base holds it as codes
+    (of any format), else None."""
+    for suffix in SUFFIXES:
+        site = getattr(module, name + suffix, None)
+        if site is not None:
+            return site
+    return None
+
+
+def kind_in(key: str, tree: dict) -> str | None:
+    """The format whose scales sit beside `key` in a base's pure dict `tree`, else None."""
+    for kind, fmt in FORMATS.items():
+        if key + fmt.suffix in tree:
+            return kind
+    return None
 
 
 def _names(variable: nnx.Variable) -> tuple[str | None, ...]:
@@ -108,37 +160,48 @@ def _names(variable: nnx.Variable) -> tuple[str | None, ...]:
 class Quantized(nnx.Module):
     """A quantized weight's scales (an nnx.Param of uint32 fp32 bits, not trained: it lives in
     the frozen base), the dim its blocks run along, counted from the end (so that it holds for
-    a layer's slice as for the stack), and the dtype it dequantizes to."""
+    a layer's slice as for the stack), the dtype it dequantizes to and its format (`kind`)."""
 
-    def __init__(self, bits: jax.Array, names: tuple[str | None, ...], from_end: int, dtype: Any):
+    def __init__(
+        self,
+        bits: jax.Array,
+        names: tuple[str | None, ...],
+        from_end: int,
+        dtype: Any,
+        kind: str = "nf4",
+    ):
         self.scales = nnx.Param(bits, out_sharding=names)
-        self.from_end, self.dtype = from_end, dtype
+        self.from_end, self.dtype, self.kind = from_end, dtype, kind
 
     def dequantize(self, codes: jax.Array) -> jax.Array:
         """The weight of `codes` (gathered, this layer's or the stack's) in the compute dtype."""
-        return dequantize(codes, gather(self.scales), codes.ndim - self.from_end, self.dtype)
+        axis = codes.ndim - self.from_end
+        return dequantize(codes, gather(self.scales), axis, self.dtype, self.kind)
 
 
-def quantize_base(model: nnx.Module, paths: list[tuple[str, ...]], dtype: Any) -> None:
-    """Quantize the weights at `paths` (attribute paths from `model`) in place: each holds its
-    NF4 codes after, its scales at `<weight>_nf4`; `dtype` is the compute dtype they
-    dequantize to. UsageError for a weight without an embed dim that BLOCK divides."""
+def quantize_base(
+    model: nnx.Module, paths: list[tuple[str, ...]], dtype: Any, kind: str = "nf4"
+) -> None:
+    """Quantize the weights at `paths` (attribute paths from `model`) in place to format
+    `kind`: each holds its codes after, its scales at `<weight>` + the format's suffix;
+    `dtype` is the compute dtype they dequantize to. UsageError for a weight without an embed
+    dim that BLOCK divides."""
     for path in paths:
         module = _parent(model, path)
         param = getattr(module, path[-1])
         names, value = _names(param), param[...]
         if AXIS not in names or value.shape[names.index(AXIS)] % BLOCK:
             raise UsageError(
-                f"--lora-base-dtype nf4 quantizes along embed in blocks of {BLOCK}: "
+                f"--lora-base-dtype {kind} quantizes along embed in blocks of {BLOCK}: "
                 f"{'/'.join(path)} {tuple(value.shape)} {names} has no such dim; use an "
                 f"embed_dim that is a multiple of {BLOCK}, or leave the base unquantized"
             )
         axis = names.index(AXIS)
-        codes, bits = quantize(value, axis)
+        codes, bits = quantize(value, axis, kind)
         scale_names = tuple(None if n == AXIS else n for n in names)
         setattr(module, path[-1], nnx.Param(codes, out_sharding=names))
-        site = Quantized(bits, scale_names, value.ndim - axis, dtype)
-        setattr(module, path[-1] + SUFFIX, site)
+        site = Quantized(bits, scale_names, value.ndim - axis, dtype, kind)
+        setattr(module, path[-1] + FORMATS[kind].suffix, site)
 
 
 def dequantized(model: nnx.Module, paths: list[tuple[str, ...]]) -> nnx.Module:
@@ -156,10 +219,11 @@ def _restore(plain: nnx.Module, path: tuple[str, ...]) -> None:
     """The weight at `path` of `plain` dequantized in place, its scales' site removed."""
     module = _parent(plain, path)
     codes = getattr(module, path[-1])
-    site = getattr(module, path[-1] + SUFFIX)
+    site = site_of(module, path[-1])
+    assert site is not None, path
     weight = site.dequantize(codes[...])
     setattr(module, path[-1], nnx.Param(weight, out_sharding=_names(codes)))
-    delattr(module, path[-1] + SUFFIX)
+    delattr(module, path[-1] + FORMATS[site.kind].suffix)
 
 
 def _parent(model: nnx.Module, path: tuple[str, ...]) -> Any:
@@ -179,13 +243,14 @@ def unquantized(abstract: dict, names: dict, dtype: Any) -> dict:
     `dtype`. `abstract` itself where nothing is quantized."""
     out: dict = {}
     for key, value in abstract.items():
-        if key.endswith(SUFFIX):
+        if key.endswith(SUFFIXES):
             continue
+        kind = kind_in(key, abstract)
         if isinstance(value, dict):
             out[key] = unquantized(value, names[key], dtype)
-        elif key + SUFFIX in abstract:
-            axis = tuple(names[key]).index(AXIS)
-            shape = tuple(n * 2 if d == axis else n for d, n in enumerate(value.shape))
+        elif kind is not None:
+            axis, packing = tuple(names[key]).index(AXIS), FORMATS[kind].packing
+            shape = tuple(n * packing if d == axis else n for d, n in enumerate(value.shape))
             out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=value.sharding)
         else:
             out[key] = value
@@ -197,13 +262,14 @@ def quantized_like(plain: dict, names: dict, abstract: dict) -> dict:
     that `abstract` holds as codes quantized: the pure dict `quantize_base` would give."""
     out: dict = {}
     for key, value in abstract.items():
-        if key.endswith(SUFFIX):
+        if key.endswith(SUFFIXES):
             continue
+        kind = kind_in(key, abstract)
         if isinstance(value, dict):
             out[key] = quantized_like(plain[key], names[key], value)
-        elif key + SUFFIX in abstract:
-            codes, bits = quantize(plain[key], tuple(names[key]).index(AXIS))
-            out[key], out[key + SUFFIX] = codes, {"scales": bits}
+        elif kind is not None:
+            codes, bits = quantize(plain[key], tuple(names[key]).index(AXIS), kind)
+            out[key], out[key + FORMATS[kind].suffix] = codes, {"scales": bits}
         else:
             out[key] = plain[key]
     return out

@@ -167,8 +167,8 @@ def load_base(
 def read_base(checkpoint: Any, abstract: Any, names: Any) -> Any:
     """The frozen part of `abstract` (a LoRA program's params or master weights, and their
     logical `names`) read from Hugging Face folder `checkpoint` (family.open_hf's). A QLoRA
-    base is loaded onto its weights' own shapes in fp32, then quantized to NF4 in the
-    program's shardings (models/nf4.py): the codes a base drawn from the seed would get."""
+    base is loaded onto its weights' own shapes in fp32, then quantized to NF4 (or int8) in
+    the program's shardings (models/nf4.py): the codes a base drawn from the seed would get."""
     target, named = abstract[frozen.FROZEN], names[frozen.FROZEN]
     plain = finetune.unquantized(target, named, jnp.float32)
     base = family.load_hf(checkpoint, plain)

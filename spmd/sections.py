@@ -324,7 +324,8 @@ class LoraConfig:
     # family's default; an unknown name lists the valid ones)
     lora_targets: str = ""
     # how the frozen base's block matrices are stored: empty = the working dtype; nf4 = QLoRA's
-    # 4-bit NormalFloat codes, dequantized inside each matmul (models/nf4.py)
+    # 4-bit NormalFloat codes; int8 = int8 codes with an absmax per 64 values (models/int8.py);
+    # either dequantized inside each matmul (models/nf4.py)
     lora_base_dtype: str = ""
 
 

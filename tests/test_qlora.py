@@ -1,7 +1,8 @@
 """QLoRA (--lora-base-dtype nf4, models/nf4.py): the NF4 format is bitsandbytes' code book and
 block rule, the frozen base is held as 4-bit codes sharded like the weights they replace, and
 a LoRA run on it trains as LoRA on the dequantized base does, on one device, fsdp=2 ZeRO-3 and
-dp=2,tp=2, under both executors."""
+dp=2,tp=2, under both executors. --lora-base-dtype int8 (models/int8.py, the same machinery):
+its round trip's error bound, its base's storage and planner bytes, and one step of it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import family, llama, lora, nf4
+from models import family, int8, llama, lora, nf4
 from spmd import lora_base, plan
 from spmd.engine import precision
 from spmd.engine.options import StepOptions
@@ -24,6 +25,7 @@ from spmd.engine.state_layout import sharded_bytes
 from spmd.engine.step import Program
 from spmd.errors import UsageError
 from spmd.estimate import cost, memory
+from spmd.estimate import lora as lora_estimate
 from spmd.parallel.mesh import parse_mesh
 from spmd.run import builder, weights
 from spmd.run.config import build, flat, preset
@@ -53,6 +55,7 @@ PUBLISHED = [
 STEPS, BATCH, SEQ_LEN = 6, 8, 16
 QLORA = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_base_dtype="nf4")
 PLAIN = dataclasses.replace(QLORA, lora_base_dtype="")
+INT8 = dataclasses.replace(QLORA, lora_base_dtype="int8")
 
 
 def test_nf4_is_bitsandbytes_code_book_and_block_rule():
@@ -91,11 +94,35 @@ def test_nf4_is_bitsandbytes_code_book_and_block_rule():
     )
 
 
-def test_nf4_needs_lora_and_names_the_valid_values():
+def test_int8_round_trip_is_within_half_a_step_and_exact_on_its_multiples():
+    """int8 blocks of 64 along embed: each value back within step / 2 (step = the block's
+    absmax / 127), exactly where it is a multiple of the step (power-of-two steps: every
+    product exact in fp32); the codes int8 of the weight's shape, the steps' fp32 bits."""
+    assert int8.BLOCK == nf4.BLOCK == 64
+    rng = np.random.default_rng(0)
+    absmax = np.asarray([0.5, 3.0, 1e-3], np.float32)
+    x = rng.uniform(-1, 1, size=(3, 64)).astype(np.float32) * absmax[:, None]
+    x[:, 0] = absmax  # each block's absmax itself
+    w = jnp.asarray(x.T)  # embed (64) first, as wq [embed, ...]
+    codes, bits = nf4.quantize(w, 0, "int8")
+    assert codes.shape == (64, 3) and codes.dtype == jnp.int8 and bits.shape == (1, 3)
+    back = np.asarray(nf4.dequantize(codes, bits, 0, jnp.float32, "int8")).T
+    assert np.all(np.abs(back - x) <= absmax[:, None] / 127 / 2 * (1 + 1e-6))
+    steps = np.asarray([2.0**-7, 2.0**-2, 2.0**-15], np.float32)
+    k = rng.integers(-127, 128, size=(3, 64))
+    k[:, 0] = 127
+    exact = (k * steps[:, None]).astype(np.float32)
+    q, step = int8.quantize_blocks(jnp.asarray(exact))
+    np.testing.assert_array_equal(np.asarray(q), k.astype(np.int8))
+    np.testing.assert_array_equal(np.asarray(int8.dequantize_blocks(q, step, jnp.float32)), exact)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantized_base_needs_lora_and_names_the_valid_values(kind):
     table = lora.DENSE
-    with pytest.raises(UsageError, match="--lora-base-dtype nf4 .* needs --lora-rank > 0"):
-        lora.spec_of(table, tuple(table), "llama", 0, 0.0, 0.0, "", "nf4")
-    with pytest.raises(UsageError, match="'int4' is not a base storage; valid: nf4"):
+    with pytest.raises(UsageError, match=f"--lora-base-dtype {kind} .* needs --lora-rank > 0"):
+        lora.spec_of(table, tuple(table), "llama", 0, 0.0, 0.0, "", kind)
+    with pytest.raises(UsageError, match="'int4' is not a base storage; valid: nf4 .*, int8"):
         lora.spec_of(table, tuple(table), "llama", 4, 0.0, 0.0, "", "int4")
 
 
@@ -150,6 +177,27 @@ def test_the_base_is_held_as_4_bit_codes_sharded_like_its_weights():
     assert prog.abstract_params["lora"]["q"]["a"].dtype == jnp.float32
 
 
+def test_the_int8_base_is_held_as_int8_codes_sharded_like_its_weights():
+    prog = program(INT8, "fsdp=2")
+    attn = prog.abstract_params["frozen"]["blocks"]["attn"]
+    assert attn["wq"].dtype == jnp.int8 and attn["wq"].shape == (2, 64, 8, 8)  # embed whole
+    assert attn["wq_int8"]["scales"].dtype == jnp.uint32
+    assert attn["wq_int8"]["scales"].shape == (2, 1, 8, 8)
+    assert prog.names["frozen"]["blocks"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
+    assert "fsdp" in str(attn["wq"].sharding.spec)
+    assert prog.abstract_params["frozen"]["embed"].dtype == jnp.int8
+
+
+def test_one_int8_step_runs_and_starts_at_the_plain_bases_loss():
+    """One step on the int8 base (B at zeros: the first loss is the base's) within 1e-2 of
+    LoRA's on the same base unquantized: the same seed draws the same base."""
+    plain, quantized = program(PLAIN), program(INT8)
+    want, _ = trainer.train_metrics(plain, 1, batch=BATCH, seq_len=SEQ_LEN)
+    got, _ = trainer.train_metrics(quantized, 1, batch=BATCH, seq_len=SEQ_LEN)
+    assert np.isfinite(got["loss"]).all()
+    assert abs(float(got["loss"][0]) - float(want["loss"][0])) < 1e-2, (got, want)
+
+
 @pytest.mark.parametrize(
     "mesh,executor,remat",
     [
@@ -190,13 +238,39 @@ def test_the_1b_base_takes_at_most_0_32_of_bf16s_bytes():
     assert 0.27 < ratio <= 0.32, ratio
 
 
-def test_the_planner_counts_the_nf4_base_as_the_engine_holds_it():
+def test_the_planners_1b_int8_base_is_between_nf4s_and_bf16s():
+    """spmd.estimate.memory.frozen_base_bytes on the 1b preset (bf16, one device): int8's
+    1 + 1/16 B/param between nf4's 0.5625 and bf16's 2, 0.53x bf16's; the planner's code
+    bytes are the formats' (a byte per code element, nf4 two values to one)."""
+    assert lora_estimate.CODE_BYTES == {k: 1 / f.packing for k, f in nf4.FORMATS.items()}
+    cfg = build(llama.LlamaConfig, preset("1b"), "1b preset")
+    base = {}
+    for kind in ("", "nf4", "int8"):
+        fields = lora_base.planner_fields(cfg, LoraConfig(lora_rank=16, lora_base_dtype=kind))
+        s = cost.Setup(
+            shape=cfg.shape(),
+            n_params=cfg.n_params(),
+            mesh=parse_mesh("dp=1"),
+            zero=1,
+            precision="bf16",
+            optimizer="adamw",
+            batch=8,
+            seq_len=2048,
+            **fields,
+        )
+        base[kind] = memory.frozen_base_bytes(s, 2)
+    assert base["nf4"] < base["int8"] < base[""]
+    assert base["int8"] / base[""] == pytest.approx((1 + 4 / 64) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("qlora", [QLORA, INT8], ids=["nf4", "int8"])
+def test_the_planner_counts_the_quantized_base_as_the_engine_holds_it(qlora):
     """spmd.estimate.memory.frozen_base_bytes against the engine's shardings of the tiny
     preset's QLoRA state, ZeRO-1 and -3 (the codes split over fsdp, the scales not); within
     1%: the planner counts the norms as quantized, 0.6% of tiny's bytes (the 1b preset's
     dry run: 684.54 MiB compiled, 684.45 planned)."""
     model = trainer.tiny_config()
-    fields = lora_base.planner_fields(model, QLORA)
+    fields = lora_base.planner_fields(model, qlora)
     for mesh, zero in [("dp=2,fsdp=4", 1), ("dp=2,fsdp=2,tp=2", 3)]:
         s = cost.Setup(
             shape=model.shape(),
@@ -210,7 +284,7 @@ def test_the_planner_counts_the_nf4_base_as_the_engine_holds_it():
             **fields,
         )
         program, _ = plan.engine_program(
-            s, model, jax.devices()[:8], Config(model=model, lora=QLORA)
+            s, model, jax.devices()[:8], Config(model=model, lora=qlora)
         )
         held = sharded_bytes(program.abstract_params)
         assert held == pytest.approx(memory.model_state_bytes(s)["params"], rel=1e-2), mesh

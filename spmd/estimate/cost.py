@@ -70,7 +70,8 @@ class Setup:
     # the base is then frozen: no gradients, master or optimizer state of its own
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
-    lora_base_dtype: str = ""  # the frozen base's storage: "" the working dtype, "nf4" 4-bit
+    # the frozen base's storage: "" the working dtype, "nf4" 4-bit codes, "int8" 8-bit codes
+    lora_base_dtype: str = ""
     fp8_all_gather: bool = False  # ZeRO-3 gathers the blocks' params in e4m3 (--precision fp8)
     # how attention crosses the context split (cp > 1; --cp-mode): ring (key / value blocks
     # passed round) or ulysses (all-to-alls to whole sequences of heads / cp heads each)

@@ -171,13 +171,19 @@ def tensor_replicated_flops(s: Any) -> float:
     )
 
 
+# B per value of a quantized base's codes (models/nf4.py FORMATS; spmd.estimate.memory adds the
+# 1/16 B of fp32 scales per value)
+CODE_BYTES = {"nf4": 0.5, "int8": 1.0}
+
+
 def state_words(per_param: dict[str, float], adapters: float, base_dtype: str = "") -> str:
     """What a LoRA run keeps per parameter, from spmd.estimate.memory.bytes_per_param's
     `per_param` and the `adapters`' scalar count: the frozen base's params alone (no
-    gradients, master weights or moments: spmd.engine.frozen; `base_dtype` nf4: its 4-bit
+    gradients, master weights or moments: spmd.engine.frozen; `base_dtype` nf4 or int8: its
     codes and scales, spmd.estimate.memory.frozen_base_bytes), the adapters' all of them."""
     terms = " + ".join(f"{per_param[role]:g}" for role in ("params", "grads", "optimizer"))
-    base = "0.5 + 0.0625 (nf4 codes + scales)" if base_dtype == "nf4" else per_param["params"]
+    code = CODE_BYTES.get(base_dtype)
+    base = f"{code:g} + 0.0625 ({base_dtype} codes + scales)" if code else per_param["params"]
     return (
         f"the frozen base {base} B/param, the {si(adapters, '').strip()} adapter "
         f"params {terms} = {sum(per_param.values()):g} B/param"

@@ -97,22 +97,23 @@ def model_state_bytes(s: cost.Setup) -> dict[str, float]:
     return out
 
 
-# QLoRA's NF4 base (models/nf4.py): 4-bit codes, split as the weights they replace, and one fp32
-# absmax per 64 values, whole along `embed` (so not split over fsdp by ZeRO-3)
-NF4_CODE_BYTES, NF4_SCALE_BYTES = 0.5, 4 / 64
+# QLoRA's quantized base (models/nf4.py): codes split as the weights they replace (nf4 0.5 B,
+# int8 1 B per value), and one fp32 scale per 64 values, whole along `embed` (so not split over
+# fsdp by ZeRO-3)
+CODE_BYTES, SCALE_BYTES = lora.CODE_BYTES, 4 / 64
 
 
 def frozen_base_bytes(s: cost.Setup, itemsize: float) -> float:
     """Bytes per device of a LoRA run's frozen base: its params at `itemsize` B (the working
-    dtype), or under --lora-base-dtype nf4 every param but an MoE's routed experts (which stay
-    in the working dtype) at 0.5 B of codes + 1/16 B of scales. The norms are counted as
-    quantized too: under 0.01% of a 1B model's params."""
+    dtype), or under --lora-base-dtype nf4 (int8) every param but an MoE's routed experts
+    (which stay in the working dtype) at 0.5 B (1 B) of codes + 1/16 B of scales. The norms
+    are counted as quantized too: under 0.01% of a 1B model's params."""
     sharded = s.zero >= 3
-    if s.lora_base_dtype != "nf4":
+    if s.lora_base_dtype not in CODE_BYTES:
         return itemsize * cost.params_per_device(s, sharded)
     experts = itemsize * cost.params_per_device(s, sharded, experts=True)
-    codes = NF4_CODE_BYTES * cost.params_per_device(s, sharded, experts=False)
-    return experts + codes + NF4_SCALE_BYTES * cost.params_per_device(s, False, experts=False)
+    codes = CODE_BYTES[s.lora_base_dtype] * cost.params_per_device(s, sharded, experts=False)
+    return experts + codes + SCALE_BYTES * cost.params_per_device(s, False, experts=False)
 
 
 def _layer_elements(s: cost.Setup, dense: bool = False) -> dict[str, float]:

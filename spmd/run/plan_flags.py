@@ -98,7 +98,7 @@ HELP = {
     "and targets",
     "lora_rank": "plan LoRA adapters of this rank on a frozen base (0: full training)",
     "lora_base_dtype": "plan QLoRA: the frozen base stored as nf4 (0.5 B/param of 4-bit codes "
-    "+ 1/16 B of scales)",
+    "+ 1/16 B of scales) or int8 (1 B/param + 1/16 B)",
     "objective": "plan --objective dpo: a reference forward per step (no backward), and in "
     "a full fine-tune (no --lora-rank) the frozen reference copy's params",
     "precision": "fp32 (4 + 4 + 8 B/param: params, grads, Adam) or bf16 / fp16 (the ZeRO "
