@@ -192,9 +192,11 @@ CASES = [
     plan("--model tiny --lora-dropout 2"),
     # QLoRA's base storage: only under LoRA, a known format, blocks that fit, no pipeline
     train("--lora-base-dtype nf4", "--lora-base-dtype nf4"),
+    train("--lora-base-dtype int8", "--lora-base-dtype int8"),
     train("--lora-rank 4 --lora-base-dtype int4", "--lora-base-dtype 'int4'"),
     # the fixture's embed_dim 32 holds no block of 64
     train(f"--init-from-hf {UNTIED} --lora-rank 4 --lora-base-dtype nf4", "in blocks of 64"),
+    train(f"--init-from-hf {UNTIED} --lora-rank 4 --lora-base-dtype int8", "in blocks of 64"),
     Case("train", "--lora-rank 4 --lora-base-dtype nf4 --mesh pp=2", TRAIN, mesh=True),
     # the parser itself
     *map(train, ["--steps ten", "--bogus 1", "--stepz 3", "--model huge", "--layout zero9"]),
