@@ -38,8 +38,10 @@ FLAG = "--dpo-reference"
 
 
 def wanted(cfg: Config) -> bool:
-    """Whether run `cfg` holds a frozen reference copy (a full fine-tune's DPO)."""
-    return bool(cfg.preference.dpo_reference)
+    """Whether run `cfg`'s step holds a frozen reference copy (a full fine-tune's DPO; with
+    --dpo-precompute-reference the copy serves only before training, spmd.reference_cache)."""
+    knobs = cfg.preference
+    return bool(knobs.dpo_reference) and not knobs.dpo_precompute_reference
 
 
 def attach(policy: nnx.Module, reference: nnx.Module) -> nnx.Module:
@@ -141,11 +143,15 @@ def _shapes(model_cfg: Any) -> dict[str, tuple[int, ...]]:
 def load(cfg: Config, program: AnyProgram) -> Any:
     """The reference params of run `cfg`'s --dpo-reference (`check`ed) on `program`'s frozen
     part: its master dtypes and shardings, read straight onto them."""
+    return read(cfg.preference.dpo_reference, program.abstract_master[frozen.FROZEN])
+
+
+def read(source: str, target: Any) -> Any:
+    """The params of reference `source` (a Hugging Face folder or an spmd checkpoint folder,
+    `check`ed) read straight onto `target`'s dtypes and shardings (abstract params)."""
     from models import family
     from spmd.io import params_io
 
-    source = cfg.preference.dpo_reference
-    target = program.abstract_master[frozen.FROZEN]
     if _kind(source) == "hf":
         return family.load_hf(family.open_hf(source), target)
     step = params_io.pick_step(source, 0)

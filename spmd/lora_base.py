@@ -103,7 +103,9 @@ def config_record(cfg: Config) -> dict[str, Any]:
 def saved_state(cfg: Config, view: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint of run `cfg` holds of a checkpoint view: all of it, or without the
     frozen base (or DPO's reference copy, spmd.dpo_reference: the flag names it)."""
-    if cfg.preference.dpo_reference:
+    from spmd import dpo_reference
+
+    if dpo_reference.wanted(cfg):
         return {**view, "params": frozen.trainable(view["params"])}
     if not adapter_only(cfg):
         return view
@@ -183,9 +185,9 @@ def with_base(cfg: Config, program: AnyProgram, restored: Any) -> dict[str, Any]
     """The restored checkpoint's state with its base joined back (what `program.
     from_checkpoint` takes); as restored for a run that checkpoints the whole state. DPO's
     reference copy is read from its flag again (spmd.dpo_reference)."""
-    if cfg.preference.dpo_reference:
-        from spmd import dpo_reference
+    from spmd import dpo_reference
 
+    if dpo_reference.wanted(cfg):
         return dpo_reference.joined(cfg, program, restored.state)
     if not adapter_only(cfg):
         return restored.state

@@ -188,6 +188,7 @@ def _base(shape: Any, n_params: float, cfg: Config, model_cfg: ModelConfig, plan
         fp8_all_gather=cfg.precision.fp8_all_gather,
         adafactor_min_dim=cfg.optimizer.adafactor_min_dim,
         objective=cfg.run.objective,
+        reference_precomputed=cfg.preference.dpo_precompute_reference,
     )
 
 

@@ -333,6 +333,12 @@ class LoraConfig:
 # which the data (spmd.io.pairs) writes and the objectives (spmd.engine.preference) read: here,
 # below both packages.
 PAIRS = "response"
+# The batch key of DPO's reference log-probs computed once before training
+# (--dpo-precompute-reference, spmd.reference_cache): float32 [rows, length], each row's
+# figure at its first position and 0 elsewhere, so that it rides in the batch's own layout
+# (every split of rows and of positions) and a row's sum over its positions gives it back.
+REFERENCE_CACHE = "reference_cache"
+FLOAT_FIELDS = ("weights", REFERENCE_CACHE)  # the batch keys that are float32, not int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +354,10 @@ class PreferenceConfig:
     # a full fine-tune's DPO reference: a frozen copy read from this spmd checkpoint folder,
     # Hugging Face folder or Hub id, laid out as the policy (spmd.dpo_reference); "" = none
     dpo_reference: str = ""
+    # compute DPO's reference log-probs of every pair once before the first step (on LoRA's
+    # base or the --dpo-reference model) and read them with the data: no reference forward in
+    # the step, and a full fine-tune's step holds no reference copy (spmd.reference_cache)
+    dpo_precompute_reference: bool = False
 
 
 SECTIONS: dict[str, type] = {

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from models import family
+from spmd import reference_cache
 from spmd.engine import offload
 from spmd.engine.diloco import Compiled, DilocoProgram
 from spmd.engine.state_layout import state_bytes_per_device
@@ -176,6 +177,10 @@ def train_in_folder(
     token_file, windows = run_data.open_run_data(cfg.data, seq_len, cfg.run.batch, vocab)
     cfg = resolve.with_epochs(cfg, windows)  # --epochs: the steps its windows make
     eval_sets = run_data.open_eval_sets(cfg.data, seq_len, vocab, windows)
+    # --dpo-precompute-reference: pair batches carry the reference's log-probs (filled before
+    # the first step, spmd.reference_cache)
+    windows = reference_cache.mark(cfg, windows)
+    eval_sets = {name: reference_cache.mark(cfg, found) for name, found in eval_sets.items()}
     from spmd.training.evaluation import check_eval_batches
 
     check_eval_batches(cfg.data.eval_batches, {"held-out": windows, **eval_sets})
@@ -274,6 +279,7 @@ def report_dry_run(
             cfg.parallel.offload,
             lora_base.planner_fields(model_cfg, cfg.lora),
             cfg.optimizer,
+            cfg.preference.dpo_precompute_reference,
         )
     )
     shape = family.of(model_cfg).shape(model_cfg)
@@ -301,7 +307,11 @@ def train_until_stopped(
         agreed = AgreedStop(signals, distributed.client(), distributed.process_id())
         loop_run = make_run(agreed)
         start = initial_state(loop_run, restored)
-        return 0 if start is None else train_loop(loop_run, *start)
+        if start is None:
+            return 0
+        sets = [loop_run.windows, *loop_run.eval_sets.values()]
+        reference_cache.fill(loop_run.cfg, loop_run.program, start[0]["params"], sets, say)
+        return train_loop(loop_run, *start)
     except KeyboardInterrupt:  # a second SIGINT stops at once: the save in flight is given up
         manager = None
         raise
@@ -357,6 +367,7 @@ def compile_step(cfg: Config, program: AnyProgram) -> tuple:
             cfg.model,
             program.layout.mesh,
             compiled,
+            cfg.preference.dpo_precompute_reference,
         ),
     }
     step_metrics = builder.run_model(cfg).metrics  # e.g. the router's, of the adapted model

@@ -103,6 +103,46 @@ def test_a_reference_that_differs_gives_the_loss_of_both_models_logps(tmp_path, 
     assert done.returncode == 2 and "holds a LoRA run's adapters" in done.stderr, done.stderr
 
 
+def test_precomputed_reference_logps_train_as_the_copy_does_without_holding_it(
+    tmp_path, references
+):
+    """--dpo-precompute-reference (spmd.reference_cache): the copy's log-probs computed once
+    before training on a forward-only program of their own; the step holds the policy alone
+    (one copy of the params) and its losses and eval loss are the in-step copy's."""
+    flags = ("--steps", "2", "--warmup", "0", "--batch", "4", "--eval-fraction", "0.5")
+    flags += ("--eval-every", "2", "--eval-batches", "1")
+    runs = {}
+    for name, extra in (("copy", ()), ("precomputed", ("--dpo-precompute-reference",))):
+        logged = records_of(tmp_path / name, references["peft"], *flags, *extra)
+        runs[name] = logged
+    config = runs["precomputed"][0]
+    assert config["state_bytes_per_device"]["params"] == pytest.approx(
+        config["n_params"] * 4 / 2, rel=0.02
+    )  # fp32 over fsdp=2: the policy alone, where the in-step copy's step holds two
+    assert runs["copy"][0]["state_bytes_per_device"]["params"] == pytest.approx(
+        2 * config["n_params"] * 4 / 2, rel=0.02
+    )
+    for kind in ("train", "eval"):
+        got = [r["loss"] for r in runs["precomputed"] if r["kind"] == kind]
+        want = [r["loss"] for r in runs["copy"] if r["kind"] == kind]
+        assert len(got) == len(want) > 0 and np.allclose(got, want, atol=1e-6), (kind, got, want)
+    assert abs(runs["precomputed"][1]["loss"] - math.log(2)) > 0.05  # policy and copy differ
+
+
+def records_of(folder, reference: str, *flags: str) -> list[dict]:
+    """The config, train and eval records of `dpo_run` in its own folder."""
+    folder.mkdir()
+    metrics = folder / "m.jsonl"
+    done = train_in_process(
+        "--init-from-hf", BASE, "--objective", "dpo", "--dpo-reference", reference,
+        "--data", PAIRS, *FIELDS, "--seq-len", "48", "--precision", "fp32", "--run-dir", "none",
+        "--mesh", "fsdp=2", "--log-every", "1", "--metrics", str(metrics),
+        "--data-cache", str(folder / "cache"), *flags,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [r for r in records(metrics) if r["kind"] in ("config", "train", "eval")]
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -181,3 +221,10 @@ def test_the_planner_counts_the_reference_forward_and_the_copy(capsys):
     shown = capsys.readouterr().out
     assert "DPO: 8 pairs per step (16 rows); the reference forward" in shown
     assert "the reference is a frozen copy" in shown
+    # --dpo-precompute-reference: the step is next-token training's, no forward, no copy
+    pre = dataclasses.replace(dpo, reference_precomputed=True)
+    assert timing.model_flops(pre) == timing.model_flops(base)
+    assert timing.reference_flops(pre) == 0.0
+    assert memory.model_state_bytes(pre) == memory.model_state_bytes(base)
+    assert plan.main([*args, "--objective", "dpo", "--dpo-precompute-reference"]) == 0
+    assert "the reference forward" not in capsys.readouterr().out

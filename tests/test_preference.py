@@ -28,6 +28,7 @@ def at_root(monkeypatch, request):
     monkeypatch.chdir(request.config.rootpath)
 
 
+PRECOMPUTE = "--dpo-precompute-reference"
 CHAT_PAIRS = "tests/fixtures/preference/chat_pairs.jsonl"
 # message lists: no prompt field, the shared leading messages are the prompt
 CHATS = ["--data", CHAT_PAIRS, "--tokenizer", "tests/fixtures/chat_tokenizer"]
@@ -49,7 +50,8 @@ def first_step(tmp_path, *flags: str, chats: bool = False) -> dict:
     assert done.returncode == 0, done.stderr[-2000:]
     logged = records(metrics)
     config = next(r for r in logged if r["kind"] == "config")
-    return {**next(r for r in logged if r["kind"] == "train"), "config": config}
+    train = next(r for r in logged if r["kind"] == "train")
+    return {**train, "config": config, "stdout": done.stdout}
 
 
 def expected(chats: bool = False) -> dict:
@@ -68,6 +70,9 @@ def expected(chats: bool = False) -> dict:
         (THREE_D, (), "dpo_loss", True),
         # context parallelism's chunks summed per sequence, a pair's rows in one micro-batch
         ("dp=2,cp=2", ("--accum", "2", "--collectives", "explicit"), "dpo_loss", False),
+        # the reference's log-probs computed before training and read with the data
+        ("dp=1", (PRECOMPUTE,), "dpo_loss", False),
+        ("dp=2,cp=2", (PRECOMPUTE, "--accum", "2", "--collectives", "explicit"), "dpo_loss", False),
     ],
 )
 def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, loss, chats):
@@ -79,6 +84,10 @@ def test_the_first_dpo_step_logs_transformers_numbers(tmp_path, mesh, flags, los
     assert abs(got["logps/chosen"] - want["policy_chosen"].mean()) < 1e-4  # nats, ~-42
     # policy and reference differ: the check is not one of a zero margin
     assert abs(want["rewards_margins"]) > 0.1
+    if PRECOMPUTE in flags:  # the step ran no reference forward: ORPO's 6 N, not DPO's 8 N
+        assert "(--dpo-precompute-reference)" in got["stdout"]
+        orpo = first_step(tmp_path / "orpo", "--objective", "orpo", "--mesh", mesh, *flags[1:])
+        assert got["config"]["flops_per_step"] == orpo["config"]["flops_per_step"]
 
 
 def test_ipo_and_orpo_log_transformers_losses(tmp_path):
@@ -102,17 +111,26 @@ def test_ipo_and_orpo_log_transformers_losses(tmp_path):
 
 
 def test_the_dry_run_counts_the_reference_forward():
-    done = train_in_process(
+    args = (
         "--init-from-hf", BASE, "--lora-rank", "4", "--objective", "dpo", "--data", PAIRS,
         *FIELDS, "--seq-len", "48", "--batch", "8", "--mesh", "dp=1", "--run-dir", "none",
         "--dry-run",
     )  # fmt: skip
+    done = train_in_process(*args)
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(x for x in done.stdout.splitlines() if "compiled: dot instructions" in x)
     assert "model: 8 N tokens + attention (+ reference)" in done.stdout
     # the compiled step's matmuls against the formula with the reference's forward: 0.94 on
     # this fixture, as a next-token LoRA step is 0.92 x its 6 N formula (measured); against
     # 6 N alone the DPO step would be 1.25
+    ratio = float(line.split("(")[1].split(" x model")[0])
+    assert 0.9 <= ratio <= 1.0, line
+    # with the reference's log-probs precomputed the step is a next-token LoRA step's size
+    # against 6 N (were the reference forward still in it: 1.25 x that)
+    done = train_in_process(*args, PRECOMPUTE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(x for x in done.stdout.splitlines() if "compiled: dot instructions" in x)
+    assert "(+ reference)" not in done.stdout and "DPO: " not in done.stdout
     ratio = float(line.split("(")[1].split(" x model")[0])
     assert 0.9 <= ratio <= 1.0, line
 
@@ -170,6 +188,8 @@ def test_lora_dpo_learns_the_preferred_rule(tmp_path):
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--accum", "4"), "x --accum 4"),
         ((*FIELDS, "--data", f"a={PAIRS}:1,b={PAIRS}:1", "--lora-rank", "4"), "not a mixture"),
         ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--mesh", "dp=4"), "multiple of 8"),
+        ((*FIELDS, "--data", PAIRS, "--lora-rank", "4", "--objective", "orpo", PRECOMPUTE),
+         "--dpo-precompute-reference computes DPO's reference log-probs, which --objective orpo"),
     ],
 )  # fmt: skip
 def test_bad_preference_input_exits_2(tmp_path, flags, says):
@@ -226,3 +246,27 @@ def test_a_pair_row_is_its_sequence_from_its_start_padded_and_masked_past_its_en
     assert rows["response"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
     with pytest.raises(UsageError, match="3 sequences, not whole pairs"):
         PairWindows(tokens, np.array([3, 6, 10]), mask, 4, 0.0)
+
+
+def test_lora_dpo_on_an_moe_under_expert_parallelism_equals_one_device(tmp_path):
+    """LoRA-DPO on the moe-tiny preset (seed-made base, so policy = reference at step 1):
+    step 1's gradient norm and step 2's loss and margin (after one update the two differ) on
+    fsdp=2,ep=2,tp=2 under the explicit executor equal one device's."""
+    runs = []
+    for mesh, devices in (("dp=1", "1"), ("fsdp=2,ep=2,tp=2", "8")):
+        metrics = tmp_path / f"{devices}.jsonl"
+        done = train_in_process(
+            "--model", "moe-tiny", "--lora-rank", "4", "--objective", "dpo", "--data", PAIRS,
+            *FIELDS, "--seq-len", "48", "--batch", "8", "--steps", "2", "--eval-fraction", "0",
+            "--precision", "fp32", "--warmup", "0", "--lr-schedule", "constant", "--lr", "1e-2",
+            "--log-every", "1", "--run-dir", "none", "--mesh", mesh, "--devices", devices,
+            "--collectives", "explicit", "--metrics", str(metrics),
+            "--data-cache", str(tmp_path / "cache"),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append([r for r in records(metrics) if r["kind"] == "train"])
+    one, sharded = runs
+    assert abs(one[0]["grad_norm"] - sharded[0]["grad_norm"]) < 1e-6 * one[0]["grad_norm"]
+    assert abs(one[1]["loss"] - sharded[1]["loss"]) < 1e-6
+    assert abs(one[1]["rewards/margins"] - sharded[1]["rewards/margins"]) < 1e-6
+    assert one[1]["rewards/margins"] > 1e-3  # the update moved the policy off its reference

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from spmd.engine.objective import PAIRS, REFERENCE, FamilyLosses
 from spmd.parallel import hooks
-from spmd.sections import PreferenceConfig
+from spmd.sections import REFERENCE_CACHE, PreferenceConfig
 
 
 def sequence_logps(fam: FamilyLosses, model: Any, batch: dict, mean: bool) -> jax.Array:
@@ -39,6 +39,15 @@ def row_sum(x: jax.Array) -> jax.Array:
     return hooks.vary_like(hooks.sequence_sum(own), own)
 
 
+def reference_of(batch: dict) -> jax.Array:
+    """The reference's log-prob of each row, fp32 [rows]: computed in the step (REFERENCE), or
+    once before training and read with the data (REFERENCE_CACHE: a row's figure at its first
+    position, so its sum over positions, the context chunks' too)."""
+    if REFERENCE in batch:
+        return batch[REFERENCE]
+    return row_sum(batch[REFERENCE_CACHE])
+
+
 def _pairs(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(chosen, rejected) [pairs] of a per-row figure [2 x pairs]."""
     both = rows.reshape(-1, 2)
@@ -50,7 +59,7 @@ def dpo_terms(fam: FamilyLosses, knobs: PreferenceConfig, model: Any, batch: dic
     log-prob of the chosen and the rejected response, and the policy's log-probs."""
     ipo = knobs.dpo_loss == "ipo"
     chosen, rejected = _pairs(sequence_logps(fam, model, batch, mean=ipo))
-    ref_chosen, ref_rejected = _pairs(batch[REFERENCE])
+    ref_chosen, ref_rejected = _pairs(reference_of(batch))
     margin = (chosen - rejected) - (ref_chosen - ref_rejected)
     beta, smooth = knobs.dpo_beta, knobs.dpo_label_smoothing
     if ipo:

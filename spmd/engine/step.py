@@ -29,7 +29,7 @@ from spmd.engine.options import DEFAULTS, TOKENS, StepOptions
 from spmd.errors import UsageError
 from spmd.parallel import hooks
 from spmd.parallel.layout import Layout
-from spmd.sections import ParallelConfig, choices
+from spmd.sections import FLOAT_FIELDS, ParallelConfig, choices
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], jax.Array]
 EXECUTORS = choices(ParallelConfig, "collectives")
@@ -135,7 +135,7 @@ class Program:
         return {
             key: jax.ShapeDtypeStruct(
                 (global_batch, seq_len),
-                jnp.float32 if key == "weights" else jnp.int32,
+                jnp.float32 if key in FLOAT_FIELDS else jnp.int32,
                 sharding=sharding,
             )
             for key in self.batch_fields

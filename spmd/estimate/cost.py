@@ -81,13 +81,17 @@ class Setup:
     # --objective (spmd.engine.objectives): DPO runs a reference forward (no backward) per
     # step, on LoRA's frozen base or, in a full fine-tune, on a frozen copy of the params
     objective: str = "next_token"
+    # --dpo-precompute-reference: the reference's log-probs come with the data, so the step
+    # runs no reference forward and holds no copy
+    reference_precomputed: bool = False
 
     @property
     def reference_forward(self) -> bool:
         """Whether each step runs a reference model's forward too (DPO)."""
         from spmd.engine import objectives
 
-        return objectives.get(self.objective).reference is not None
+        reads = objectives.get(self.objective).reference is not None
+        return reads and not self.reference_precomputed
 
     @property
     def reference_copy(self) -> bool:

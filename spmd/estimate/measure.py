@@ -221,6 +221,7 @@ def state_against_formula(
     offload: str = "none",
     lora_fields: dict[str, Any] | None = None,
     optimizer: OptimizerConfig | str = OptimizerConfig.optimizer,
+    reference_precomputed: bool = False,
 ) -> str:
     """Dry-run line: the per-device bytes of params and of master + optimizer state that the
     compiled step takes (`held`, from spmd.engine.state_layout.state_bytes_per_device) beside
@@ -245,6 +246,7 @@ def state_against_formula(
         grad_reduce=precision.grad_reduce,
         **(lora_fields or {}),  # LoRA: spmd.estimate.lora.of_run
         objective=run.objective,
+        reference_precomputed=reference_precomputed,  # --dpo-precompute-reference
     )
     state = memory.model_state_bytes(s)
     parts = []

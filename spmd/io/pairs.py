@@ -13,6 +13,10 @@ The sampler is spmd.io.data's over pairs: step t of the run takes pairs [t * bat
 (t + 1) * batch / 2) of each epoch's permutation of the train pairs, drawn from (seed, epoch),
 so a resumed run continues its order; the last `eval_fraction` of the pairs is held out, an
 even count of documents, so eval batches (spmd.io.data.eval_window_ids) hold whole pairs too.
+
+Under --dpo-precompute-reference the batches also carry batch[REFERENCE_CACHE]: each row's
+reference log-prob (computed once by spmd.reference_cache, held in `reference`) at the row's
+first position, float32.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 from spmd.errors import UsageError
 from spmd.io import data
-from spmd.sections import PAIRS
+from spmd.sections import PAIRS, REFERENCE_CACHE
 
 
 @dataclasses.dataclass
@@ -39,6 +43,10 @@ class PairWindows:
     eval_fraction: float
     document_mask: bool = False  # (one document per row: no segment ids)
     stream: bool = False  # --epochs: the pairs as one stream of epochs (spmd.io.data)
+    # --dpo-precompute-reference: batches carry REFERENCE_CACHE, each row's reference log-prob
+    # from `reference` (float32 [n_windows], spmd.reference_cache fills it before training)
+    cached_reference: bool = False
+    reference: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.document_ends) % 2:  # a document the tokenizer made empty was dropped
@@ -64,7 +72,7 @@ class PairWindows:
     @property
     def fields(self) -> tuple[str, ...]:
         """The keys of a pair corpus's batches."""
-        return ("inputs", "targets", PAIRS)
+        return ("inputs", "targets", PAIRS) + ((REFERENCE_CACHE,) if self.cached_reference else ())
 
     def rows(self, window_ids: np.ndarray) -> np.ndarray:
         """int32 [n, seq_len + 1]: each given document from its start, 0 past its end."""
@@ -84,7 +92,14 @@ class PairWindows:
         """inputs, targets and the response mask (0/1), int32 [n, seq_len], of the given
         documents."""
         rows = self.rows(window_ids)
-        return {"inputs": rows[:, :-1], "targets": rows[:, 1:], PAIRS: self.target_mask(window_ids)}
+        out = {"inputs": rows[:, :-1], "targets": rows[:, 1:], PAIRS: self.target_mask(window_ids)}
+        if self.cached_reference:
+            if self.reference is None:
+                raise RuntimeError("the reference log-probs are read before they were computed")
+            cache = np.zeros((len(rows), self.seq_len), np.float32)
+            cache[:, 0] = self.reference[np.asarray(window_ids, np.int64)]
+            out[REFERENCE_CACHE] = cache
+        return out
 
     def role(self, window: int) -> str:
         """What row `window` is: "pair P chosen" or "pair P rejected" (P counted from 0)."""

@@ -113,9 +113,11 @@ def make_observer(
     model_cfg: ModelConfig,
     mesh: Any,
     compiled: AnyCompiled,
+    reference_precomputed: bool = False,
 ) -> Observer:
     """An Observer for a run (`run`'s steps, batch and sequence length, in `precision`) on
-    `mesh` with the compiled step, reporting as `observe` says."""
+    `mesh` with the compiled step, reporting as `observe` says (`reference_precomputed`: DPO's
+    reference log-probs come with the data, so the step runs no reference forward)."""
 
     device_kind = mesh.devices.flat[0].device_kind
     peak = flops.peak_tflops(device_kind, precision, observe.peak_tflops)
@@ -129,7 +131,7 @@ def make_observer(
         profiler = profile.StepProfiler(window, str(trace_dir), profile.module_name(compiled))
     # an objective with a reference (DPO) runs the reference's forward too: a third of a
     # token's forward + backward
-    reference = objectives.get(run.objective).reference is not None
+    reference = objectives.get(run.objective).reference is not None and not reference_precomputed
     passes = 4 / 3 if reference else 1.0
     return Observer(
         flops_per_step=flops.decoder_flops_per_token(model_cfg, run.seq_len)

@@ -187,7 +187,10 @@ def model_spec(
     tensors = fam.hf.tensors if fam.hf else ()
     rank = adapters.rank if adapters is not None else 0
     dpo_reference.check_flags(objective, rank, knobs.dpo_reference)
-    copy = bool(knobs.dpo_reference)  # a full fine-tune's frozen reference copy
+    # a full fine-tune's frozen reference copy, in the step unless its log-probs are computed
+    # before training (spmd.reference_cache reads the copy then, on a program of its own)
+    precomputed = knobs.dpo_precompute_reference
+    copy = bool(knobs.dpo_reference) and not precomputed
 
     def make(seed: int) -> nnx.Module:
         model = fam.create(model_cfg, seed, policy.compute_dtype)
@@ -218,12 +221,18 @@ def model_spec(
         own = chosen.metrics(fam, knobs)
         own = own if adapters is None else finetune.lora_metrics(own)
         metrics = own if metrics is None else _both(metrics, own)
+    if precomputed and chosen.reference is None:
+        raise UsageError(
+            f"--dpo-precompute-reference computes DPO's reference log-probs, which --objective "
+            f"{objective} does not read; use --objective dpo, or leave the flag out"
+        )
     if chosen.reference is not None:
-        if adapters is None and not copy:
+        if adapters is None and not knobs.dpo_reference:
             raise UsageError(
                 f"--objective {objective} needs a reference model: LoRA's frozen base "
                 f"(--lora-rank > 0) or, for a full fine-tune, --dpo-reference PATH_OR_HUB_ID"
             )
+    if chosen.reference is not None and not precomputed:  # the step runs the reference
         reference = chosen.reference(fam, knobs)
         loss = finetune.with_reference(loss, reference, REFERENCE)
         assert metrics is not None  # a reference objective logs its rewards

@@ -85,7 +85,7 @@ TRAIN_FLAGS += ("lr", "lr_scaling", "ref_batch", "collectives", "sequence_parall
 TRAIN_FLAGS += ("cp_mode",)
 TRAIN_FLAGS += ("fp8_recipe", "fp8_min_dim", "fp8_all_gather", "optimizer")
 TRAIN_FLAGS += ("init_from_hf", "init_from_peft", "lora_rank", "lora_targets")
-TRAIN_FLAGS += ("lora_base_dtype", "adafactor_min_dim", "objective")
+TRAIN_FLAGS += ("lora_base_dtype", "adafactor_min_dim", "objective", "dpo_precompute_reference")
 # Flags the search chooses itself; with --recommend they are refused rather than ignored.
 SEARCHED_ONLY = ("accum", "microbatches")
 HELP = {
@@ -101,6 +101,8 @@ HELP = {
     "+ 1/16 B of scales) or int8 (1 B/param + 1/16 B)",
     "objective": "plan --objective dpo: a reference forward per step (no backward), and in "
     "a full fine-tune (no --lora-rank) the frozen reference copy's params",
+    "dpo_precompute_reference": "plan DPO with its reference log-probs computed before "
+    "training: no reference forward in the step and no reference copy",
     "precision": "fp32 (4 + 4 + 8 B/param: params, grads, Adam) or bf16 / fp16 (the ZeRO "
     "paper's mixed precision: 16-bit params and grads + fp32 master weights and Adam, "
     "2 + 2 + 12 B/param), or fp8 (bf16's bytes; the blocks' matmuls at twice the bf16 rate, "
