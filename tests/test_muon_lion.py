@@ -1,10 +1,10 @@
 """Lion and Muon, issue 61's oracles: on one device each is its reference on the same params
 and gradients (Lion: its update written out here; Muon: optax.contrib.muon on each layer's
 matrix alone, AdamW on the rest) within 1e-6 over 10 fp32 steps; sharded (fsdp=4 ZeRO-1 and
-ZeRO-3, dp=2,fsdp=2,tp=2) each trains the tiny model as one device does within 1e-5 over 10
-steps under both executors, and a Muon that updated the explicit executor's slices would not;
-a resume from a checkpoint is bitwise; the planner's FLOPs hold Muon's Newton-Schulz matmuls
-as the compiled step has them."""
+ZeRO-3, dp=2,fsdp=2,tp=2) each, and Adafactor and schedule-free AdamW, trains the tiny model as
+one device does within 1e-5 over 10 steps under both executors, and a Muon that updated the
+explicit executor's slices would not; a resume from a checkpoint is bitwise; the planner's
+FLOPs hold Muon's Newton-Schulz matmuls as the compiled step has them."""
 
 from __future__ import annotations
 
@@ -213,14 +213,21 @@ def test_muon_sharded_trains_as_one_device(executor):
         assert _max_difference(params, ref_params) < 1e-5, (mesh, zero)
 
 
-def test_lion_sharded_trains_as_one_device():
-    ref_losses, ref_params = _trained("lion")
-    for mesh, zero, executor in [("fsdp=4", 1, "explicit"), ("dp=2,fsdp=2,tp=2", 3, "explicit")]:
-        losses, params = _trained("lion", mesh, zero, executor)
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+@pytest.mark.parametrize("executor", ["auto", "explicit"])
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor", "schedule-free-adamw"])
+def test_the_other_optimizers_sharded_train_as_one_device(optimizer, executor):
+    """Lion, Adafactor (not elementwise: gathered whole under explicit ZeRO) and schedule-free
+    AdamW (y and z in the state) on every layout of the oracle, as Muon above."""
+    ref_losses, ref_params = _trained(optimizer)
+    for mesh, zero in LAYOUTS:
+        losses, params = _trained(optimizer, mesh, zero, executor)
+        what = f"{optimizer} {mesh} zero {zero} {executor}"
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=what)
+        if optimizer != "lion":
+            assert _max_difference(params, ref_params) < 1e-5, what
+            continue
         # every Lion update is a sign: a near-zero one may flip with the reduction order
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-            what = f"{mesh} zero {zero} {executor}"
             trainer.assert_close_but_sign_flips(got, want, 2 * CFG.lr * STEPS, 0, 1e-5, what)
 
 
